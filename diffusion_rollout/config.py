@@ -1,0 +1,104 @@
+"""The server's one typed configuration object.
+
+Every field has a default and a one-line description; the CLI (``diffusion-rollout serve``) is built
+from these fields, and environment variables are read here and nowhere else
+(``DIFFUSION_ROLLOUT_<FIELD>`` for any field, ``DIFFUSION_ROLLOUT_CACHE`` for the cache folder).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX = "DIFFUSION_ROLLOUT_"
+
+
+def default_cache_dir() -> Path:
+    """Where the demo model is generated on first use: ``$DIFFUSION_ROLLOUT_CACHE`` or ``~/.cache``."""
+    env = os.environ.get(ENV_PREFIX + "CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "diffusion-rollout"
+
+
+class ServerConfig(BaseModel):
+    """Everything the server can be told at start-up."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # What to serve
+    model: str | None = Field(None, description="diffusers pipeline folder; unset serves the tiny random demo model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight dtype; auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    device: str = Field("auto", description="torch device for the pipeline; auto = cuda if available, else cpu")
+
+    # HTTP
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(30000, ge=0, le=65535, description="port to bind (0 = any free port)")
+    api_key: str | None = Field(None, description="key required for generation (Authorization: Bearer)")
+    admin_key: str | None = Field(None, description="key required for weight, LoRA, memory and pause endpoints")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
+
+    # Batching and queueing
+    max_batch_size: int = Field(16, ge=1, description="most samples run in one pipeline call")
+    batch_wait_ms: float = Field(2.0, ge=0, description="how long the worker waits to fill a batch")
+    max_queue_depth: int = Field(256, ge=1, description="most requests waiting; more get 429")
+    prompt_cache_size: int = Field(256, ge=0, description="encoded prompts kept (a GRPO group repeats one prompt)")
+
+    # Limits
+    max_steps: int = Field(200, ge=1, description="most num_inference_steps per request")
+    max_pixels: int = Field(2048 * 2048, ge=1, description="most width*height per output")
+    max_frames: int = Field(257, ge=1, description="most video frames per output")
+    max_outputs_per_request: int = Field(64, ge=1, description="most num_outputs_per_prompt")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest JSON request body")
+    max_upload_bytes: int = Field(8 * 2**30, ge=1024, description="largest weight-upload part")
+    request_timeout_s: float = Field(900.0, gt=0, description="longest a rollout may wait and run")
+    max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")
+
+    # Speed (opt-in; the eager path is the bit-exact one)
+    compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
+    attention_backend: str | None = Field(None, description="diffusers attention backend name, e.g. flash")
+
+    # Demo model
+    cache_dir: str = Field(
+        default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
+    )
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ServerConfig:
+        """Fields from ``DIFFUSION_ROLLOUT_<FIELD>`` environment variables, then ``overrides``."""
+        values: dict[str, object] = {}
+        for name in cls.model_fields:
+            raw = os.environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    def resolved_device(self) -> str:
+        """The concrete torch device string."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        """The concrete torch dtype."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+    def limits(self) -> dict[str, object]:
+        """The limits reported by ``/server_info``."""
+        names = [
+            "max_batch_size", "max_queue_depth", "max_steps", "max_pixels", "max_frames",
+            "max_outputs_per_request", "max_body_bytes", "max_upload_bytes", "request_timeout_s",
+            "max_trajectory_bytes",
+        ]  # fmt: skip
+        return {n: getattr(self, n) for n in names}

@@ -1,0 +1,93 @@
+"""The one exception hierarchy of the project.
+
+Every failure the server can report is a ``DiffusionRolloutError`` carrying the HTTP status it maps
+to, so the engine and the math raise plain exceptions and only the HTTP layer turns them into
+responses (``{"error": {"message", "type", "code"}}``). Nothing returns ``(ok, message)`` tuples.
+"""
+
+from __future__ import annotations
+
+
+class DiffusionRolloutError(Exception):
+    """Base class. ``status_code`` is what the HTTP layer answers; ``error_type`` names the kind."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class RequestError(DiffusionRolloutError):
+    """A well-formed request that cannot be served (bad step indices, bad sigmas, bad size...)."""
+
+    status_code = 400
+    error_type = "invalid_request"
+
+
+class WeightUpdateError(RequestError):
+    """A weight or LoRA update rejected before anything changed (names, shapes, dtypes, payload)."""
+
+    error_type = "invalid_weight_update"
+
+
+class NotFoundError(DiffusionRolloutError):
+    """A named thing (LoRA adapter, module, update group) does not exist."""
+
+    status_code = 404
+    error_type = "not_found"
+
+
+class AuthenticationError(DiffusionRolloutError):
+    """No key was sent where one is required."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(DiffusionRolloutError):
+    """A key was sent but it is not the right one."""
+
+    status_code = 403
+    error_type = "permission_denied"
+
+
+class PayloadTooLargeError(DiffusionRolloutError):
+    """The request body is over the configured limit."""
+
+    status_code = 413
+    error_type = "payload_too_large"
+
+
+class QueueFullError(DiffusionRolloutError):
+    """The bounded request queue is full; the client should retry after ``retry_after`` seconds."""
+
+    status_code = 429
+    error_type = "queue_full"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServiceUnavailableError(DiffusionRolloutError):
+    """The model is loading, its memory is released, or the server is shutting down."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class GenerationError(DiffusionRolloutError):
+    """A failure inside generation; only the requests of the failing batch see it."""
+
+    status_code = 500
+    error_type = "generation_error"
+
+
+class WeightApplyError(DiffusionRolloutError):
+    """A weight update failed while copying; the previous weights were restored."""
+
+    status_code = 500
+    error_type = "weight_update_failed"
