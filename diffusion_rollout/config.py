@@ -28,24 +28,32 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # What to serve
-    model: str | None = Field(None, description="diffusers pipeline folder; unset serves the tiny random demo model")
+    model: str | None = Field(
+        None, description="diffusers pipeline folder; unset serves the tiny random demo model"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
-    device: str = Field("auto", description="torch device for the pipeline; auto = cuda if available, else cpu")
+    device: str = Field(
+        "auto", description="torch device for the pipeline; auto = cuda if available, else cpu"
+    )
 
     # HTTP
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(30000, ge=0, le=65535, description="port to bind (0 = any free port)")
     api_key: str | None = Field(None, description="key required for generation (Authorization: Bearer)")
-    admin_key: str | None = Field(None, description="key required for weight, LoRA, memory and pause endpoints")
+    admin_key: str | None = Field(
+        None, description="key required for weight, LoRA, memory and pause endpoints"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
 
     # Batching and queueing
     max_batch_size: int = Field(16, ge=1, description="most samples run in one pipeline call")
     batch_wait_ms: float = Field(2.0, ge=0, description="how long the worker waits to fill a batch")
     max_queue_depth: int = Field(256, ge=1, description="most requests waiting; more get 429")
-    prompt_cache_size: int = Field(256, ge=0, description="encoded prompts kept (a GRPO group repeats one prompt)")
+    prompt_cache_size: int = Field(
+        256, ge=0, description="encoded prompts kept (a GRPO group repeats one prompt)"
+    )
 
     # Limits
     max_steps: int = Field(200, ge=1, description="most num_inference_steps per request")

@@ -1,0 +1,95 @@
+"""The FastAPI application factory.
+
+No module-level globals: ``create_app(config, engine=...)`` builds a fresh app whose routers reach
+the engine through ``request.app.state.engine``. Without a ready engine the app loads the model in a
+background thread at start-up, so ``/health`` answers (and ``/health_generate`` says 503) while
+a large model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from diffusion_rollout import __version__
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.http_errors import error_body, install_error_handlers
+from diffusion_rollout.entrypoints.routers import ROUTERS
+from diffusion_rollout.logging_utils import request_id_var
+from diffusion_rollout.server.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# Paths whose bodies are weight payloads and get the larger upload limit.
+UPLOAD_PATHS = ("/update_weights", "/update_weights_from_tensor", "/lora/load")
+
+
+def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    owns_engine = engine is None
+    engine = engine or Engine(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = None
+        if engine.status == "loading":
+
+            def _load() -> None:
+                try:
+                    engine.start()
+                except Exception:
+                    logger.exception("model load failed")
+                    engine.status = "failed"
+
+            loader = threading.Thread(target=_load, name="model-loader", daemon=True)
+            loader.start()
+        try:
+            yield
+        finally:
+            if loader is not None:
+                loader.join()
+            if owns_engine:
+                await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="diffusion-rollout", version=__version__, lifespan=lifespan)
+    app.state.config = config
+    app.state.engine = engine
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        request.state.request_id = rid
+        try:
+            limit = (
+                config.max_upload_bytes
+                if request.url.path.startswith(UPLOAD_PATHS)
+                else config.max_body_bytes
+            )
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                return JSONResponse(
+                    error_body(
+                        f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                        "payload_too_large",
+                        413,
+                    ),
+                    status_code=413,
+                    headers={"X-Request-Id": rid},
+                )
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = rid
+            return response
+        finally:
+            request_id_var.reset(token)
+
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

@@ -1,0 +1,95 @@
+"""The ``diffusion-rollout`` command line.
+
+``serve`` options are generated from the fields of ``ServerConfig`` (one source of truth for names,
+defaults and help texts); ``make-tiny-model`` writes a tiny random pipeline folder of a family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.logging_utils import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+def _arg_type(annotation: object):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(typing.get_args(annotation))
+    if annotation in (int, float, str):
+        return annotation, None
+    return str, None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, field in ServerConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+            )
+            continue
+        typ, choices = _arg_type(field.annotation)
+        parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffusion-rollout", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the rollout server")
+    add_config_arguments(serve)
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random pipeline folder (tests, demos)")
+    tiny.add_argument("--family", required=True, choices=["sd3", "flux", "qwenimage", "wan", "wan2.2"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir")
+    return parser
+
+
+def serve(config: ServerConfig) -> None:
+    import uvicorn
+
+    from diffusion_rollout.entrypoints.app import create_app
+
+    configure_logging(config.log_level)
+    if config.model is None:
+        from diffusion_rollout.models import ensure_demo_model
+
+        path = ensure_demo_model(config.cache_dir)
+        logger.warning("no --model given: serving the built-in RANDOM demo model (tiny SD3) from %s", path)
+        config = config.model_copy(update={"model": str(path)})
+    if config.admin_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "binding to %s WITHOUT an admin key: anyone who can reach this port can replace the weights",
+            config.host,
+        )
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        values = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+        serve(ServerConfig.from_env(**values))
+        return 0
+    if args.command == "make-tiny-model":
+        from diffusion_rollout.models import save_tiny_model
+
+        configure_logging("info")
+        path = save_tiny_model(args.family, args.out_dir, seed=args.seed)
+        print(path)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

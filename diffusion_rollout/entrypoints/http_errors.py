@@ -1,0 +1,72 @@
+"""Maps the project's exceptions to the one error shape of api.md.
+
+``{"error": {"message": str, "type": str, "code": int}}``; FastAPI's validation errors keep their
+``detail`` list next to it so clients that parse either form keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from diffusion_rollout.errors import DiffusionRolloutError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+def error_body(message: str, error_type: str, code: int) -> dict:
+    return {"error": {"message": message, "type": error_type, "code": code}}
+
+
+def error_response(exc: DiffusionRolloutError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return JSONResponse(
+        error_body(exc.message, exc.error_type, exc.status_code), status_code=exc.status_code, headers=headers
+    )
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc) or "body"
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field '{where}'")
+        else:
+            parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(DiffusionRolloutError)
+    async def _ours(request: Request, exc: DiffusionRolloutError) -> JSONResponse:
+        if exc.status_code >= 500:
+            logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        body = error_body(_describe_validation(exc), "validation_error", 422)
+        body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(exc.detail), "http_error", exc.status_code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500), 500
+        )

@@ -1,0 +1,132 @@
+"""Pydantic models of the HTTP bodies (api.md), and their conversion to engine parameters.
+
+Field names and defaults follow SGLang's diffusion post-training API. Every model forbids unknown
+fields, so a misspelt field is a 422 naming it rather than a silently ignored setting.
+``extra_sampling_params`` is merged over the named fields before validation, so its keys obey the
+same rules (and the same unknown-field check).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diffusion_rollout.errors import RequestError
+from diffusion_rollout.scheduler_mixins import RolloutSettings
+from diffusion_rollout.server.params import GenerateParams
+
+StepKind = Literal["sde", "dance", "cps", "ode"]
+LogProbForm = Literal["gaussian", "no_const", "scaled"]
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    seeds: list[int] | None = None
+    initial_noise_seed: int | None = Field(None, ge=0, lt=2**63)
+    generator_device: Literal["cuda", "cpu"] = "cuda"
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    num_outputs_per_prompt: int | None = Field(1, ge=1)
+    guidance_scale: float | None = Field(None, ge=0)
+    true_cfg_scale: float | None = Field(None, ge=0)
+    num_frames: int | None = Field(None, ge=1)
+    fps: int | None = Field(None, ge=1)
+    rollout: bool = True
+    rollout_sde_type: StepKind = "sde"
+    rollout_noise_level: float = Field(0.7, ge=0)
+    rollout_log_prob_no_const: bool = False
+    rollout_log_prob_form: LogProbForm | None = None
+    rollout_debug_mode: bool = True
+    rollout_return_denoising_env: bool = False
+    rollout_return_dit_trajectory: bool = False
+    rollout_sde_step_indices: list[int] | None = None
+    rollout_return_step_indices: list[int] | None = None
+    image_path: list[str] | None = None
+    suppress_logs: bool = False
+    extra_sampling_params: dict[str, Any] | None = None
+    sigmas: list[float] | None = None
+    timesteps: list[float] | None = None
+    sigmas_are_shifted: bool = True
+    flow_shift: float | None = Field(None, gt=0)
+    guidance_scale_2: float | None = Field(None, ge=0)
+    output_dtype: Literal["float32", "uint8"] = "float32"
+    rollout_video_dtype: Literal["float32", "uint8"] | None = None
+    return_generated_output: bool = True
+    max_sequence_length: int | None = Field(None, ge=1, le=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        extra = data.get("extra_sampling_params")
+        if not extra:
+            return data
+        if not isinstance(extra, dict):
+            raise ValueError("extra_sampling_params must be an object")
+        if "rollout" in extra:
+            raise ValueError("extra_sampling_params.rollout: 'rollout' cannot be overridden here")
+        unknown = sorted(k for k in extra if k not in cls.model_fields or k == "extra_sampling_params")
+        if unknown:
+            raise ValueError(f"extra_sampling_params: unknown field(s) {', '.join(repr(k) for k in unknown)}")
+        merged = dict(data)
+        merged.update(extra)
+        merged["extra_sampling_params"] = None
+        return merged
+
+    def to_params(self, request_id: str) -> GenerateParams:
+        for name in ("sigmas", "timesteps"):
+            vals = getattr(self, name)
+            if vals is not None and not all(math.isfinite(v) for v in vals):
+                raise RequestError(f"{name} must be finite", field=name)
+        if self.image_path:
+            raise RequestError("image_path is not supported by this model family", field="image_path")
+        form = self.rollout_log_prob_form or ("no_const" if self.rollout_log_prob_no_const else "gaussian")
+        settings = RolloutSettings(
+            kind=self.rollout_sde_type,
+            eta=float(self.rollout_noise_level),
+            log_prob_form=form,
+            sde_step_indices=tuple(self.rollout_sde_step_indices)
+            if self.rollout_sde_step_indices is not None
+            else None,
+            return_step_indices=tuple(self.rollout_return_step_indices)
+            if self.rollout_return_step_indices is not None
+            else None,
+            debug=self.rollout_debug_mode,
+        )
+        return GenerateParams(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+            seeds=self.seeds,
+            initial_noise_seed=self.initial_noise_seed,
+            generator_device=self.generator_device,
+            width=self.width,
+            height=self.height,
+            num_inference_steps=self.num_inference_steps,
+            num_outputs_per_prompt=self.num_outputs_per_prompt or 1,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            guidance_scale_2=self.guidance_scale_2,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            max_sequence_length=self.max_sequence_length,
+            rollout=self.rollout,
+            settings=settings,
+            return_denoising_env=self.rollout_return_denoising_env,
+            return_dit_trajectory=self.rollout_return_dit_trajectory,
+            return_generated_output=self.return_generated_output,
+            output_dtype=self.rollout_video_dtype or self.output_dtype,
+            sigmas=self.sigmas,
+            timesteps=self.timesteps,
+            sigmas_are_shifted=self.sigmas_are_shifted,
+            flow_shift=self.flow_shift,
+            request_id=request_id,
+        )

@@ -1,0 +1,444 @@
+"""The rollout engine: one pipeline, one worker thread, batches of compatible requests.
+
+The engine knows nothing of HTTP. ``generate`` validates a request against the model and the limits
+(raising ``RequestError`` for the HTTP layer to map), queues it, and resolves to one
+``SampleResult`` per output. The worker runs the real diffusers pipeline ``__call__`` with a
+per-batch ``RolloutState`` attached through ``rollout_context``, so the stock denoising loop is
+reused as is and the ODE path stays bit-identical to diffusers.
+
+RNG: every output owns a generator seeded ``seed + i`` (or ``seeds[i]``); the engine draws each
+output's x_T from it with the pipeline's own ``prepare_latents`` at batch 1 (what the stock pipeline
+does with a list of generators), then the scheduler draws each stochastic step's noise from the same
+generator. A sample's result therefore never depends on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.errors import GenerationError, RequestError, ServiceUnavailableError
+from diffusion_rollout.scheduler_mixins import (
+    RolloutSettings,
+    RolloutState,
+    flow_shift_sigmas,
+    rollout_context,
+    validate_sigmas,
+)
+from diffusion_rollout.server.families import CallSettings, FamilyAdapter, adapter_for
+from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
+from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.prompt_cache import PromptCache
+from diffusion_rollout.server.recorder import TransformerCallRecorder
+from diffusion_rollout.server.worker import Job, Worker
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Plan:
+    """A validated request: everything the worker needs, plus the batch key."""
+
+    def __init__(self, params: GenerateParams, call: CallSettings, seeds: list[int], schedule, stock_sigmas):
+        self.params = params
+        self.call = call
+        self.seeds = seeds
+        self.schedule = schedule  # exact sigma_0..sigma_{T-1}, or None for the pipeline's own
+        self.stock_sigmas = stock_sigmas  # sigmas for the pipeline to shift itself, or None
+        p = params
+        self.key = (
+            call,
+            p.rollout,
+            p.settings if p.rollout else None,
+            tuple(schedule) if schedule is not None else None,
+            tuple(stock_sigmas) if stock_sigmas is not None else None,
+            p.generator_device,
+            p.return_generated_output,
+            p.rollout and p.return_denoising_env,
+        )
+
+
+class Engine:
+    def __init__(self, config: ServerConfig, *, loaded: LoadedPipeline | None = None) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.model_path: str | None = config.model
+        self.status = "loading"
+        self.weight_version: Any = 0
+        self.loaded: LoadedPipeline | None = loaded
+        self.adapter: FamilyAdapter | None = None
+        self.prompt_cache = PromptCache(config.prompt_cache_size)
+        self.worker = Worker(
+            self._run_batch,
+            max_queue_depth=config.max_queue_depth,
+            max_batch_samples=config.max_batch_size,
+            batch_wait_s=config.batch_wait_ms / 1000.0,
+        )
+        self.started_at = time.time()
+        self.last_generate_ok_at: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def load(self) -> None:
+        if self.loaded is None:
+            if not self.model_path:
+                raise ServiceUnavailableError("no model path configured")
+            self.loaded = load_pipeline(self.model_path, dtype=self.dtype, device=self.device)
+        self.adapter = adapter_for(self.loaded.pipe)
+        self.adapter.setup_schedulers(self.loaded)
+
+    def start(self) -> None:
+        if self.adapter is None:
+            self.load()
+        self.worker.start()
+        self.status = "ready"
+        logger.info("engine ready: %s (%s) on %s, %s", self.family, self.model_path, self.device, self.dtype)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.status = "stopping"
+        self.worker.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
+
+    @property
+    def pipe(self) -> Any:
+        if self.loaded is None:
+            raise ServiceUnavailableError("model is still loading")
+        return self.loaded.pipe
+
+    @property
+    def family(self) -> str | None:
+        return self.adapter.name if self.adapter else None
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "family": self.family,
+            "pipeline_class": type(self.loaded.pipe).__name__ if self.loaded else None,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": self.device,
+            "weight_version": self.weight_version,
+            "status": self.status,
+        }
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, params: GenerateParams) -> list[SampleResult]:
+        """Validate, queue, wait. Cancelling the awaiting task drops queued work."""
+        self._check_ready()
+        plan = self.plan(params)
+        job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
+        fut = self.worker.submit(job)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread between batches (weight updates, memory moves)."""
+        fut = self.worker.submit(Job(payload=fn, batch_key=None))
+        return await asyncio.wrap_future(fut)
+
+    def generate_sync(self, params: GenerateParams, timeout: float | None = None) -> list[SampleResult]:
+        """Blocking variant for in-process callers (benchmarks, examples)."""
+        self._check_ready()
+        plan = self.plan(params)
+        job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
+        return self.worker.submit(job).result(timeout)
+
+    async def readiness_probe(self) -> None:
+        """A one-step, latent-only generation at a small size (``/health_generate``)."""
+        f = self.adapter.spatial_factor()
+        side = f * max(1, -(-64 // f))
+        params = GenerateParams(
+            prompt="readiness probe",
+            seed=0,
+            height=side,
+            width=side,
+            num_inference_steps=1,
+            rollout=False,
+            return_generated_output=False,
+            request_id="health_generate",
+        )
+        if self.adapter.is_video:
+            params.num_frames = 1
+        await self.generate(params)
+
+    def _check_ready(self) -> None:
+        if self.status == "loading":
+            raise ServiceUnavailableError("model is still loading")
+        if self.status == "released":
+            raise ServiceUnavailableError("model memory is released; POST /resume_memory_occupation first")
+        if self.status == "stopping":
+            raise ServiceUnavailableError("server is shutting down")
+
+    # ------------------------------------------------------------------ validation
+    def plan(self, p: GenerateParams) -> _Plan:
+        a = self.adapter
+        assert a is not None
+        cfg = self.config
+        if p.num_outputs_per_prompt < 1 or p.num_outputs_per_prompt > cfg.max_outputs_per_request:
+            raise RequestError(
+                f"num_outputs_per_prompt={p.num_outputs_per_prompt} must be in 1..{cfg.max_outputs_per_request}"
+                " (limit max_outputs_per_request)",
+                field="num_outputs_per_prompt",
+            )
+        n = p.num_outputs_per_prompt
+        dh, dw = a.default_size()
+        height, width = p.height or dh, p.width or dw
+        if height * width > cfg.max_pixels:
+            raise RequestError(
+                f"width*height={width * height} exceeds max_pixels={cfg.max_pixels}", field="width"
+            )
+
+        # Schedule: the trainer's sigmas exactly, a flow_shift schedule, or the pipeline's own.
+        schedule = stock_sigmas = None
+        sigmas = p.sigmas
+        if p.timesteps is not None:
+            if sigmas is not None:
+                raise RequestError("send either sigmas or timesteps, not both", field="timesteps")
+            ntt = float(self.loaded.pipe.scheduler.config.num_train_timesteps)
+            sigmas = [float(t) / ntt for t in p.timesteps]
+        steps = p.num_inference_steps
+        if sigmas is not None:
+            if steps is not None and steps != len(sigmas):
+                raise RequestError(
+                    f"num_inference_steps={steps} but {len(sigmas)} sigmas were sent", field="sigmas"
+                )
+            steps = len(sigmas)
+        steps = steps or a.default_steps()
+        if steps < 1 or steps > cfg.max_steps:
+            raise RequestError(
+                f"num_inference_steps={steps} must be in 1..{cfg.max_steps} (limit max_steps)",
+                field="num_inference_steps",
+            )
+        if sigmas is not None:
+            if p.flow_shift is not None:
+                raise RequestError(
+                    "flow_shift applies to the default schedule; not with sigmas", field="flow_shift"
+                )
+            sigmas = validate_sigmas(sigmas, steps)
+            if p.sigmas_are_shifted:
+                schedule = sigmas
+            else:
+                stock_sigmas = sigmas
+        elif p.flow_shift is not None:
+            if not (p.flow_shift > 0):
+                raise RequestError("flow_shift must be > 0", field="flow_shift")
+            schedule = flow_shift_sigmas(steps, p.flow_shift)
+        if stock_sigmas is not None and not a.accepts_stock_sigmas():
+            schedule = a.shift_sigmas(stock_sigmas)
+            stock_sigmas = None
+
+        frames = None
+        if a.is_video:
+            frames = p.num_frames or a.default_frames()
+            if frames > cfg.max_frames:
+                raise RequestError(
+                    f"num_frames={frames} exceeds max_frames={cfg.max_frames}", field="num_frames"
+                )
+        call = CallSettings(
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=float(p.guidance_scale if p.guidance_scale is not None else a.default_guidance()),
+            true_cfg_scale=p.true_cfg_scale if p.true_cfg_scale is not None else a.default_true_cfg(),
+            guidance_scale_2=p.guidance_scale_2,
+            num_frames=frames,
+            max_sequence_length=p.max_sequence_length,
+            has_negative_prompt=p.negative_prompt is not None,
+        )
+        a.validate(call)
+
+        if p.rollout:
+            p.settings.validate(steps)
+
+        if p.seeds is not None:
+            if len(p.seeds) != n:
+                raise RequestError(
+                    f"seeds has {len(p.seeds)} entries but num_outputs_per_prompt={n}", field="seeds"
+                )
+            seeds = list(p.seeds)
+        else:
+            if p.seed is None:
+                p.seed = random.randrange(0, 2**31 - n)
+            seeds = [p.seed + i for i in range(n)]
+        if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
+            p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
+        return _Plan(p, call, seeds, schedule, stock_sigmas)
+
+    # ------------------------------------------------------------------ the worker side
+    def _encodings(self, plan: _Plan) -> dict[str, torch.Tensor]:
+        p = plan.params
+        key = (p.prompt, p.negative_prompt, self.adapter.encoding_cache_key(plan.call))
+        return self.prompt_cache.get_or_compute(
+            key, lambda: self.adapter.encode(p.prompt, p.negative_prompt, plan.call)
+        )
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        a = self.adapter
+        pipe = self.pipe
+        plans: list[_Plan] = [j.payload for j in jobs]
+        first = plans[0]
+        call = first.call
+        t0 = time.perf_counter()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        version = self.weight_version
+
+        with torch.inference_mode():
+            encs = []
+            for pl in plans:
+                enc = self._encodings(pl)
+                encs.extend([enc] * len(pl.seeds))
+            embeds = a.stack_encodings(encs)
+            dtype = next(iter(embeds.values())).dtype
+            gen_device = first.params.generator_device
+            generators: list[torch.Generator] = []
+            latents = []
+            for pl in plans:
+                shared = None
+                if pl.params.initial_noise_seed is not None:
+                    g0 = torch.Generator(gen_device).manual_seed(pl.params.initial_noise_seed)
+                    shared = a.initial_latents(call, g0, dtype, self.device)
+                for s in pl.seeds:
+                    g = torch.Generator(gen_device).manual_seed(s)
+                    # Without shared noise x_T comes from the sample's own generator, first, as in
+                    # the stock pipeline; with it, the generator only feeds the per-step noise.
+                    latents.append(
+                        shared if shared is not None else a.initial_latents(call, g, dtype, self.device)
+                    )
+                    generators.append(g)
+            batch = len(generators)
+            kwargs = a.call_kwargs(call)
+            kwargs.update(embeds)
+            kwargs["latents"] = torch.cat(latents, dim=0)
+            kwargs["generator"] = generators
+            kwargs["output_type"] = "pt" if first.params.return_generated_output else "latent"
+            if first.stock_sigmas is not None:
+                kwargs["sigmas"] = first.stock_sigmas
+
+            p0 = first.params
+            settings = p0.settings if p0.rollout else RolloutSettings(record=False)
+            need_state = p0.rollout or first.schedule is not None
+            state = RolloutState(settings, generators, sigmas=first.schedule) if need_state else None
+            recorder = TransformerCallRecorder(lambda: state.step_count if state else 0)
+            watch = p0.rollout and any(
+                pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans
+            )
+            try:
+                with a.scheduler_for(p0.rollout), rollout_context(state):
+                    if watch:
+                        with recorder.attach(a.transformers()):
+                            output = pipe(**kwargs)
+                    else:
+                        output = pipe(**kwargs)
+            except RequestError:
+                raise
+            except torch.cuda.OutOfMemoryError as exc:
+                torch.cuda.empty_cache()
+                raise ServiceUnavailableError(f"CUDA out of memory in a batch of {batch}: {exc}") from exc
+            except Exception as exc:
+                raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
+            images = a.output_tensor(output)
+
+        elapsed = time.perf_counter() - t0
+        peak = (
+            torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.startswith("cuda") else None
+        )
+        results = self._split(plans, state, recorder, images, call, version, elapsed, peak)
+        self.last_generate_ok_at = time.time()
+        row = 0
+        for job, pl in zip(jobs, plans, strict=True):
+            n = len(pl.seeds)
+            if not job.future.done():
+                job.future.set_result(results[row : row + n])
+            row += n
+
+    def _split(self, plans, state, recorder, images, call, version, elapsed, peak) -> list[SampleResult]:
+        a = self.adapter
+        batch = sum(len(pl.seeds) for pl in plans)
+        T = call.num_inference_steps
+        env_rows = None
+        if (
+            any(pl.params.rollout and pl.params.return_denoising_env for pl in plans)
+            and recorder.first_step_calls
+        ):
+            env_rows = a.split_env(recorder.first_step_calls, batch, call)
+        timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
+        experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
+        out: list[SampleResult] = []
+        row = 0
+        for pl in plans:
+            p = pl.params
+            for seed in pl.seeds:
+                img = images[row] if images is not None else None
+                nonfinite = False
+                if img is not None:
+                    img = (
+                        img.detach().float().cpu()
+                        if p.output_dtype == "float32" or not p.return_generated_output
+                        else img
+                    )
+                    nonfinite = not bool(torch.isfinite(img.float()).all())
+                    if p.output_dtype == "uint8" and p.return_generated_output:
+                        img = a.to_uint8(img)
+                log_probs = debug = env = traj = None
+                sde_steps = None
+                if p.rollout and state is not None:
+                    view = state.per_sample(row)
+                    log_probs = view["log_probs"].detach().float().cpu()
+                    sde_steps = list(state.sde_step_indices)
+                    if p.settings.debug:
+                        debug = {
+                            "rollout_variance_noises": view["variance_noises"].cpu(),
+                            "rollout_prev_sample_means": view["prev_sample_means"].cpu(),
+                            "rollout_noise_std_devs": view["noise_std_devs"].cpu(),
+                            "rollout_model_outputs": view["model_outputs"].cpu(),
+                        }
+                    if p.return_dit_trajectory:
+                        traj = {
+                            "latents": view["trajectory_latents"].cpu(),
+                            "timesteps": timesteps if timesteps is not None else state.timesteps.cpu(),
+                            "sigmas": state.sigmas.detach().float().cpu(),
+                            "latent_step_indices": list(state.latent_step_indices),
+                        }
+                    if p.return_denoising_env and env_rows is not None:
+                        env = _to_cpu(env_rows[row])
+                        if experts is not None:
+                            env["expert_per_step"] = experts
+                out.append(
+                    SampleResult(
+                        request_id=p.request_id,
+                        prompt=p.prompt,
+                        seed=seed,
+                        weight_version=version,
+                        generated_output=img,
+                        rollout_log_probs=log_probs,
+                        rollout_debug_tensors=debug,
+                        denoising_env=env,
+                        dit_trajectory=traj,
+                        sde_step_indices=sde_steps,
+                        expert_per_step=experts if p.rollout else None,
+                        inference_time_s=elapsed,
+                        peak_memory_mb=peak,
+                        nonfinite_output=nonfinite,
+                    )
+                )
+                row += 1
+        return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,31 @@
+"""Family adapters: the engine's only knowledge of each pipeline's argument names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusion_rollout.errors import RequestError
+from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
+from diffusion_rollout.server.families.flux import FluxAdapter
+from diffusion_rollout.server.families.sd3 import SD3Adapter
+
+ADAPTERS: list[type[FamilyAdapter]] = [SD3Adapter, FluxAdapter]
+
+
+def register(adapter: type[FamilyAdapter]) -> None:
+    """Add a family (used by the Qwen-Image and Wan modules)."""
+    if adapter not in ADAPTERS:
+        ADAPTERS.append(adapter)
+
+
+def adapter_for(pipe: Any) -> FamilyAdapter:
+    """The adapter whose pipeline class matches ``pipe`` (by class name, so subclasses need listing)."""
+    cls_name = type(pipe).__name__
+    for a in ADAPTERS:
+        if cls_name in a.pipeline_classes:
+            return a(pipe)
+    known = sorted(c for a in ADAPTERS for c in a.pipeline_classes)
+    raise RequestError(f"unsupported pipeline class {cls_name}; supported: {', '.join(known)}", field="model")
+
+
+__all__ = ["ADAPTERS", "CallSettings", "FamilyAdapter", "adapter_for", "register"]

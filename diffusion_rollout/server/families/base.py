@@ -1,0 +1,191 @@
+"""What the engine needs to know about one model family.
+
+A ``FamilyAdapter`` is the only place that knows a pipeline's argument names: how to encode a prompt
+through the pipeline's own ``encode_prompt`` (batch 1, so a cached encoding is bit-identical to what
+the stock pipeline computes), how to stack cached encodings into a pipeline call, how to draw one
+sample's initial noise with the pipeline's own ``prepare_latents``, and how to cut the transformer
+calls recorded during the first step into per-sample ``denoising_env`` entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from diffusion_rollout.errors import RequestError
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """The settings shared by every sample of one pipeline call (part of the batch key)."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float | None
+    guidance_scale_2: float | None
+    num_frames: int | None
+    max_sequence_length: int | None
+    has_negative_prompt: bool
+
+
+class FamilyAdapter:
+    """Base class; subclasses fill in the family-specific names."""
+
+    name: ClassVar[str]
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    is_video: ClassVar[bool] = False
+    # "batched": one transformer call on [uncond; cond] (SD3). "sequential": cond call, then uncond.
+    cfg_layout: ClassVar[str] = "sequential"
+    # Transformer forward kwargs that carry one row per sample (sliced per sample in denoising_env).
+    batch_kwargs: ClassVar[tuple[str, ...]] = ()
+    # Transformer forward kwargs that are per-sample python lists.
+    batch_list_kwargs: ClassVar[tuple[str, ...]] = ()
+    # Transformer forward kwargs left out of denoising_env (they are not conditioning).
+    skip_kwargs: ClassVar[tuple[str, ...]] = ("hidden_states", "timestep", "return_dict")
+    # Kwargs that describe the image geometry rather than the prompt (denoising_env.image_kwargs).
+    image_kwarg_names: ClassVar[tuple[str, ...]] = ()
+
+    def setup_schedulers(self, loaded: Any) -> None:
+        """Called once after loading; families with a non-Euler stock scheduler build the rollout one."""
+        self.loaded = loaded
+
+    def scheduler_for(self, rollout: bool) -> contextlib.AbstractContextManager:
+        """Context in which the pipeline holds the right scheduler for this batch."""
+        return contextlib.nullcontext()
+
+    def accepts_stock_sigmas(self) -> bool:
+        """Whether the pipeline's ``__call__`` takes ``sigmas=`` (and shifts them itself)."""
+        return True
+
+    def shift_sigmas(self, sigmas: list[float]) -> list[float]:
+        """The model's shift applied to given sigmas, for pipelines that cannot take them."""
+        raise NotImplementedError
+
+    def default_frames(self) -> int:
+        raise NotImplementedError
+
+    def has_experts(self) -> bool:
+        return False
+
+    def transformers(self) -> dict[str, torch.nn.Module]:
+        """The denoisers the recorder watches, by component name."""
+        return {"transformer": self.pipe.transformer}
+
+    def encoding_cache_key(self, settings: CallSettings) -> tuple:
+        return (self.uses_cfg(settings), settings.max_sequence_length)
+
+    def output_tensor(self, output: Any) -> torch.Tensor | None:
+        """The batch of decoded images ([B, C, H, W]) or latents from the pipeline's output."""
+        return output.images
+
+    def to_uint8(self, x: torch.Tensor) -> torch.Tensor:
+        """[0, 1] floats to 0..255 bytes: ``round(x * 255)`` clamped (api.md output_dtype)."""
+        return (x.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    # ---------------------------------------------------------------- geometry and defaults
+    def spatial_factor(self) -> int:
+        """Width and height must be multiples of this."""
+        return int(self.pipe.vae_scale_factor) * 2
+
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) the stock pipeline uses when none is given."""
+        raise NotImplementedError
+
+    def default_steps(self) -> int:
+        return 28
+
+    def default_guidance(self) -> float:
+        return 7.0
+
+    def default_true_cfg(self) -> float | None:
+        return None
+
+    def validate(self, settings: CallSettings) -> None:
+        """Family rules a request can break (400)."""
+        f = self.spatial_factor()
+        for name in ("height", "width"):
+            v = getattr(settings, name)
+            if v % f:
+                raise RequestError(f"{name}={v} must be a multiple of {f} for {self.name}", field=name)
+
+    def uses_cfg(self, settings: CallSettings) -> bool:
+        raise NotImplementedError
+
+    def guidance_info(self, settings: CallSettings) -> dict[str, Any]:
+        """How a replayer combines the branches (math.md: denoising_env.guidance)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- prompts
+    def encode(
+        self, prompt: str, negative_prompt: str | None, settings: CallSettings
+    ) -> dict[str, torch.Tensor]:
+        """Batch-1 prompt encodings under the pipeline's own argument names."""
+        raise NotImplementedError
+
+    def encoding_group_key(self, enc: dict[str, torch.Tensor]) -> tuple:
+        """Encodings with different keys cannot share a call (e.g. different text lengths)."""
+        return ()
+
+    def stack_encodings(self, encs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        keys = encs[0].keys()
+        return {k: torch.cat([e[k] for e in encs], dim=0) for k in keys if encs[0][k] is not None}
+
+    def call_kwargs(self, settings: CallSettings) -> dict[str, Any]:
+        """Pipeline ``__call__`` keyword arguments other than embeddings, generators and latents."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- noise
+    def initial_latents(
+        self, settings: CallSettings, generator: torch.Generator, dtype, device
+    ) -> torch.Tensor:
+        """One sample's x_T drawn exactly as the stock pipeline draws it."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- replay conditioning
+    def split_env(
+        self, calls: list[dict[str, Any]], batch: int, settings: CallSettings
+    ) -> list[dict[str, Any]]:
+        """Per-sample ``{pos_cond_kwargs, neg_cond_kwargs, guidance}`` from the step-0 transformer calls."""
+        cfg = self.uses_cfg(settings)
+        out = []
+        for i in range(batch):
+            if self.cfg_layout == "batched" and cfg:
+                pos = self._slice(calls[0], batch + i)
+                neg = self._slice(calls[0], i)
+            else:
+                pos = self._slice(calls[0], i)
+                neg = self._slice(calls[1], i) if cfg and len(calls) > 1 else None
+            image = {k: pos.pop(k) for k in self.image_kwarg_names if k in pos}
+            if neg is not None:
+                for k in self.image_kwarg_names:
+                    neg.pop(k, None)
+            out.append(
+                {
+                    "image_kwargs": image,
+                    "pos_cond_kwargs": pos,
+                    "neg_cond_kwargs": neg,
+                    "guidance": self.guidance_info(settings),
+                }
+            )
+        return out
+
+    def _slice(self, kwargs: dict[str, Any], row: int) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            if k in self.skip_kwargs or v is None:
+                continue
+            if k in self.batch_kwargs and isinstance(v, torch.Tensor):
+                env[k] = v[row : row + 1]
+            elif k in self.batch_list_kwargs and isinstance(v, (list, tuple)):
+                env[k] = [v[row]]
+            elif isinstance(v, (torch.Tensor, int, float, str, bool, list, tuple, dict)):
+                env[k] = v
+        return env

@@ -1,0 +1,72 @@
+"""Engine-level request and result types (no HTTP here).
+
+The HTTP protocol model turns a JSON body into ``GenerateParams`` (merging
+``extra_sampling_params``); the engine fills model defaults, validates against the model and the
+limits, and answers one ``SampleResult`` per output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffusion_rollout.scheduler_mixins import RolloutSettings
+
+
+@dataclass
+class GenerateParams:
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int | None = None
+    seeds: list[int] | None = None
+    initial_noise_seed: int | None = None
+    generator_device: str = "cuda"
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    num_outputs_per_prompt: int = 1
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    max_sequence_length: int | None = None
+    rollout: bool = True
+    settings: RolloutSettings = field(default_factory=RolloutSettings)
+    return_denoising_env: bool = False
+    return_dit_trajectory: bool = False
+    return_generated_output: bool = True
+    output_dtype: str = "float32"
+    sigmas: list[float] | None = None
+    timesteps: list[float] | None = None
+    sigmas_are_shifted: bool = True
+    flow_shift: float | None = None
+    request_id: str = "-"
+
+
+@dataclass
+class SampleResult:
+    """One output of a request; tensors are on the CPU and have no batch dimension."""
+
+    request_id: str
+    prompt: str
+    seed: int
+    weight_version: Any
+    generated_output: torch.Tensor | None
+    rollout_log_probs: torch.Tensor | None
+    rollout_debug_tensors: dict[str, torch.Tensor] | None
+    denoising_env: dict[str, Any] | None
+    dit_trajectory: dict[str, Any] | None
+    sde_step_indices: list[int] | None
+    expert_per_step: list[str] | None = None
+    inference_time_s: float | None = None
+    peak_memory_mb: float | None = None
+    nonfinite_output: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        if d["expert_per_step"] is None:
+            d.pop("expert_per_step")
+        return d
