@@ -1,0 +1,512 @@
+"""Tiny, randomly initialised, complete diffusers pipelines of every supported family.
+
+Each family is built from the real component classes (transformer, VAE, text encoders, tokenizers)
+at one or two layers and widths of 8 to 32, with its real checkpoint's scheduler configuration
+(see ``scheduler_configs``), so a 32x32 image or a five-frame 32x32 video runs in milliseconds on a
+CPU while the pipeline code path, the sigma ladder and the folder layout are those of the real model.
+
+Design decisions:
+
+- Determinism: every component is constructed under its own seed, derived from the build seed and
+  the component's name, so the same ``(family, seed)`` gives the same weights whatever else the
+  process did before, and ``save_pretrained`` gives byte-identical folders. Module constructors draw
+  from torch's global generator, so builds hold a lock and run inside ``torch.random.fork_rng``:
+  concurrent builds in one process cannot interleave their draws, and the caller's RNG state is left
+  untouched. The default dtype is pinned to float32 for the same reason.
+- Shapes mirror the real models where it is free: 16 latent channels everywhere, FLUX packs 2x2
+  latent patches (transformer ``in_channels`` 64), FLUX.1-dev's distilled guidance embedding is on,
+  SD3 uses SD3.5-medium's qk RMS-norm and an MMDiT-X dual-attention block, SD3's two CLIP widths
+  differ so the pipeline's zero-padding to the T5 width is exercised, and Qwen-Image's tokenizer
+  makes the prompt template prefix exactly as long as the pipeline expects.
+- Image VAEs downsample by 4 (not 8) so a 32x32 image still has 16 latent tokens; the Wan VAE keeps
+  the real 8x spatial / 4x temporal factors because ``WanPipeline`` reads them from its config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+from .scheduler_configs import WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
+from .tokenizers import QWEN_SPECIAL_TOKENS, make_clip_tokenizer, make_qwen2_tokenizer, make_t5_tokenizer
+
+__all__ = [
+    "FAMILIES",
+    "TINY_CALL_DEFAULTS",
+    "build_tiny_pipeline",
+    "family_of",
+    "save_tiny_model",
+]
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage", "wan", "wan2.2")
+
+_TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
+_LATENT_CHANNELS = 16
+
+_BUILD_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _pinned_rng_and_dtype() -> Iterator[None]:
+    """Serialise builds, isolate the global RNG and pin float32 construction for their duration."""
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous_dtype)
+
+
+def _seed_for(seed: int, component: str) -> int:
+    """Stable per-component seed (crc32 is fixed across processes, unlike ``hash``)."""
+    return zlib.crc32(f"{seed}/{component}".encode())
+
+
+def _seeded(seed: int, component: str, factory: Callable[[], Any]) -> Any:
+    # The CPU generator only: construction runs on the CPU, and torch.manual_seed would also reseed
+    # (and fork_rng would not restore) the caller's CUDA generators.
+    torch.random.default_generator.manual_seed(_seed_for(seed, component))
+    return factory()
+
+
+def _padded_vocab(tokenizer: PreTrainedTokenizerBase, multiple: int = 64) -> int:
+    """Embedding rows for ``tokenizer``, rounded up like real checkpoints pad their vocabularies."""
+    return -(-len(tokenizer) // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared text encoders and VAEs
+# ---------------------------------------------------------------------------------------------
+
+
+def _clip_config(
+    tokenizer: PreTrainedTokenizerBase, hidden: int, projection_dim: int, act: str
+) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection_dim,
+        hidden_act=act,
+        bos_token_id=tokenizer.bos_token_id,
+        # The real EOS id (not the legacy 2), so pooling takes the first EOS position.
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _t5_kwargs(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    return {
+        "vocab_size": _padded_vocab(tokenizer),
+        "d_model": _TEXT_DIM,
+        "d_kv": 8,
+        "d_ff": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+        "dropout_rate": 0.0,
+        "feed_forward_proj": "gated-gelu",  # T5 v1.1 / UMT5, as SD3, FLUX and Wan use
+        "is_encoder_decoder": False,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _image_vae(shift_factor: float, scaling_factor: float) -> AutoencoderKL:
+    """SD3/FLUX-style KL VAE with 16 latent channels and a 4x downsampling."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+# ---------------------------------------------------------------------------------------------
+
+
+def _sd3_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_clip_tokenizer()
+    tokenizer_2 = make_clip_tokenizer(pad_token="!")  # CLIP-G's tokenizer pads with "!"
+    tokenizer_3 = make_t5_tokenizer()
+    clip_l_width, clip_g_width = 8, 16  # concatenated (24) and zero-padded to the T5 width (32)
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: SD3Transformer2DModel(
+                sample_size=8,  # latent size of the default 32x32 image
+                patch_size=2,
+                in_channels=_LATENT_CHANNELS,
+                out_channels=_LATENT_CHANNELS,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=_TEXT_DIM,
+                caption_projection_dim=32,
+                pooled_projection_dim=clip_l_width + clip_g_width,
+                pos_embed_max_size=32,
+                dual_attention_layers=(0,),  # SD3.5-medium's MMDiT-X blocks
+                qk_norm="rms_norm",  # SD3.5
+            ),
+        ),
+        "text_encoder": _seeded(
+            seed,
+            "text_encoder",
+            lambda: CLIPTextModelWithProjection(
+                _clip_config(tokenizer, clip_l_width, clip_l_width, "quick_gelu")
+            ),
+        ),
+        "text_encoder_2": _seeded(
+            seed,
+            "text_encoder_2",
+            lambda: CLIPTextModelWithProjection(
+                _clip_config(tokenizer_2, clip_g_width, clip_g_width, "gelu")
+            ),
+        ),
+        "text_encoder_3": _seeded(
+            seed, "text_encoder_3", lambda: T5EncoderModel(T5Config(**_t5_kwargs(tokenizer_3)))
+        ),
+        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.0609, scaling_factor=1.5305)),
+        "scheduler": make_real_scheduler("sd3"),
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+        "tokenizer_3": tokenizer_3,
+    }
+
+
+def _flux_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_clip_tokenizer()
+    tokenizer_2 = make_t5_tokenizer()
+    clip_width = 16
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=4 * _LATENT_CHANNELS,  # 2x2 packed latent patches
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=_TEXT_DIM,
+                pooled_projection_dim=clip_width,
+                guidance_embeds=True,  # FLUX.1-dev's distilled guidance embedding
+                axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+            ),
+        ),
+        "text_encoder": _seeded(
+            seed,
+            "text_encoder",
+            lambda: CLIPTextModel(_clip_config(tokenizer, clip_width, clip_width, "quick_gelu")),
+        ),
+        "text_encoder_2": _seeded(
+            seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(**_t5_kwargs(tokenizer_2)))
+        ),
+        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
+        "scheduler": make_real_scheduler("flux"),
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+
+
+def _qwen25_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
+    ids = dict(
+        zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
+    )
+    head_dim = 16
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": _padded_vocab(tokenizer),
+            "hidden_size": _TEXT_DIM,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": _TEXT_DIM // head_dim,
+            "num_key_value_heads": 1,  # grouped-query attention, as in Qwen2.5
+            "max_position_embeddings": 2048,
+            # Multimodal RoPE: the sections split head_dim / 2 frequencies over (t, h, w) like [16, 24, 24].
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": _TEXT_DIM,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _qwenimage_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_qwen2_tokenizer()
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: QwenImageTransformer2DModel(
+                patch_size=2,
+                in_channels=4 * _LATENT_CHANNELS,  # 2x2 packed latent patches
+                out_channels=_LATENT_CHANNELS,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=_TEXT_DIM,
+                guidance_embeds=False,
+                axes_dims_rope=(4, 6, 6),
+            ),
+        ),
+        "text_encoder": _seeded(
+            seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(_qwen25_vl_config(tokenizer))
+        ),
+        # Qwen-Image's VAE is Wan's causal 3D VAE; latents_mean/std keep the real per-channel values.
+        "vae": _seeded(
+            seed,
+            "vae",
+            lambda: AutoencoderKLQwenImage(
+                base_dim=8,
+                z_dim=_LATENT_CHANNELS,
+                dim_mult=[1, 2, 2],
+                num_res_blocks=1,
+                temperal_downsample=[False, True],  # pipeline's vae_scale_factor = 2 ** len(...) = 4
+            ),
+        ),
+        "scheduler": make_real_scheduler("qwenimage"),
+        "tokenizer": tokenizer,
+    }
+
+
+def _wan_transformer() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,  # RoPE splits it 8 (t) / 4 (h) / 4 (w)
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        text_dim=_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
+    tokenizer = make_t5_tokenizer()
+    return {
+        # Wan2.2 A14B: `transformer` is the high-noise expert, `transformer_2` the low-noise one.
+        "transformer": _seeded(seed, "transformer", _wan_transformer),
+        "transformer_2": _seeded(seed, "transformer_2", _wan_transformer) if two_experts else None,
+        "boundary_ratio": WAN22_A14B_BOUNDARY_RATIO if two_experts else None,
+        "text_encoder": _seeded(
+            seed, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**_t5_kwargs(tokenizer)))
+        ),
+        # Four levels: 8x spatial and (two temporal downsamples) 4x temporal, the real Wan 2.1 factors.
+        "vae": _seeded(
+            seed,
+            "vae",
+            lambda: AutoencoderKLWan(
+                base_dim=8,
+                z_dim=_LATENT_CHANNELS,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            ),
+        ),
+        "scheduler": make_real_scheduler("wan2.2" if two_experts else "wan"),
+        "tokenizer": tokenizer,
+    }
+
+
+@dataclass(frozen=True)
+class _FamilySpec:
+    pipeline_class: type[DiffusionPipeline]
+    components: Callable[[int], dict[str, Any]]
+    call_defaults: Mapping[str, Any]
+
+
+_SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
+    {
+        "sd3": _FamilySpec(
+            StableDiffusion3Pipeline,
+            _sd3_components,
+            {
+                "height": 32,
+                "width": 32,
+                "num_inference_steps": 4,
+                "guidance_scale": 4.5,
+                "max_sequence_length": 16,
+            },
+        ),
+        "flux": _FamilySpec(
+            FluxPipeline,
+            _flux_components,
+            # guidance_scale feeds the distilled guidance embedding; FLUX.1-dev runs no CFG.
+            {
+                "height": 32,
+                "width": 32,
+                "num_inference_steps": 4,
+                "guidance_scale": 3.5,
+                "max_sequence_length": 16,
+            },
+        ),
+        "qwenimage": _FamilySpec(
+            QwenImagePipeline,
+            _qwenimage_components,
+            # true CFG needs a negative prompt; " " is what the Qwen-Image examples pass.
+            {
+                "height": 32,
+                "width": 32,
+                "num_inference_steps": 4,
+                "true_cfg_scale": 4.0,
+                "negative_prompt": " ",
+                "max_sequence_length": 16,
+            },
+        ),
+        "wan": _FamilySpec(
+            WanPipeline,
+            lambda seed: _wan_components(seed, two_experts=False),
+            # num_frames must be 4k + 1 (4x temporal VAE); 5 frames -> 2 latent frames.
+            {
+                "height": 32,
+                "width": 32,
+                "num_frames": 5,
+                "num_inference_steps": 4,
+                "guidance_scale": 5.0,
+                "max_sequence_length": 16,
+            },
+        ),
+        "wan2.2": _FamilySpec(
+            WanPipeline,
+            lambda seed: _wan_components(seed, two_experts=True),
+            # Wan2.2-T2V-A14B's guidance: 4.0 on the high-noise expert, 3.0 on the low-noise one.
+            # With 4 steps and flow_shift 3, timesteps ~(999, 900, 750, 500): both experts run.
+            {
+                "height": 32,
+                "width": 32,
+                "num_frames": 5,
+                "num_inference_steps": 4,
+                "guidance_scale": 4.0,
+                "guidance_scale_2": 3.0,
+                "max_sequence_length": 16,
+            },
+        ),
+    }
+)
+
+#: Per-family keyword arguments for the stock pipeline call on a tiny model (read-only mappings;
+#: use ``{**TINY_CALL_DEFAULTS[family], ...}`` to override). Prompt and generator are not included.
+TINY_CALL_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {name: MappingProxyType(dict(spec.call_defaults)) for name, spec in _SPECS.items()}
+)
+
+
+def _spec(family: str) -> _FamilySpec:
+    try:
+        return _SPECS[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}") from None
+
+
+def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
+    """A tiny random ``family`` pipeline in memory (float32, CPU). Same ``(family, seed)``, same weights."""
+    spec = _spec(family)
+    started = time.perf_counter()
+    with _pinned_rng_and_dtype():
+        components = spec.components(seed)
+    pipeline = spec.pipeline_class(**components)
+    pipeline.set_progress_bar_config(disable=True)
+    logger.debug("built tiny %s pipeline (seed %d) in %.2f s", family, seed, time.perf_counter() - started)
+    return pipeline
+
+
+def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Build the tiny ``family`` pipeline and ``save_pretrained`` it into ``out_dir``; returns ``out_dir``.
+
+    The folder loads with ``DiffusionPipeline.from_pretrained(out_dir)``; the same ``(family, seed)``
+    writes byte-identical files.
+    """
+    out = Path(out_dir)
+    pipeline = build_tiny_pipeline(family, seed)
+    pipeline.save_pretrained(out)
+    logger.info("saved tiny random %s model (seed %d) to %s", family, seed, out)
+    return out
+
+
+def family_of(pipeline: DiffusionPipeline) -> str:
+    """The zoo family a loaded pipeline belongs to (``wan2.2`` when it has two experts and a boundary)."""
+    name = type(pipeline).__name__
+    if name == "WanPipeline":
+        two_experts = getattr(pipeline, "transformer_2", None) is not None
+        return "wan2.2" if two_experts and pipeline.config.get("boundary_ratio") is not None else "wan"
+    for family, spec in _SPECS.items():
+        if spec.pipeline_class.__name__ == name:
+            return family
+    raise ValueError(f"pipeline class {name} is not one of the supported families ({', '.join(FAMILIES)})")
