@@ -65,3 +65,64 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("demo-cache")
     ensure_demo_model(cache)
     return cache
+
+
+class ServedModel:
+    """A started engine on a tiny model, its app and a TestClient through the real HTTP stack."""
+
+    def __init__(self, path: Path, **config_overrides) -> None:
+        from fastapi.testclient import TestClient
+
+        from diffusion_rollout.config import ServerConfig
+        from diffusion_rollout.entrypoints.app import create_app
+        from diffusion_rollout.server.engine import Engine
+
+        self.path = path
+        self.config = ServerConfig(model=str(path), device="cpu", dtype="float32", **config_overrides)
+        self.engine = Engine(self.config)
+        self.engine.start()
+        self.app = create_app(self.config, engine=self.engine)
+        self.client = TestClient(self.app)
+        self.client.__enter__()
+
+    def generate(self, body: dict, *, accept: str = "application/msgpack", expect: int = 200):
+        """POST /rollout/generate and decode; asserts the status code."""
+        from diffusion_rollout import wire
+
+        r = self.client.post("/rollout/generate", json=body, headers={"Accept": accept})
+        assert r.status_code == expect, r.text[:2000]
+        return wire.decode(r.content, r.headers["content-type"]) if expect == 200 else r
+
+    def close(self) -> None:
+        self.client.__exit__(None, None, None)
+        self.engine.stop(grace_s=5)
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model_path) -> Callable[[str], ServedModel]:
+    """``served(family)``: a shared, session-wide server on the tiny model (do not pause or mutate it)."""
+    servers: dict[str, ServedModel] = {}
+
+    def get(family: str) -> ServedModel:
+        if family not in servers:
+            servers[family] = ServedModel(tiny_model_path(family))
+        return servers[family]
+
+    yield get
+    for s in servers.values():
+        s.close()
+
+
+@pytest.fixture
+def fresh_server(tiny_model_path):
+    """``fresh_server(family, **config)``: a private server for tests that pause, fill or change it."""
+    made: list[ServedModel] = []
+
+    def make(family: str, **overrides) -> ServedModel:
+        s = ServedModel(tiny_model_path(family), **overrides)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()

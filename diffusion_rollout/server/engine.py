@@ -327,7 +327,7 @@ class Engine:
             settings = p0.settings if p0.rollout else RolloutSettings(record=False)
             need_state = p0.rollout or first.schedule is not None
             state = RolloutState(settings, generators, sigmas=first.schedule) if need_state else None
-            recorder = TransformerCallRecorder(lambda: state.step_count if state else 0)
+            recorder = TransformerCallRecorder(lambda: state.loop_index if state else 0)
             watch = p0.rollout and any(
                 pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans
             )
@@ -369,7 +369,7 @@ class Engine:
             any(pl.params.rollout and pl.params.return_denoising_env for pl in plans)
             and recorder.first_step_calls
         ):
-            env_rows = a.split_env(recorder.first_step_calls, batch, call)
+            env_rows = a.split_env(recorder.first_step_calls, batch, call, recorder.timestep_dtype)
         timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
         experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
         out: list[SampleResult] = []

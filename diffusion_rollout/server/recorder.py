@@ -21,6 +21,7 @@ class TransformerCallRecorder:
         self.first_step_calls: list[dict[str, Any]] = []
         self.timesteps: dict[int, torch.Tensor] = {}
         self.experts: dict[int, str] = {}
+        self.timestep_dtype: torch.dtype | None = None
 
     def _hook(self, name: str):
         def pre_hook(module, args, kwargs):
@@ -31,6 +32,7 @@ class TransformerCallRecorder:
                     t = args[1]
                 if isinstance(t, torch.Tensor):
                     self.timesteps[step] = t.reshape(-1)[0].detach().float()
+                    self.timestep_dtype = t.dtype
                 self.experts[step] = name
             if step == 0 and name == self.experts.get(0):
                 self.first_step_calls.append(dict(kwargs))

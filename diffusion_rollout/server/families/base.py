@@ -173,6 +173,8 @@ class FamilyAdapter:
                     "pos_cond_kwargs": pos,
                     "neg_cond_kwargs": neg,
                     "guidance": self.guidance_info(settings),
+                    "batch_kwargs": [k for k in (*self.batch_kwargs, *self.batch_list_kwargs) if k in pos],
+                    "timestep_dtype": str(timestep_dtype or torch.float32),
                 }
             )
         return out

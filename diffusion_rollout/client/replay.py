@@ -1,0 +1,160 @@
+"""Trainer-side replay of one denoising step from a rollout's ``denoising_env``.
+
+``replay_model_output`` calls the trainer's transformer exactly as the server's pipeline did for one
+step (same kwargs, same timestep dtype, the family's guidance rule and, for batched CFG, the same
+``[uncond; cond]`` batch layout), so with the same weights, device, dtype and batch shape it
+reproduces the model output the server used bit for bit. ``replay_log_prob`` then scores the
+recorded transition with the one shared ``transition`` function, so the PPO ratio is exactly 1
+on-policy. Both work under autograd.
+
+Guidance rules (``env["guidance"]["rule"]``):
+- ``none``: one conditional call.
+- ``cfg_batched`` (SD3): one call on ``[x; x]`` with ``[neg; pos]`` kwargs, ``u + s * (c - u)``.
+- ``true_cfg`` (FLUX, Qwen-Image, Wan): a conditional call, then an unconditional one,
+  ``neg + s * (pos - neg)``; Qwen-Image then rescales to the conditional norm (``norm_rescale``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from diffusion_rollout.scheduler_mixins import TransitionResult, transition
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, device) for v in obj]
+    return obj
+
+
+def stack_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One env for a batch of samples: per-sample kwargs concatenated, shared ones kept."""
+    first = envs[0]
+    batch_keys = set(first.get("batch_kwargs", ()))
+
+    def merge(branch: str) -> dict[str, Any] | None:
+        if first.get(branch) is None:
+            return None
+        out = {}
+        for k, v in first[branch].items():
+            if k in batch_keys and isinstance(v, torch.Tensor):
+                out[k] = torch.cat([e[branch][k] for e in envs], dim=0)
+            elif k in batch_keys and isinstance(v, list):
+                out[k] = [x for e in envs for x in e[branch][k]]
+            else:
+                out[k] = v
+        return out
+
+    stacked = dict(first)
+    stacked["pos_cond_kwargs"] = merge("pos_cond_kwargs")
+    stacked["neg_cond_kwargs"] = merge("neg_cond_kwargs")
+    return stacked
+
+
+def _expert_for(env: Mapping[str, Any], step: int | None, transformers: Mapping[str, torch.nn.Module]):
+    experts = env.get("expert_per_step")
+    if experts and step is not None:
+        return transformers[experts[step]], experts[step]
+    return transformers["transformer"], "transformer"
+
+
+def _scale_for(guidance: Mapping[str, Any], expert: str) -> float:
+    if expert == "transformer_2" and guidance.get("guidance_scale_2") is not None:
+        return float(guidance["guidance_scale_2"])
+    rule = guidance["rule"]
+    if rule == "true_cfg" and guidance.get("true_cfg_scale") is not None:
+        return float(guidance["true_cfg_scale"])
+    return float(guidance.get("guidance_scale", 1.0))
+
+
+def replay_model_output(
+    transformer: torch.nn.Module | Mapping[str, torch.nn.Module],
+    latents: torch.Tensor,
+    timestep: float | torch.Tensor,
+    env: Mapping[str, Any],
+    *,
+    step: int | None = None,
+) -> torch.Tensor:
+    """The guided model output for ``latents`` ([B, ...], the trajectory entry of ``step``).
+
+    ``transformer`` is the module (or ``{"transformer": ..., "transformer_2": ...}`` for two-expert
+    models, where ``step`` selects the expert recorded in ``env["expert_per_step"]``); ``timestep``
+    is ``dit_trajectory.timesteps[step]``; ``env`` is one sample's ``denoising_env`` or
+    :func:`stack_envs` of several.
+    """
+    transformers = transformer if isinstance(transformer, Mapping) else {"transformer": transformer}
+    module, expert = _expert_for(env, step, transformers)
+    device = latents.device
+    guidance = env["guidance"]
+    rule = guidance["rule"]
+    t_dtype = _dtype(env.get("timestep_dtype", "torch.float32"))
+    t_value = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    image = _move(env.get("image_kwargs") or {}, device)
+    pos = _move(env["pos_cond_kwargs"], device)
+    neg = _move(env.get("neg_cond_kwargs"), device)
+    b = latents.shape[0]
+
+    def call(x: torch.Tensor, kwargs: Mapping[str, Any]) -> torch.Tensor:
+        t = t_value.to(device=device, dtype=t_dtype).reshape(()).expand(x.shape[0])
+        return module(hidden_states=x, timestep=t, **image, **kwargs, return_dict=False)[0]
+
+    if rule == "none" or neg is None:
+        return call(latents, pos)
+    scale = _scale_for(guidance, expert)
+    if rule == "cfg_batched":
+        keys = set(env.get("batch_kwargs", ()))
+        both = {k: (torch.cat([neg[k], v], dim=0) if k in keys else v) for k, v in pos.items()}
+        out = call(torch.cat([latents, latents], dim=0), both)
+        uncond, cond = out[:b], out[b:]
+        return uncond + scale * (cond - uncond)
+    if rule in ("true_cfg", "norm_rescale"):
+        cond = call(latents, pos)
+        uncond = call(latents, neg)
+        comb = uncond + scale * (cond - uncond)
+        if rule == "norm_rescale":
+            cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+            comb_norm = torch.norm(comb, dim=-1, keepdim=True)
+            comb = comb * (cond_norm / comb_norm)
+        return comb
+    raise ValueError(f"unknown guidance rule {rule!r}")
+
+
+def replay_log_prob(
+    kind: str,
+    latents: torch.Tensor,
+    model_output: torch.Tensor,
+    next_latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    step: int,
+    *,
+    eta: float,
+    log_prob_form: str = "gaussian",
+) -> TransitionResult:
+    """Score the recorded transition of ``step`` with the shared transition function.
+
+    ``sigmas`` is ``dit_trajectory.sigmas`` ([T+1]); ``sigma_max`` follows math.md (its second
+    entry), so the value is the server's bit for bit given the same model output.
+    """
+    sigmas = sigmas.to(torch.float32)
+    return transition(
+        kind,
+        latents,
+        model_output,
+        sigmas[step],
+        sigmas[step + 1],
+        eta=eta,
+        sigma_max=sigmas[min(1, len(sigmas) - 1)],
+        next_sample=next_latents,
+        log_prob_form=log_prob_form,
+    )

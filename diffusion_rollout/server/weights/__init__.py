@@ -1,0 +1,15 @@
+"""Hot weight and LoRA updates (weights.md): one module per job, tied together by ``WeightManager``.
+
+- ``updater``: validate-all-then-apply in-place copies with rollback (the core every transport uses).
+- ``staging``: multi-part HTTP uploads staged until the final part.
+- ``ipc``: SGLang ``update_weights_from_tensor`` payloads and the restricted unpickler.
+- ``distributed``: NCCL/gloo update groups and broadcasts from the trainer.
+- ``lora``: named PEFT adapters, dynamic and merged modes.
+- ``memory``: releasing and resuming device memory.
+- ``manager``: ``WeightManager`` and ``get_weight_manager(engine)``; runs every mutation through
+  ``engine.run_exclusive`` so updates land between generation batches.
+"""
+
+from diffusion_rollout.server.weights.manager import WeightManager, get_weight_manager
+
+__all__ = ["WeightManager", "get_weight_manager"]

@@ -1,0 +1,320 @@
+"""SGLang ``update_weights_from_tensor`` payloads: decoding (server) and encoding (trainer side).
+
+Payload layout, as SGLang builds it (facts from ``sglang/srt/utils/common.py``
+``MultiprocessingSerializer``, ``sglang/srt/weight_sync/tensor_bucket.py`` ``FlattenedTensorBucket``
+and ``sglang/multimodal_gen/runtime/post_training/weights_updater.py``; re-implemented here):
+
+- ``serialized_named_tensors`` is a list with one entry per TP rank, each the base64 text of a
+  ``multiprocessing.reduction.ForkingPickler`` pickle. torch's multiprocessing reductions turn every
+  tensor into a rebuild recipe: a CUDA IPC handle on GPUs, a shared-memory file descriptor (passed
+  through ``multiprocessing.resource_sharer``) on CPUs, so no weight bytes travel in the body. This
+  server is one rank: it uses the entry whose ``payload_gpu_uuids`` item is its own GPU, else entry 0.
+- An entry decodes to ``[(name, tensor), ...]`` (``load_format`` null or ``"direct"``), or with
+  ``load_format="flattened_bucket"`` to ``{"flattened_tensor": 1-D tensor, "metadata": [...]}``
+  whose items carry ``name, shape, dtype, start_idx, end_idx, numel``; in current SGLang the flat
+  tensor is ``uint8`` and the indices are byte offsets (older versions flattened one dtype and
+  indexed elements; both decode here by slicing the flat tensor and viewing it as the item dtype).
+- Several target modules: the entry is a dict ``{module_name: module_payload}``.
+- SGLang trainers patch torch's reductions so a CUDA tensor names its device by UUID; the rebuild
+  function is then pickled as ``sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified``. That
+  name resolves to this module's own UUID-aware rebuild, never to the sender's code.
+
+Security: the pickle comes from the network. :class:`RestrictedUnpickler` resolves only torch's
+rebuild functions (``torch.multiprocessing.reductions.rebuild_*``, ``torch._utils._rebuild_*``),
+tensor/storage/``Size``/``device``/dtype objects, ``collections.OrderedDict`` (parameter hooks),
+``multiprocessing.resource_sharer.DupFd`` (CPU shared memory) and the bucket metadata type (mapped
+by class name to the dataclass below, whatever module the sender had it in). Every other global is
+refused with ``WeightUpdateError`` before anything is called.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib
+import io
+import logging
+import math
+import pickle
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing.reductions as _reductions  # registers the tensor reducers
+
+from diffusion_rollout.errors import WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
+# SGLang's device-UUID rebuild; the index of the device argument in torch's CUDA reduction tuple.
+SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
+_CUDA_DEVICE_ARG = 6
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """One tensor's slice of a flattened bucket (field names as SGLang pickles them)."""
+
+    name: str
+    shape: Any
+    dtype: Any
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
+    """torch's CUDA rebuild, accepting the device as a UUID string (what SGLang trainers send)."""
+    args_list = list(args)
+    device = args_list[_CUDA_DEVICE_ARG] if len(args_list) > _CUDA_DEVICE_ARG else None
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                args_list[_CUDA_DEVICE_ARG] = index
+                break
+        else:
+            raise WeightUpdateError(f"payload tensor lives on GPU {device}, which this server cannot see")
+    return _reductions.rebuild_cuda_tensor(*args_list)
+
+
+# ---------------------------------------------------------------------------- restricted unpickling
+class RefusedGlobal(pickle.UnpicklingError):
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.module = module
+        self.name = name
+
+
+_EXACT_GLOBALS = {
+    ("torch", "Tensor"),
+    ("torch._tensor", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.nn.parameter", "Parameter"),
+    ("collections", "OrderedDict"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+}
+
+
+def _allowed_global(module: str, name: str) -> Any | None:
+    """The object a pickle global may resolve to, or None when it is refused."""
+    if name == BUCKET_METADATA_CLASS:
+        return FlattenedTensorMetadata
+    if name == SGLANG_CUDA_REBUILD:
+        return rebuild_cuda_tensor_by_uuid
+    if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"):
+        return getattr(_reductions, name, None)
+    if module == "torch._utils" and name.startswith("_rebuild_"):
+        return getattr(torch._utils, name, None)
+    if (module, name) in _EXACT_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module in ("torch", "torch.storage"):
+        obj = getattr(torch if module == "torch" else torch.storage, name, None)
+        if isinstance(obj, torch.dtype):
+            return obj
+        if isinstance(obj, type) and issubclass(obj, (torch.UntypedStorage, torch.storage.TypedStorage)):
+            return obj
+    return None
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals a torch tensor payload needs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _allowed_global(module, name)
+        if obj is None:
+            raise RefusedGlobal(module, name)
+        return obj
+
+
+def decode_entry(entry: str | bytes) -> Any:
+    """Base64 (or raw bytes) of a ForkingPickler pickle -> the object, through the restricted unpickler."""
+    if isinstance(entry, str):
+        try:
+            data = base64.b64decode(entry, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise WeightUpdateError(f"serialized_named_tensors entry is not base64: {exc}") from exc
+    elif isinstance(entry, (bytes, bytearray)):
+        data = bytes(entry)
+    else:
+        raise WeightUpdateError(
+            f"serialized_named_tensors entries must be strings, got {type(entry).__name__}"
+        )
+    try:
+        return RestrictedUnpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as exc:
+        raise WeightUpdateError(
+            f"refused pickle global {exc.module}.{exc.name}: a tensor payload may reference only torch "
+            "rebuild functions, tensor/storage types and the bucket metadata"
+        ) from exc
+    except WeightUpdateError:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(
+            f"could not decode serialized_named_tensors ({type(exc).__name__}: {exc}); tensors shared by "
+            "file descriptor or CUDA IPC must come from a live process on this host"
+        ) from exc
+
+
+def select_entry(entries: Sequence[Any], gpu_uuids: Sequence[str] | None, device: str) -> Any:
+    """The entry meant for this server: the one on its GPU when UUIDs are given, else entry 0."""
+    if not entries:
+        raise WeightUpdateError("serialized_named_tensors is empty", field="serialized_named_tensors")
+    if gpu_uuids is not None:
+        if len(gpu_uuids) != len(entries):
+            raise WeightUpdateError(
+                f"payload_gpu_uuids has {len(gpu_uuids)} items but serialized_named_tensors has {len(entries)}",
+                field="payload_gpu_uuids",
+            )
+        if device.startswith("cuda") and torch.cuda.is_available():
+            index = torch.device(device).index or 0
+            mine = str(torch.cuda.get_device_properties(index).uuid)
+            if mine in gpu_uuids:
+                return entries[list(gpu_uuids).index(mine)]
+            logger.info("no payload on this GPU (%s); using entry 0", mine)
+    return entries[0]
+
+
+# ---------------------------------------------------------------------------- payload structure
+def _as_named_list(payload: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(payload, (list, tuple)):
+        raise WeightUpdateError(
+            f"{where}: expected a list of (name, tensor) pairs, got {type(payload).__name__}"
+        )
+    out = []
+    for i, item in enumerate(payload):
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], torch.Tensor)
+        ):
+            raise WeightUpdateError(f"{where}: item {i} is not a (name, tensor) pair")
+        out.append((item[0], item[1]))
+    return out
+
+
+def _normalize_dtype(dtype: Any, where: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        candidate = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+    raise WeightUpdateError(f"{where}: unsupported dtype {dtype!r}")
+
+
+def unflatten_bucket(payload: Any, where: str = "flattened_bucket") -> list[tuple[str, torch.Tensor]]:
+    """``{"flattened_tensor", "metadata"}`` -> ``[(name, tensor view)]``, every range checked."""
+    if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
+        raise WeightUpdateError(f"{where}: expected a dict with 'flattened_tensor' and 'metadata'")
+    flat, metadata = payload["flattened_tensor"], payload["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+        raise WeightUpdateError(f"{where}: 'flattened_tensor' must be a 1-D tensor")
+    if not isinstance(metadata, (list, tuple)):
+        raise WeightUpdateError(f"{where}: 'metadata' must be a list")
+    out = []
+    for i, meta in enumerate(metadata):
+        if not isinstance(meta, FlattenedTensorMetadata):
+            raise WeightUpdateError(f"{where}: metadata item {i} is not FlattenedTensorMetadata")
+        name = meta.name
+        if not isinstance(name, str):
+            raise WeightUpdateError(f"{where}: metadata item {i} has no string name")
+        dtype = _normalize_dtype(meta.dtype, f"{where}.{name}")
+        try:
+            shape = torch.Size([int(s) for s in meta.shape])
+            start, end = int(meta.start_idx), int(meta.end_idx)
+        except (TypeError, ValueError) as exc:
+            raise WeightUpdateError(f"{where}.{name}: malformed shape or range ({exc})") from exc
+        if not (0 <= start <= end <= flat.numel()):
+            raise WeightUpdateError(
+                f"{where}.{name}: range [{start}, {end}) outside the flat tensor of {flat.numel()} elements"
+            )
+        need = math.prod(shape) * dtype.itemsize
+        have = (end - start) * flat.element_size()
+        if need != have:
+            raise WeightUpdateError(
+                f"{where}.{name}: range holds {have} bytes but {tuple(shape)} {dtype} needs {need}"
+            )
+        piece = flat[start:end]
+        try:
+            tensor = piece.view(dtype).reshape(shape)
+        except RuntimeError:
+            # A slice whose byte offset is not a multiple of the item size cannot be viewed in place.
+            tensor = piece.clone().view(dtype).reshape(shape)
+        out.append((name, tensor))
+    return out
+
+
+def named_tensors_of(payload: Any, load_format: str | None, where: str) -> list[tuple[str, torch.Tensor]]:
+    if load_format == "flattened_bucket":
+        return unflatten_bucket(payload, where)
+    return _as_named_list(payload, where)
+
+
+def module_payloads(
+    decoded: Any, load_format: str | None, target_modules: Sequence[str]
+) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Split a decoded entry into ``{module: [(name, tensor)]}`` following SGLang's rules."""
+    if load_format not in LOAD_FORMATS:
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
+    is_bucket = isinstance(decoded, dict) and "flattened_tensor" in decoded
+    if isinstance(decoded, dict) and not is_bucket:
+        missing = [m for m in target_modules if m not in decoded]
+        extra = sorted(set(decoded) - set(target_modules))
+        if missing or extra:
+            raise WeightUpdateError(
+                f"per-module payload does not match target_modules {list(target_modules)}: "
+                f"missing {missing}, unexpected {extra}",
+                field="target_modules",
+            )
+        return {m: named_tensors_of(decoded[m], load_format, m) for m in target_modules}
+    if len(target_modules) != 1:
+        raise WeightUpdateError(
+            f"a payload for several target modules {list(target_modules)} must be a dict "
+            "{module_name: payload}",
+            field="target_modules",
+        )
+    return {target_modules[0]: named_tensors_of(decoded, load_format, target_modules[0])}
+
+
+# ---------------------------------------------------------------------------- trainer side
+def flatten_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """SGLang's multi-dtype bucket: one uint8 tensor and byte ranges per named tensor."""
+    pieces, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(
+            FlattenedTensorMetadata(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + flat.numel(),
+                numel=flat.numel(),
+            )
+        )
+        pieces.append(flat)
+        offset += flat.numel()
+    if not pieces:
+        raise ValueError("cannot build an empty bucket")
+    return {"flattened_tensor": torch.cat(pieces), "metadata": metadata}
+
+
+def serialize(obj: Any) -> str:
+    """What SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` produces."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, load_format: str | None = None
+) -> str:
+    """One ``serialized_named_tensors`` entry. The tensors must stay alive until the server answers."""
+    pairs = [(n, t) for n, t in named_tensors]
+    return serialize(flatten_bucket(pairs) if load_format == "flattened_bucket" else pairs)

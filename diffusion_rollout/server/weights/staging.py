@@ -1,0 +1,210 @@
+"""Multi-part HTTP uploads (``POST /update_weights``), staged until the part marked final.
+
+Design decisions:
+
+- A large update (a multi-GB transformer) may arrive as several safetensors bodies that share an
+  upload id (the ``upload_id`` query parameter, else the ``weight_version``, else ``"default"``).
+  Each part is parsed and validated when it arrives (names, shapes, dtype cast, no name twice in the
+  upload) and its tensors are kept on the CPU *already cast* to the parameter dtype. The part with
+  ``final=true`` hands the whole upload to the update core, which validates again against the live
+  model and applies everything at once: atomic across parts and across modules.
+- A part that fails validation fails its whole upload: the upload is dropped, nothing is applied,
+  and later parts of it are refused until the client starts over.
+- Optional part numbers (``part=0,1,...``) make gaps detectable: the final part ``k`` requires
+  parts ``0..k`` exactly. Unnumbered parts are accepted in arrival order.
+- Memory is bounded by construction: a name may be staged once per upload, so an upload holds at
+  most one copy of its target modules in the parameter dtype; at most ``max_uploads`` uploads are
+  staged (a new one evicts the least recently touched), and an upload idle for ``ttl_s`` seconds is
+  dropped (a trainer that died mid-upload leaves nothing behind for long).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from diffusion_rollout.errors import WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 600.0
+DEFAULT_MAX_UPLOADS = 2
+
+
+@dataclass
+class Upload:
+    upload_id: str
+    created_at: float
+    touched_at: float
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    part_numbers: set[int] = field(default_factory=set)
+    unnumbered_parts: int = 0
+    num_bytes: int = 0
+    in_flight: int = 0  # parts begun but not yet recorded
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.part_numbers) + self.unnumbered_parts
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(v) for v in self.tensors.values())
+
+    def seen_names(self, module: str) -> set[str]:
+        return set(self.tensors.get(module, {}))
+
+
+class StagingArea:
+    """Uploads in progress, keyed by upload id. Thread-safe; holds CPU tensors only."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_uploads: int = DEFAULT_MAX_UPLOADS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_uploads = max_uploads
+        self._clock = clock
+        self._uploads: dict[str, Upload] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ queries
+    def get(self, upload_id: str) -> Upload | None:
+        with self._lock:
+            self._sweep_locked()
+            return self._uploads.get(upload_id)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            self._sweep_locked()
+            return list(self._uploads)
+
+    @property
+    def num_bytes(self) -> int:
+        with self._lock:
+            return sum(u.num_bytes for u in self._uploads.values())
+
+    # ------------------------------------------------------------------ mutation
+    def begin_part(self, upload_id: str, part: int | None) -> Upload:
+        """The upload this part belongs to (created on its first part); checks the part number."""
+        with self._lock:
+            self._sweep_locked()
+            upload = self._uploads.get(upload_id)
+            if upload is None:
+                if part is not None and part > 0:
+                    raise WeightUpdateError(
+                        f"no staged upload {upload_id!r} (expired, dropped after a failed part, or part 0 "
+                        f"never arrived); part {part} cannot start one",
+                        field="upload_id",
+                    )
+                self._make_room_locked()
+                now = self._clock()
+                upload = Upload(upload_id, created_at=now, touched_at=now)
+                self._uploads[upload_id] = upload
+            if part is not None:
+                if part < 0:
+                    raise WeightUpdateError(f"part must be >= 0, got {part}", field="part")
+                if upload.unnumbered_parts:
+                    raise WeightUpdateError(
+                        f"upload {upload_id!r} mixes numbered and unnumbered parts", field="part"
+                    )
+                if part in upload.part_numbers:
+                    raise WeightUpdateError(
+                        f"part {part} of upload {upload_id!r} was already sent", field="part"
+                    )
+            elif upload.part_numbers:
+                raise WeightUpdateError(
+                    f"upload {upload_id!r} mixes numbered and unnumbered parts", field="part"
+                )
+            upload.in_flight += 1
+            upload.touched_at = self._clock()
+            return upload
+
+    def add_part(
+        self, upload_id: str, part: int | None, module: str, tensors: dict[str, torch.Tensor]
+    ) -> Upload:
+        """Record a validated part (tensors already cast to the parameter dtype)."""
+        with self._lock:
+            upload = self._uploads.get(upload_id)
+            if upload is None:
+                raise WeightUpdateError(
+                    f"upload {upload_id!r} expired or was dropped while this part was parsed; start over",
+                    field="upload_id",
+                )
+            staged = upload.tensors.setdefault(module, {})
+            twice = sorted(set(staged) & set(tensors))
+            if twice:
+                raise WeightUpdateError(f"tensors sent twice in upload {upload_id!r}: {', '.join(twice[:5])}")
+            staged.update(tensors)
+            upload.in_flight -= 1
+            upload.num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            if part is None:
+                upload.unnumbered_parts += 1
+            else:
+                upload.part_numbers.add(part)
+            upload.touched_at = self._clock()
+            return upload
+
+    def take_complete(self, upload_id: str, final_part: int | None) -> Upload:
+        """Remove and return the upload after its final part; a gap in part numbers is an error."""
+        with self._lock:
+            upload = self._uploads.pop(upload_id, None)
+        if upload is None:
+            raise WeightUpdateError(f"no staged upload {upload_id!r}", field="upload_id")
+        if upload.in_flight:
+            raise WeightUpdateError(
+                f"upload {upload_id!r}: {upload.in_flight} part(s) were still arriving when the final part "
+                "was complete; send the final part last. Nothing was applied",
+                field="final",
+            )
+        if final_part is not None:
+            missing = sorted(set(range(final_part + 1)) - upload.part_numbers)
+            extra = sorted(p for p in upload.part_numbers if p > final_part)
+            if missing or extra:
+                what = []
+                if missing:
+                    what.append(f"missing parts {missing}")
+                if extra:
+                    what.append(f"parts after the final one {extra}")
+                raise WeightUpdateError(
+                    f"upload {upload_id!r} is incomplete ({'; '.join(what)}); nothing was applied",
+                    field="part",
+                )
+        return upload
+
+    def discard(self, upload_id: str, reason: str) -> bool:
+        with self._lock:
+            upload = self._uploads.pop(upload_id, None)
+        if upload is not None:
+            logger.warning("dropped staged upload %r (%d tensors): %s", upload_id, upload.num_tensors, reason)
+        return upload is not None
+
+    # ------------------------------------------------------------------ bounds
+    def _sweep_locked(self) -> None:
+        now = self._clock()
+        for uid, upload in list(self._uploads.items()):
+            if now - upload.touched_at > self.ttl_s:
+                del self._uploads[uid]
+                logger.warning(
+                    "staged upload %r expired after %.0f s idle (%d tensors dropped)",
+                    uid,
+                    now - upload.touched_at,
+                    upload.num_tensors,
+                )
+
+    def _make_room_locked(self) -> None:
+        while len(self._uploads) >= self.max_uploads:
+            oldest = min(self._uploads.values(), key=lambda u: u.touched_at)
+            del self._uploads[oldest.upload_id]
+            logger.warning(
+                "staged upload %r dropped to make room (at most %d uploads are staged)",
+                oldest.upload_id,
+                self.max_uploads,
+            )

@@ -1,0 +1,273 @@
+"""The update core: validate every tensor of an update, then copy them all in place, or none.
+
+Design decisions:
+
+- Validate-all-then-apply. :func:`plan_update` checks the whole payload before the first copy:
+  every name exists in its target module (after stripping a ``"<target>."`` prefix, as verl-omni
+  sends), no name comes twice, shapes match exactly, the dtype converts (float to float, integer and
+  bool only to the same dtype) and the converted values are finite (a float32 master that overflows
+  float16 is caught here, not in a rollout). Problems are collected and reported together in one
+  ``WeightUpdateError`` naming a few names per kind and a count.
+- One defined cast: ``tensor.to(param.dtype)``, done during planning so the copy itself cannot fail
+  on a dtype and the client can reproduce the exact bytes (``checksums.cast_named_tensors``).
+- Names are the module's *base* names: PEFT wrappers are seen through (``x.base_layer.weight`` is
+  ``x.weight``) and adapter tensors are not targets of a full update. Buffers are targets too
+  (diffusers checkpoints may carry them), though checksums cover parameters only.
+- :func:`apply_copies` backs up every touched tensor before the first write (on the same device; on
+  CUDA OOM the backup goes to the CPU) so a failure mid-copy restores the exact previous bytes and
+  raises ``WeightApplyError``. A failure while backing up changes nothing.
+- The copy is ``target.data.copy_(source)`` under ``torch.no_grad``: parameter objects keep their
+  identity (optimizers, PEFT wrappers and pinned-memory bookkeeping hold references to them).
+- Nothing here knows about threads: the manager runs planning and applying on the engine's worker
+  thread, between generation batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
+from diffusion_rollout.errors import WeightApplyError, WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+# How many names of one kind an error message lists before it only counts the rest.
+SHOWN_NAMES = 5
+
+BeforeCopy = Callable[[str, str], None]
+
+
+# ---------------------------------------------------------------------------- naming helpers
+def describe_names(names: Iterable[str], limit: int = SHOWN_NAMES) -> str:
+    """``"a, b, c"`` or ``"a, b, c, d, e and 12 more"``."""
+    items = list(names)
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f" and {len(items) - limit} more"
+    return shown
+
+
+def pipeline_modules(pipe) -> dict[str, nn.Module]:
+    """The pipeline's components that are ``nn.Module`` (what ``target_modules`` can name)."""
+    components = getattr(pipe, "components", None) or {}
+    return {name: mod for name, mod in components.items() if isinstance(mod, nn.Module)}
+
+
+def get_module(pipe, name: str) -> nn.Module:
+    modules = pipeline_modules(pipe)
+    if name not in modules:
+        raise WeightUpdateError(
+            f"unknown target module {name!r}; this pipeline has: {', '.join(sorted(modules)) or 'none'}",
+            field="target_modules",
+        )
+    return modules[name]
+
+
+def live_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Base parameters and buffers of ``module`` by name (PEFT wrappers seen through)."""
+    out = dict(base_named_parameters(module))
+    for name, buf in base_named_buffers(module):
+        out.setdefault(name, buf)
+    return out
+
+
+def canonical_name(name: str, target: str, known: Mapping[str, object]) -> str:
+    """Strip a leading ``"<target>."`` (verl-omni sends ``transformer.blocks.0...``)."""
+    if name not in known and name.startswith(target + "."):
+        return name[len(target) + 1 :]
+    return name
+
+
+# ---------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def module_spec(module: nn.Module) -> dict[str, TensorSpec]:
+    """Shapes and dtypes of a module's update targets (a snapshot; updates never change them)."""
+    return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in live_tensors(module).items()}
+
+
+@dataclass
+class Problems:
+    """Validation failures of one update, reported together."""
+
+    unknown: list[str] = field(default_factory=list)
+    duplicate: list[str] = field(default_factory=list)
+    shape: list[str] = field(default_factory=list)
+    dtype: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any((self.unknown, self.duplicate, self.shape, self.dtype, self.nonfinite, self.other))
+
+    def message(self) -> str:
+        parts = []
+        kinds = [
+            ("unknown tensor names", self.unknown),
+            ("names sent more than once", self.duplicate),
+            ("shape mismatch", self.shape),
+            ("dtype cannot convert", self.dtype),
+            ("non-finite values after the cast", self.nonfinite),
+            ("invalid entries", self.other),
+        ]
+        for label, items in kinds:
+            if items:
+                parts.append(f"{label} ({len(items)}): {describe_names(items)}")
+        return "weight update rejected, nothing changed: " + "; ".join(parts)
+
+    def raise_if_any(self) -> None:
+        if self:
+            raise WeightUpdateError(self.message())
+
+
+def dtype_converts(source: torch.dtype, target: torch.dtype) -> bool:
+    """Float to any float, complex to complex; integer and bool only to themselves."""
+    if target.is_floating_point:
+        return source.is_floating_point
+    if target.is_complex:
+        return source.is_complex
+    return source == target
+
+
+def check_and_convert(
+    module_name: str,
+    named_tensors: Iterable[tuple[str, object]],
+    spec: Mapping[str, TensorSpec],
+    problems: Problems,
+    *,
+    seen: set[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Validate ``(name, tensor)`` pairs against ``spec``; return them converted to the target dtypes.
+
+    Problems are appended to ``problems`` (prefixed with the module name) instead of raised, so
+    one answer names every failure. ``seen`` carries names across the parts of one upload.
+    """
+    seen = set() if seen is None else seen
+    out: dict[str, torch.Tensor] = {}
+    for raw_name, tensor in named_tensors:
+        if not isinstance(raw_name, str) or not isinstance(tensor, torch.Tensor):
+            problems.other.append(f"{module_name}: {raw_name!r} is not a (name, tensor) pair")
+            continue
+        name = canonical_name(raw_name, module_name, spec)
+        where = f"{module_name}.{name}"
+        if name in seen:
+            problems.duplicate.append(where)
+            continue
+        seen.add(name)
+        target = spec.get(name)
+        if target is None:
+            problems.unknown.append(where)
+            continue
+        if tuple(tensor.shape) != target.shape:
+            problems.shape.append(f"{where}: got {tuple(tensor.shape)}, expected {target.shape}")
+            continue
+        if not dtype_converts(tensor.dtype, target.dtype):
+            problems.dtype.append(f"{where}: {tensor.dtype} -> {target.dtype}")
+            continue
+        converted = tensor.detach().to(target.dtype)
+        if (converted.is_floating_point() or converted.is_complex()) and not bool(
+            torch.isfinite(converted).all()
+        ):
+            problems.nonfinite.append(f"{where} ({tensor.dtype} -> {target.dtype})")
+            continue
+        out[name] = converted
+    return out
+
+
+# ---------------------------------------------------------------------------- plan and apply
+@dataclass(frozen=True)
+class PlannedCopy:
+    module: str
+    name: str
+    target: torch.Tensor
+    source: torch.Tensor
+
+
+@dataclass
+class UpdatePlan:
+    copies: list[PlannedCopy]
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({c.module for c in self.copies})
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(c.source.numel() * c.source.element_size() for c in self.copies)
+
+    def summary(self) -> str:
+        per = {m: sum(1 for c in self.copies if c.module == m) for m in self.modules}
+        return ", ".join(f"{m}: {n} tensors" for m, n in per.items())
+
+
+def plan_update(pipe, payload: Mapping[str, Iterable[tuple[str, object]]]) -> UpdatePlan:
+    """Validate a whole update (``{module: [(name, tensor), ...]}``) against the live pipeline."""
+    problems = Problems()
+    copies: list[PlannedCopy] = []
+    for module_name, named in payload.items():
+        module = get_module(pipe, module_name)
+        live = live_tensors(module)
+        spec = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in live.items()}
+        converted = check_and_convert(module_name, named, spec, problems)
+        copies.extend(PlannedCopy(module_name, n, live[n], t) for n, t in converted.items())
+    problems.raise_if_any()
+    if not copies:
+        raise WeightUpdateError("the update holds no tensors")
+    return UpdatePlan(copies)
+
+
+def _backup(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return t.detach().clone()
+    except torch.cuda.OutOfMemoryError:
+        # Rollback needs exact bytes, not speed: keep them on the CPU when the device is full.
+        return t.detach().to("cpu", copy=True)
+
+
+def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = None) -> None:
+    """Copy every planned tensor in place; on any failure restore all of them, then raise."""
+    with torch.no_grad():
+        try:
+            backups = [_backup(c.target) for c in copies]
+        except Exception as exc:
+            raise WeightApplyError(
+                f"could not back up the {len(copies)} tensors to update (nothing changed): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        done = 0
+        try:
+            for c in copies:
+                if before_copy is not None:
+                    before_copy(c.module, c.name)
+                c.target.data.copy_(c.source)
+                done += 1
+        except Exception as exc:
+            failed = copies[done]
+            try:
+                # The failing tensor may be half written: restore it too.
+                for c, saved in zip(copies[: done + 1], backups, strict=False):
+                    c.target.data.copy_(saved)
+            except Exception as restore_exc:  # pragma: no cover - the device itself is failing
+                logger.critical("weight rollback failed; weights are inconsistent: %s", restore_exc)
+                raise WeightApplyError(
+                    f"copy failed at {failed.module}.{failed.name} ({exc}) and the rollback failed too "
+                    f"({restore_exc}); reload the weights"
+                ) from exc
+            raise WeightApplyError(
+                f"copy failed at {failed.module}.{failed.name} after {done} of {len(copies)} tensors: "
+                f"{type(exc).__name__}: {exc}; the previous weights were restored"
+            ) from exc
+
+
+def encoder_modules_touched(modules: Iterable[str]) -> bool:
+    """Whether a change to these modules can change prompt encodings (anything but denoisers/VAE)."""
+    return any(not (m.startswith("transformer") or m == "vae") for m in modules)
