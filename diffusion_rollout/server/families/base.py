@@ -151,9 +151,15 @@ class FamilyAdapter:
 
     # ---------------------------------------------------------------- replay conditioning
     def split_env(
-        self, calls: list[dict[str, Any]], batch: int, settings: CallSettings
+        self, calls: list[dict[str, Any]], batch: int, settings: CallSettings, timestep_dtype: torch.dtype | None
     ) -> list[dict[str, Any]]:
-        """Per-sample ``{pos_cond_kwargs, neg_cond_kwargs, guidance}`` from the step-0 transformer calls."""
+        """Per-sample ``denoising_env`` entries from the step-0 transformer calls.
+
+        Each entry: ``image_kwargs`` (geometry kwargs shared by both branches), ``pos_cond_kwargs``,
+        ``neg_cond_kwargs`` (None without CFG), ``guidance`` (the rule and scales), ``batch_kwargs``
+        (which kwargs carry one row per sample, so a replayer can stack samples) and
+        ``timestep_dtype`` (the dtype the pipeline handed the timestep in).
+        """
         cfg = self.uses_cfg(settings)
         out = []
         for i in range(batch):
