@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,6 +68,31 @@ def test_serve_demo_answers_health_and_model_info(served_demo):
     assert info["model_path"].startswith(str(cache))
     r = httpx.get(base + "/health", headers={"X-Request-Id": "abc123"}, timeout=5)
     assert r.headers["x-request-id"] == "abc123"
+
+
+def _readme_example() -> tuple[str, dict, str]:
+    """The README's example request: URL path, JSON body and the Python summary one-liner."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("```bash\ncurl", 1)[1].split("```", 1)[0]
+    url = re.search(r"http://127\.0\.0\.1:30000(/\S+)", block).group(1)
+    data = re.search(r"-d '(.*?)'", block, re.S).group(1)
+    summary = re.search(r"python3 -c '(.*?)'\s*$", block, re.S).group(1)
+    return url, json.loads(data), summary
+
+
+def test_readme_example_request_succeeds(served_demo):
+    base, _, _ = served_demo
+    path, payload, summary = _readme_example()
+    r = httpx.post(base + path, json=payload, headers={"Accept": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out[0]["generated_output"]["shape"] == [3, 32, 32]
+    assert out[0]["rollout_log_probs"]["shape"] == [payload["num_inference_steps"]]
+    # the README's one-liner runs on the response as printed
+    done = subprocess.run(
+        [sys.executable, "-c", summary], input=r.text, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and "rollout_log_probs" in done.stdout, done.stderr
 
 
 def test_serve_stops_cleanly_on_sigint(served_demo):
