@@ -61,7 +61,7 @@ def served_demo(tmp_path_factory):
 
 
 def test_serve_demo_answers_health_and_model_info(served_demo):
-    base, proc, cache = served_demo
+    base, _proc, cache = served_demo
     assert httpx.get(base + "/health", timeout=5).json() == {"status": "ok"}
     info = httpx.get(base + "/model_info", timeout=5).json()
     assert info["family"] == "sd3"
@@ -96,7 +96,7 @@ def test_readme_example_request_succeeds(served_demo):
 
 
 def test_serve_stops_cleanly_on_sigint(served_demo):
-    base, proc, _ = served_demo
+    _base, proc, _ = served_demo
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, out[-3000:]
