@@ -10,8 +10,13 @@ on-policy. Both work under autograd.
 Guidance rules (``env["guidance"]["rule"]``):
 - ``none``: one conditional call.
 - ``cfg_batched`` (SD3): one call on ``[x; x]`` with ``[neg; pos]`` kwargs, ``u + s * (c - u)``.
-- ``true_cfg`` (FLUX, Qwen-Image, Wan): a conditional call, then an unconditional one,
-  ``neg + s * (pos - neg)``; Qwen-Image then rescales to the conditional norm (``norm_rescale``).
+- ``true_cfg`` (FLUX, Wan): a conditional call, then an unconditional one, ``neg + s * (pos - neg)``
+  with ``s`` the ``true_cfg_scale`` when the env carries one (FLUX), else ``guidance_scale`` (Wan).
+- ``norm_rescale`` (Qwen-Image): ``true_cfg``, then rescaled to the conditional branch's norm over
+  the last dim.
+
+Two experts (Wan 2.2): ``env["expert_per_step"][step]`` names the module that ran the step; steps of
+``transformer_2`` use ``guidance["guidance_scale_2"]``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def _scale_for(guidance: Mapping[str, Any], expert: str) -> float:
     if expert == "transformer_2" and guidance.get("guidance_scale_2") is not None:
         return float(guidance["guidance_scale_2"])
     rule = guidance["rule"]
-    if rule == "true_cfg" and guidance.get("true_cfg_scale") is not None:
+    if rule in ("true_cfg", "norm_rescale") and guidance.get("true_cfg_scale") is not None:
         return float(guidance["true_cfg_scale"])
     return float(guidance.get("guidance_scale", 1.0))
 
@@ -105,8 +110,15 @@ def replay_model_output(
     neg = _move(env.get("neg_cond_kwargs"), device)
     b = latents.shape[0]
 
+    # Per-token timesteps (Wan 2.2 TI2V's expand_timesteps): the pipeline passed [B, tokens].
+    tokens = env.get("timestep_tokens")
+    if env.get("model_input_dtype"):
+        # Pipelines that keep float32 latents (Wan) cast the model input; same cast here.
+        latents = latents.to(_dtype(env["model_input_dtype"]))
+
     def call(x: torch.Tensor, kwargs: Mapping[str, Any]) -> torch.Tensor:
-        t = t_value.to(device=device, dtype=t_dtype).reshape(()).expand(x.shape[0])
+        t = t_value.to(device=device, dtype=t_dtype).reshape(())
+        t = t.expand(x.shape[0]) if tokens is None else t.expand(x.shape[0], int(tokens))
         return module(hidden_states=x, timestep=t, **image, **kwargs, return_dict=False)[0]
 
     if rule == "none" or neg is None:

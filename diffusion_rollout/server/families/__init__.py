@@ -7,13 +7,15 @@ from typing import Any
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 from diffusion_rollout.server.families.flux import FluxAdapter
+from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
+from diffusion_rollout.server.families.wan import WanAdapter
 
-ADAPTERS: list[type[FamilyAdapter]] = [SD3Adapter, FluxAdapter]
+ADAPTERS: list[type[FamilyAdapter]] = [SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter]
 
 
 def register(adapter: type[FamilyAdapter]) -> None:
-    """Add a family (used by the Qwen-Image and Wan modules)."""
+    """Add a family adapter (for families defined outside this package)."""
     if adapter not in ADAPTERS:
         ADAPTERS.append(adapter)
 

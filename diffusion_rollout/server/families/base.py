@@ -55,7 +55,11 @@ class FamilyAdapter:
         self.loaded = loaded
 
     def scheduler_for(self, rollout: bool) -> contextlib.AbstractContextManager:
-        """Context in which the pipeline holds the right scheduler for this batch."""
+        """Context in which the pipeline holds the right scheduler for this batch.
+
+        ``rollout`` is true when the call needs the rollout scheduler: a rollout, or a plain generation
+        with an exact schedule (only the rollout scheduler runs given sigmas exactly).
+        """
         return contextlib.nullcontext()
 
     def accepts_stock_sigmas(self) -> bool:
@@ -79,8 +83,9 @@ class FamilyAdapter:
     def encoding_cache_key(self, settings: CallSettings) -> tuple:
         return (self.uses_cfg(settings), settings.max_sequence_length)
 
-    def output_tensor(self, output: Any) -> torch.Tensor | None:
-        """The batch of decoded images ([B, C, H, W]) or latents from the pipeline's output."""
+    def output_tensor(self, output: Any, *, decoded: bool = True) -> torch.Tensor | None:
+        """The batch from the pipeline's output: images [B, C, H, W] or videos [B, C, F, H, W] when
+        ``decoded``, else the latents (``output_type="latent"``)."""
         return output.images
 
     def to_uint8(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +156,11 @@ class FamilyAdapter:
 
     # ---------------------------------------------------------------- replay conditioning
     def split_env(
-        self, calls: list[dict[str, Any]], batch: int, settings: CallSettings, timestep_dtype: torch.dtype | None
+        self,
+        calls: list[dict[str, Any]],
+        batch: int,
+        settings: CallSettings,
+        timestep_dtype: torch.dtype | None,
     ) -> list[dict[str, Any]]:
         """Per-sample ``denoising_env`` entries from the step-0 transformer calls.
 

@@ -1,0 +1,227 @@
+"""``POST /rollout/generate`` on the tiny Qwen-Image model, through the real HTTP app.
+
+Exactness is equality (``torch.equal``): the ODE path against the stock ``QwenImagePipeline`` (its
+true CFG with the norm rescale, its dynamic-shift schedule), custom sigmas against the stock pipeline
+with its shifts disabled, replay of every step from ``denoising_env`` against the recorded model
+outputs and log-probs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
+
+FAMILY = "qwenimage"
+T = 4
+# True CFG on: the pipeline runs it only with a negative prompt and true_cfg_scale > 1.
+BASE = {
+    "prompt": "a red cat",
+    "negative_prompt": " ",
+    "true_cfg_scale": 4.0,
+    "width": 32,
+    "height": 32,
+    "num_inference_steps": T,
+    "max_sequence_length": 16,
+}
+
+
+def body(**kw) -> dict:
+    return {**BASE, "seed": 7, **kw}
+
+
+_stock: dict = {}
+
+
+def stock_pipe(path, *, unshifted: bool = False):
+    key = (str(path), unshifted)
+    if key not in _stock:
+        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        if unshifted:  # no static, dynamic or terminal shift: the stock scheduler uses sigmas as given
+            pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+                pipe.scheduler.config, shift=1.0, use_dynamic_shifting=False, shift_terminal=None
+            )
+        _stock[key] = pipe
+    return _stock[key]
+
+
+def stock(path, *, seeds, output_type, sigmas=None, **kw):
+    """The stock pipeline from the same folder, called the way a user would."""
+    pipe = stock_pipe(path, unshifted=sigmas is not None)
+    args = {k: v for k, v in BASE.items() if k != "num_inference_steps"}
+    args.update(num_images_per_prompt=len(seeds), **kw)
+    if sigmas is not None:
+        args["sigmas"] = sigmas
+    else:
+        args["num_inference_steps"] = T
+    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    return pipe(generator=gens, output_type=output_type, **args).images
+
+
+def stack(outs, key="generated_output"):
+    return torch.stack([o[key] for o in outs])
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"rollout": False},
+        {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True},
+        {"rollout_sde_step_indices": [], "rollout_log_prob_no_const": True},
+    ],
+    ids=["rollout_false", "ode_kind", "no_sde_steps"],
+)
+def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mode):
+    srv, path = served(FAMILY), tiny_model_path(FAMILY)
+    lat = srv.generate(body(num_outputs_per_prompt=2, return_generated_output=False, **mode))
+    assert torch.equal(stack(lat), stock(path, seeds=[7, 8], output_type="latent"))
+    img = srv.generate(body(num_outputs_per_prompt=2, **mode))
+    assert torch.equal(stack(img), stock(path, seeds=[7, 8], output_type="pt"))
+    assert img[0]["generated_output"].shape == (3, 32, 32)
+
+
+def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path):
+    (out,) = served(FAMILY).generate(
+        body(rollout_sde_type="ode", rollout_log_prob_no_const=True, rollout_return_dit_trajectory=True)
+    )
+    pipe = stock_pipe(tiny_model_path(FAMILY))
+    stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
+    sigmas = out["dit_trajectory"]["sigmas"]
+    assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
+    # Dynamic shift with shift_terminal: not the plain linspace, and stretched to end at 0.02.
+    assert sigmas[-2].item() == pytest.approx(0.02) and sigmas[-1].item() == 0.0
+    # The model sees t / 1000 in the latents' dtype; the trajectory reports it as passed.
+    assert torch.equal(out["dit_trajectory"]["timesteps"][:T], (pipe.scheduler.timesteps / 1000).float())
+
+
+def test_custom_sigmas_are_used_exactly(served, tiny_model_path):
+    sigmas = [1.0, 0.8, 0.45, 0.2]
+    srv, path = served(FAMILY), tiny_model_path(FAMILY)
+    (plain,) = srv.generate(body(rollout=False, return_generated_output=False, sigmas=sigmas))
+    ref = stock(path, seeds=[7], output_type="latent", sigmas=sigmas)
+    assert torch.equal(plain["generated_output"], ref[0])
+    (ode,) = srv.generate(
+        body(
+            rollout_sde_type="ode",
+            rollout_log_prob_no_const=True,
+            return_generated_output=False,
+            rollout_return_dit_trajectory=True,
+            extra_sampling_params={"sigmas": sigmas},
+        )
+    )
+    assert torch.equal(ode["generated_output"], ref[0])
+    assert torch.equal(ode["dit_trajectory"]["sigmas"], torch.tensor([*sigmas, 0.0]))
+
+
+@pytest.mark.parametrize("form", ["gaussian", "no_const"])
+def test_replay_reproduces_model_output_and_log_prob(served, form):
+    srv = served(FAMILY)
+    (out,) = srv.generate(
+        body(
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+            rollout_debug_mode=True,
+            rollout_log_prob_form=form,
+        )
+    )
+    traj, env = out["dit_trajectory"], out["denoising_env"]
+    assert env["guidance"]["rule"] == "norm_rescale" and env["neg_cond_kwargs"] is not None
+    assert "encoder_hidden_states" in env["pos_cond_kwargs"] and "img_shapes" in env["image_kwargs"]
+    recorded = out["rollout_debug_tensors"]["rollout_model_outputs"]
+    transformer = srv.engine.pipe.transformer
+    for step in range(T):
+        x = traj["latents"][step : step + 1]
+        with torch.no_grad():
+            v = replay_model_output(transformer, x, traj["timesteps"][step], env, step=step)
+        assert torch.equal(v[0], recorded[step]), f"model output differs at step {step}"
+        res = replay_log_prob(
+            "sde",
+            x,
+            v,
+            traj["latents"][step + 1 : step + 2],
+            traj["sigmas"],
+            step,
+            eta=0.7,
+            log_prob_form=form,
+        )
+        assert torch.equal(res.log_prob[0], out["rollout_log_probs"][step]), f"log-prob differs at {step}"
+    # The rescale matters: plain true CFG does not reproduce the recorded output.
+    plain = {**env, "guidance": {**env["guidance"], "rule": "true_cfg"}}
+    with torch.no_grad():
+        v = replay_model_output(transformer, traj["latents"][:1], traj["timesteps"][0], plain, step=0)
+    assert not torch.equal(v[0], recorded[0])
+
+
+def test_sde_log_probs_zero_exactly_at_ode_steps(served):
+    (out,) = served(FAMILY).generate(
+        body(rollout_sde_step_indices=[0, 2], rollout_return_dit_trajectory=True, rollout_debug_mode=False)
+    )
+    lp = out["rollout_log_probs"]
+    assert lp.shape == (T,) and lp.dtype == torch.float32
+    assert lp[1].item() == 0.0 and lp[3].item() == 0.0
+    assert lp[0].item() != 0.0 and lp[2].item() != 0.0
+    assert out["sde_step_indices"] == [0, 2]
+    assert out["dit_trajectory"]["latents"].shape == (T + 1, 16, 64)  # packed 2x2 latent patches
+
+
+def test_prompts_of_different_lengths_batch_apart(fresh_server):
+    """Encodings of different text lengths cannot share a call; each still equals its solo run."""
+    srv = fresh_server(FAMILY, max_batch_size=16)
+    reqs = [
+        body(prompt="a cat", seed=1),
+        body(prompt="a very long prompt about a small red cat on a mat", seed=2),
+        body(prompt="a dog", seed=3),  # the same token count as "a cat": batched with it
+    ]
+    alone = [srv.generate(r) for r in reqs]
+    before = srv.engine.worker.batches_run
+    srv.engine.worker.pause()
+    results: list = [None] * len(reqs)
+
+    def send(i):
+        results[i] = srv.generate(reqs[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while srv.engine.worker.depth < len(reqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.engine.worker.resume()
+    for t in threads:
+        t.join(60)
+    assert srv.engine.worker.batches_run == before + 1, "the three requests should be taken as one batch"
+    # The long prompt ran alone (batch 1, bitwise); the two short ones shared a call of batch 2,
+    # where CPU GEMM blocking may move the last bits (test_rollout_api.BATCH_SIZE_BOUND).
+    assert torch.equal(results[1][0]["generated_output"], alone[1][0]["generated_output"])
+    for i in (0, 2):
+        diff = (results[i][0]["generated_output"] - alone[i][0]["generated_output"]).abs().max().item()
+        assert diff <= 1e-4
+
+
+def test_uint8_output_is_quantised_float_output(served):
+    (f,) = served(FAMILY).generate(body(rollout=False))
+    (u,) = served(FAMILY).generate(body(rollout=False, output_dtype="uint8"))
+    assert u["generated_output"].dtype == torch.uint8
+    assert torch.equal(
+        u["generated_output"], (f["generated_output"] * 255).round().clamp(0, 255).to(torch.uint8)
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"width": 36}, "width"),
+        ({"height": 20}, "height"),
+        ({"max_sequence_length": 2048}, "max_sequence_length"),
+    ],
+)
+def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
+    r = served(FAMILY).generate(body(**extra), expect=400)
+    err = r.json()["error"]
+    assert err["code"] == 400 and needle in err["message"], err
