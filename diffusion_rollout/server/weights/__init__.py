@@ -4,7 +4,7 @@
 - ``staging``: multi-part HTTP uploads staged until the final part.
 - ``ipc``: SGLang ``update_weights_from_tensor`` payloads and the restricted unpickler.
 - ``distributed``: NCCL/gloo update groups and broadcasts from the trainer.
-- ``lora``: named PEFT adapters, dynamic and merged modes.
+- ``lora``: named PEFT adapters, dynamic and merged modes; ``lora_io`` reads adapters and configs.
 - ``memory``: releasing and resuming device memory.
 - ``manager``: ``WeightManager`` and ``get_weight_manager(engine)``; runs every mutation through
   ``engine.run_exclusive`` so updates land between generation batches.

@@ -24,7 +24,9 @@ rebuild functions (``torch.multiprocessing.reductions.rebuild_*``, ``torch._util
 tensor/storage/``Size``/``device``/dtype objects, ``collections.OrderedDict`` (parameter hooks),
 ``multiprocessing.resource_sharer.DupFd`` (CPU shared memory) and the bucket metadata type (mapped
 by class name to the dataclass below, whatever module the sender had it in). Every other global is
-refused with ``WeightUpdateError`` before anything is called.
+refused with ``WeightUpdateError`` before anything is called. ``DupFd`` makes the server connect to
+the sender's resource-sharer socket (authenticated with this process's multiprocessing key); it
+is allowed because CPU tensors can travel no other way, on an admin route.
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@ Design decisions:
   diffusers' ``add_adapter`` uses), so the ``dynamic`` forward *is* PEFT's forward: outputs are bit
   for bit those of a PEFT-wrapped model holding the same adapter. Several adapters live side by side
   (DiffusionNFT's ``default`` policy and its EMA ``old``); one, or none, is active per module.
-- Payload keys are PEFT state-dict keys (``<layer>.lora_A.weight``, ``<layer>.lora_B.weight``), with
-  an optional ``base_model.model.`` or ``"<module>."`` prefix and an optional adapter name before
-  ``.weight`` (raw ``named_parameters`` keys). Without a config the adapter is described by the
-  payload: the exact layers present (a full-match regex, so nothing else is wrapped), rank from
-  ``lora_A``, alpha as given or equal to the rank (SGLang's rule). With a config, the layers it
-  targets must be exactly the layers in the payload.
+- Payloads arrive parsed by ``lora_io`` (A/B pairs per layer, and a config or none). Without a
+  config the payload describes the adapter; with one, the layers it targets must be exactly the
+  layers in the payload.
 - Everything is validated before anything changes: every key parses, every layer exists, pairs
   are complete, shapes fit the base layer, values are finite. A payload that binds no layer is an
   error, never a silent no-op. A new adapter that fails after injection is removed again.
@@ -29,16 +26,12 @@ Design decisions:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
-import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -46,6 +39,7 @@ from torch import nn
 
 from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.errors import NotFoundError, WeightApplyError, WeightUpdateError
+from diffusion_rollout.server.weights.lora_io import LoraPayload, inferred_lora_config
 from diffusion_rollout.server.weights.updater import PlannedCopy, apply_copies, describe_names
 
 logger = logging.getLogger(__name__)
@@ -53,10 +47,7 @@ logger = logging.getLogger(__name__)
 Mode = Literal["dynamic", "merged"]
 MODES = ("dynamic", "merged")
 
-_KEY = re.compile(r"^(?P<layer>.+?)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
-_PREFIXES = ("base_model.model.",)
-# LoraConfig.to_dict() keys that describe provenance, not the adapter.
-_META_KEYS = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}  # fmt: skip
+_TARGETING_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
 _LAYOUT_FIELDS = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "fan_in_fan_out")  # fmt: skip
 
 
@@ -66,186 +57,6 @@ def _peft():
     from peft.tuners.tuners_utils import check_target_module_exists
 
     return peft, LoraLayer, check_target_module_exists
-
-
-# ---------------------------------------------------------------------------- payload parsing
-@dataclass
-class LoraPayload:
-    """LoRA tensors grouped by layer path: ``{layer: (lora_A, lora_B)}``."""
-
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def layers(self) -> list[str]:
-        return sorted(self.pairs)
-
-    def ranks(self) -> dict[str, int]:
-        return {layer: int(a.shape[0]) for layer, (a, _) in self.pairs.items()}
-
-
-def parse_lora_tensors(named_tensors: Iterable[tuple[str, Any]], target: str) -> LoraPayload:
-    """Group PEFT-style keys into complete A/B pairs; raise naming every malformed key."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    bad: list[str] = []
-    twice: list[str] = []
-    for key, tensor in named_tensors:
-        if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
-            bad.append(repr(key))
-            continue
-        name = key
-        for prefix in (*_PREFIXES, target + "."):
-            name = name.removeprefix(prefix)
-        m = _KEY.match(name)
-        if m is None:
-            bad.append(key)
-            continue
-        kind = "A" if m["kind"] == "lora_A" else "B"
-        slot = halves.setdefault(m["layer"], {})
-        if kind in slot:
-            twice.append(key)
-        slot[kind] = tensor
-    incomplete = sorted(layer for layer, slot in halves.items() if len(slot) != 2)
-    problems = []
-    if bad:
-        problems.append(
-            f"keys that are not '<layer>.lora_A|lora_B.weight' ({len(bad)}): {describe_names(bad)}"
-        )
-    if twice:
-        problems.append(f"keys sent twice ({len(twice)}): {describe_names(twice)}")
-    if incomplete:
-        problems.append(f"layers missing lora_A or lora_B ({len(incomplete)}): {describe_names(incomplete)}")
-    if problems:
-        raise WeightUpdateError("LoRA payload rejected, nothing changed: " + "; ".join(problems))
-    pairs = {layer: (slot["A"], slot["B"]) for layer, slot in halves.items()}
-    if not pairs:
-        raise WeightUpdateError(f"the LoRA payload for {target!r} holds no lora_A/lora_B tensors")
-    return LoraPayload(pairs)
-
-
-def lora_config_from_dict(cfg: Mapping[str, Any]) -> Any:
-    """A ``LoraConfig`` from a dict (e.g. ``adapter_config.json``); unknown keys are an error."""
-    peft, _, _ = _peft()
-    known = {f.name for f in dataclasses.fields(peft.LoraConfig)}
-    unknown = sorted(set(cfg) - known - _META_KEYS)
-    if unknown:
-        raise WeightUpdateError(f"unknown LoRA config keys: {', '.join(unknown)}", field="peft_config")
-    kwargs = {k: v for k, v in cfg.items() if k in known and k not in _META_KEYS}
-    if kwargs.get("peft_type") not in (None, "LORA"):
-        raise WeightUpdateError(f"only LoRA adapters are supported, got {kwargs['peft_type']}")
-    try:
-        return peft.LoraConfig(**kwargs)
-    except Exception as exc:
-        raise WeightUpdateError(f"invalid LoRA config: {exc}", field="peft_config") from exc
-
-
-def inferred_lora_config(payload: LoraPayload, lora_alpha: float | None = None) -> Any:
-    """The config that wraps exactly the payload's layers: rank from ``lora_A``, alpha or rank."""
-    peft, _, _ = _peft()
-    ranks = payload.ranks()
-    r = max(set(ranks.values()), key=lambda v: (list(ranks.values()).count(v), -v))
-    alpha = float(lora_alpha) if lora_alpha is not None else None
-    # Pattern keys match a layer path or a ".path" suffix; the full path names exactly one layer.
-    rank_pattern = {re.escape(layer): v for layer, v in ranks.items() if v != r}
-    alpha_pattern = {}
-    if alpha is None:
-        alpha_pattern = {re.escape(layer): v for layer, v in ranks.items() if v != r}
-    regex = "^(" + "|".join(re.escape(layer) for layer in payload.layers) + ")$"
-    return peft.LoraConfig(
-        r=r,
-        lora_alpha=alpha if alpha is not None else r,
-        target_modules=regex,
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
-        lora_dropout=0.0,
-    )
-
-
-# ---------------------------------------------------------------------------- reading adapters
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
-DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
-DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
-UPLOAD_METADATA_KEY = "peft_config"
-
-
-def _config_from_metadata(metadata: Mapping[str, str] | None, target: str) -> dict[str, Any] | None:
-    """The LoRA config stored in a safetensors header, if any.
-
-    ``peft_config`` (this server's upload convention) or diffusers' ``lora_adapter_metadata``; the
-    latter's keys carry a ``"<module>."`` prefix when a whole pipeline's LoRA was saved.
-    """
-    if not metadata:
-        return None
-    raw = metadata.get(UPLOAD_METADATA_KEY) or metadata.get(DIFFUSERS_METADATA_KEY)
-    if raw is None:
-        return None
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise WeightUpdateError(f"the LoRA config in the safetensors metadata is not JSON: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise WeightUpdateError("the LoRA config in the safetensors metadata is not an object")
-    prefixed = {k[len(target) + 1 :]: v for k, v in cfg.items() if k.startswith(target + ".")}
-    return prefixed or cfg
-
-
-def read_lora_bytes(data: bytes, target: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any] | None]:
-    """An uploaded safetensors body -> tensors and the config from its metadata (if any)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    if not data:
-        raise WeightUpdateError("the request body is empty; send safetensors bytes")
-    try:
-        tensors = load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_len])
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise WeightUpdateError(
-            f"the body ({len(data)} bytes) is not a valid safetensors file: {exc}"
-        ) from exc
-    return list(tensors.items()), _config_from_metadata(header.get("__metadata__"), target)
-
-
-def read_lora_path(path: str, target: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any] | None]:
-    """A PEFT folder, a diffusers LoRA folder or a ``.safetensors`` file -> tensors and config."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    config = None
-    if p.is_file():
-        weights = p
-    elif p.is_dir():
-        if (p / PEFT_WEIGHTS).is_file():
-            weights = p / PEFT_WEIGHTS
-        elif (p / DIFFUSERS_WEIGHTS).is_file():
-            weights = p / DIFFUSERS_WEIGHTS
-        else:
-            found = sorted(p.glob("*.safetensors"))
-            if len(found) != 1:
-                raise WeightUpdateError(
-                    f"{path} holds {len(found)} .safetensors files; expected {PEFT_WEIGHTS}, "
-                    f"{DIFFUSERS_WEIGHTS} or exactly one file",
-                    field="path",
-                )
-            weights = found[0]
-        if (p / PEFT_CONFIG).is_file():
-            try:
-                config = json.loads((p / PEFT_CONFIG).read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise WeightUpdateError(f"cannot read {p / PEFT_CONFIG}: {exc}", field="path") from exc
-    else:
-        raise WeightUpdateError(f"no LoRA file or folder at {path!r} on this server", field="path")
-    try:
-        tensors = load_file(str(weights))
-        with safe_open(str(weights), framework="pt") as f:
-            metadata = f.metadata()
-    except (SafetensorError, OSError) as exc:
-        raise WeightUpdateError(f"cannot read {weights}: {exc}", field="path") from exc
-    if config is None:
-        config = _config_from_metadata(metadata, target)
-    return list(tensors.items()), config
 
 
 # ---------------------------------------------------------------------------- module structure
@@ -302,6 +113,11 @@ class AdapterRecord:
         return (self.layers, *(_freeze(getattr(self.config, f)) for f in _LAYOUT_FIELDS))
 
 
+def _config_key(config: Any) -> tuple:
+    """What decides which layers a config wraps and how: equal keys wrap the same way."""
+    return tuple(_freeze(getattr(config, f, None)) for f in (*_LAYOUT_FIELDS, *_TARGETING_FIELDS))
+
+
 def _freeze(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
@@ -355,15 +171,24 @@ class LoraManager:
         if not name or not isinstance(name, str):
             raise WeightUpdateError("an adapter needs a non-empty name", field="name")
         state = self.state(target)
+        old = state.adapters.get(name)
         try:
             config = config if config is not None else inferred_lora_config(payload, lora_alpha)
-            layers = self._validate(target, module, payload, config)
+            # A reload with the same layers and config wraps the same layers: skip matching the config
+            # against every module path (the slow part of validation on a large model).
+            same = (
+                old is not None
+                and tuple(payload.layers) == old.layers
+                and _config_key(config) == _config_key(old.config)
+            )
+            layers = self._validate(
+                target, module, payload, config, wrapped=list(old.layers) if same else None
+            )
         except Exception:
             if not state.adapters:
                 self.targets.pop(target, None)
             raise
         new_record = AdapterRecord(name, config, tuple(layers), source)
-        old = state.adapters.get(name)
         in_place = old is not None and old.layout() == new_record.layout()
         # Only the merged adapter's own deltas, or a change of module structure, need the exact base.
         needs_base = not in_place or (state.merged and state.active == name)
@@ -387,7 +212,14 @@ class LoraManager:
                 self._apply_activation(module, state)
         return record, in_place
 
-    def _validate(self, target: str, module: nn.Module, payload: LoraPayload, config: Any) -> list[str]:
+    def _validate(
+        self,
+        target: str,
+        module: nn.Module,
+        payload: LoraPayload,
+        config: Any,
+        wrapped: list[str] | None = None,
+    ) -> list[str]:
         _, _, check_target = _peft()
         paths = canonical_module_paths(module)
         unknown = [layer for layer in payload.layers if layer not in paths]
@@ -400,7 +232,8 @@ class LoraManager:
         problems = []
         if unknown:
             problems.append(f"layers not in {target} ({len(unknown)}): {describe_names(unknown)}")
-        wrapped = sorted(p for p, sub in paths.items() if _is_wrappable(sub) and check_target(config, p))
+        if wrapped is None:
+            wrapped = sorted(p for p, sub in paths.items() if _is_wrappable(sub) and check_target(config, p))
         not_sent = sorted(set(wrapped) - set(payload.layers))
         not_targeted = sorted(set(payload.layers) - set(wrapped) - set(unknown))
         if not_sent:
@@ -486,7 +319,11 @@ class LoraManager:
         strength: float | None = None,
         merge_dtype: torch.dtype | None = None,
     ) -> None:
-        state = self.state(target)
+        state = self.targets.get(target)
+        if state is None:
+            if name is None:
+                return  # no adapters on this module: it already runs its base weights
+            state = TargetState()
         if name is not None and name not in state.adapters:
             raise NotFoundError(
                 f"no LoRA adapter {name!r} on {target}; loaded: {', '.join(state.adapters) or 'none'}"
@@ -511,7 +348,9 @@ class LoraManager:
     def set_mode(
         self, target: str, module: nn.Module, mode: Mode, merge_dtype: torch.dtype | None = None
     ) -> None:
-        state = self.state(target)
+        state = self.targets.get(target)
+        if state is None:
+            raise NotFoundError(f"no LoRA adapters on {target}")
         self.activate(target, module, state.active, mode=mode, merge_dtype=merge_dtype)
 
     def _check_mergeable(self, record: AdapterRecord) -> None:
@@ -612,7 +451,10 @@ class LoraManager:
     def _remove(self, module: nn.Module, state: TargetState, name: str, *, forget: bool = True) -> None:
         for path, layer in list(tuner_layers(module)):
             if name in layer.lora_A:
-                layer.delete_adapter(name)
+                with warnings.catch_warnings():
+                    # PEFT warns when the active adapter goes; activation is reapplied by the caller.
+                    warnings.simplefilter("ignore")
+                    layer.delete_adapter(name)
             if not layer.lora_A:
                 parent_path, _, child = path.rpartition(".")
                 parent = module.get_submodule(parent_path) if parent_path else module

@@ -38,8 +38,8 @@ from diffusion_rollout.checksums import ALGORITHMS, module_checksum, tensor_sha2
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
 from diffusion_rollout.server.weights import ipc
 from diffusion_rollout.server.weights.distributed import UpdateGroups
-from diffusion_rollout.server.weights.lora import (
-    LoraManager,
+from diffusion_rollout.server.weights.lora import LoraManager
+from diffusion_rollout.server.weights.lora_io import (
     lora_config_from_dict,
     parse_lora_tensors,
     read_lora_bytes,
@@ -143,6 +143,10 @@ class WeightManager:
         return pipeline_modules(self.engine.pipe)
 
     def targets(self, target_modules: Sequence[str] | None) -> list[str]:
+        if target_modules is not None and not target_modules:
+            raise WeightUpdateError(
+                "target_modules is empty; leave it out for the default", field="target_modules"
+            )
         names = list(dict.fromkeys(target_modules or DEFAULT_TARGETS))
         modules = self.modules()
         unknown = [n for n in names if n not in modules]
@@ -228,8 +232,9 @@ class WeightManager:
         [module] = self.targets([target_module])
         uid = upload_id or (str(weight_version) if weight_version is not None else "default")
         spec = await self._spec(module)
-        upload = self.staging.begin_part(uid, part)
         try:
+            # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
+            upload = self.staging.begin_part(uid, part)
 
             def parse() -> dict[str, torch.Tensor]:
                 problems = Problems()
@@ -242,7 +247,12 @@ class WeightManager:
             tensors = await asyncio.to_thread(parse)
             upload = self.staging.add_part(uid, part, module, tensors)
         except Exception as exc:
-            self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
+            dropped = self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
+            if dropped and isinstance(exc, WeightUpdateError):
+                raise WeightUpdateError(
+                    f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
+                    field=exc.field,
+                ) from exc
             raise
         if not final:
             return self.result(

@@ -46,6 +46,8 @@ class Upload:
     unnumbered_parts: int = 0
     num_bytes: int = 0
     in_flight: int = 0  # parts begun but not yet recorded
+    numbered: bool | None = None  # set by the first part: all parts numbered, or none
+    parts_begun: set[int] = field(default_factory=set)
 
     @property
     def num_parts(self) -> int:
@@ -108,21 +110,18 @@ class StagingArea:
                 now = self._clock()
                 upload = Upload(upload_id, created_at=now, touched_at=now)
                 self._uploads[upload_id] = upload
-            if part is not None:
-                if part < 0:
-                    raise WeightUpdateError(f"part must be >= 0, got {part}", field="part")
-                if upload.unnumbered_parts:
-                    raise WeightUpdateError(
-                        f"upload {upload_id!r} mixes numbered and unnumbered parts", field="part"
-                    )
-                if part in upload.part_numbers:
-                    raise WeightUpdateError(
-                        f"part {part} of upload {upload_id!r} was already sent", field="part"
-                    )
-            elif upload.part_numbers:
+            if part is not None and part < 0:
+                raise WeightUpdateError(f"part must be >= 0, got {part}", field="part")
+            numbered = part is not None
+            if upload.numbered is not None and upload.numbered != numbered:
                 raise WeightUpdateError(
                     f"upload {upload_id!r} mixes numbered and unnumbered parts", field="part"
                 )
+            if part is not None and (part in upload.part_numbers or part in upload.parts_begun):
+                raise WeightUpdateError(f"part {part} of upload {upload_id!r} was already sent", field="part")
+            upload.numbered = numbered
+            if part is not None:
+                upload.parts_begun.add(part)
             upload.in_flight += 1
             upload.touched_at = self._clock()
             return upload
