@@ -1,1 +1,82 @@
-"""client."""
+"""The thin trainer client: rollouts over HTTP, weight and LoRA pushes, and replay for training.
+
+- ``http``: :class:`RolloutClient` / :class:`AsyncRolloutClient` (every endpoint of api.md and
+  weights.md, typed results, bounded concurrency, retries only where a repeat is harmless).
+- ``results``: :class:`RolloutOutput` and friends (torch tensors, api.md's field names).
+- ``weights``: bounded multi-part safetensors uploads with one atomic commit, PEFT adapter pushes,
+  checksum verification, the same-host IPC body and the NCCL/gloo broadcaster.
+- ``replay`` / ``training``: recompute a rollout's steps with the trainer's transformer and the
+  shared transition function (ratio exactly 1 on-policy), plus the common loss pieces.
+- ``exceptions``: server errors as the project's exception classes, with status and message.
+
+Importing this package opens no connection and starts nothing.
+"""
+
+from diffusion_rollout.client.exceptions import (
+    ChecksumMismatchError,
+    RolloutConnectionError,
+    RolloutHTTPError,
+    RolloutTimeoutError,
+)
+from diffusion_rollout.client.http import AsyncRolloutClient, RetryPolicy, RolloutClient
+from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
+from diffusion_rollout.client.results import DitTrajectory, ReplaySettings, RolloutOutput, UpdateResult
+from diffusion_rollout.client.training import (
+    ReplayBatch,
+    ReplayedStep,
+    clipped_policy_loss,
+    gaussian_kl,
+    group_advantages,
+    replay_step,
+    replay_steps,
+    trainable_steps,
+)
+from diffusion_rollout.client.weights import (
+    WeightBroadcaster,
+    build_update_weights_from_tensor_request,
+    lora_checksum,
+    lora_config_dict,
+    lora_state_dict,
+    push_lora,
+    push_weights,
+    push_weights_ipc,
+    safetensors_parts,
+    verify_lora,
+    verify_weights_checksum,
+)
+
+__all__ = [
+    "AsyncRolloutClient",
+    "ChecksumMismatchError",
+    "DitTrajectory",
+    "ReplayBatch",
+    "ReplaySettings",
+    "ReplayedStep",
+    "RetryPolicy",
+    "RolloutClient",
+    "RolloutConnectionError",
+    "RolloutHTTPError",
+    "RolloutOutput",
+    "RolloutTimeoutError",
+    "UpdateResult",
+    "WeightBroadcaster",
+    "build_update_weights_from_tensor_request",
+    "clipped_policy_loss",
+    "gaussian_kl",
+    "group_advantages",
+    "lora_checksum",
+    "lora_config_dict",
+    "lora_state_dict",
+    "push_lora",
+    "push_weights",
+    "push_weights_ipc",
+    "replay_log_prob",
+    "replay_model_output",
+    "replay_step",
+    "replay_steps",
+    "safetensors_parts",
+    "stack_envs",
+    "trainable_steps",
+    "verify_lora",
+    "verify_weights_checksum",
+]
