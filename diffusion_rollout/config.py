@@ -41,9 +41,12 @@ class ServerConfig(BaseModel):
     # HTTP
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(30000, ge=0, le=65535, description="port to bind (0 = any free port)")
-    api_key: str | None = Field(None, description="key required for generation (Authorization: Bearer)")
+    # repr=False: a logged or printed config must not carry the keys.
+    api_key: str | None = Field(
+        None, repr=False, description="key required for generation (Authorization: Bearer)"
+    )
     admin_key: str | None = Field(
-        None, description="key required for weight, LoRA, memory and pause endpoints"
+        None, repr=False, description="key required for weight, LoRA, memory and pause endpoints"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
 

@@ -79,6 +79,19 @@ class ServiceUnavailableError(DiffusionRolloutError):
     error_type = "service_unavailable"
 
 
+class RequestTimeoutError(DiffusionRolloutError):
+    """A rollout did not finish within ``request_timeout_s`` (queue wait included).
+
+    504 rather than 503: 503 means "not ready, come back" (loading, asleep, shutting down), while this
+    request was accepted and ran out of time, which a trainer wants to tell apart (raise the limit,
+    shrink the request, or add servers). Queued work is dropped; a batch already running cannot be
+    interrupted mid-loop, so it finishes and its result is discarded.
+    """
+
+    status_code = 504
+    error_type = "request_timeout"
+
+
 class GenerationError(DiffusionRolloutError):
     """A failure inside generation; only the requests of the failing batch see it."""
 

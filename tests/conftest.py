@@ -78,7 +78,9 @@ class ServedModel:
         from diffusion_rollout.server.engine import Engine
 
         self.path = path
-        self.config = ServerConfig(model=str(path), device="cpu", dtype="float32", **config_overrides)
+        self.config = ServerConfig(
+            **{"model": str(path), "device": "cpu", "dtype": "float32", **config_overrides}
+        )
         self.engine = Engine(self.config)
         self.engine.start()
         self.app = create_app(self.config, engine=self.engine)

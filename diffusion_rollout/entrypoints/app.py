@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from diffusion_rollout import __version__
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.body_limit import BodyLimitMiddleware
 from diffusion_rollout.entrypoints.http_errors import error_body, install_error_handlers
 from diffusion_rollout.entrypoints.routers import ROUTERS
 from diffusion_rollout.logging_utils import request_id_var
@@ -68,16 +69,14 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         token = request_id_var.set(rid)
         request.state.request_id = rid
         try:
-            limit = (
-                config.max_upload_bytes
-                if request.url.path.startswith(UPLOAD_PATHS)
-                else config.max_body_bytes
-            )
+            limit, limit_name = body_limit(request.url.path)
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
+                engine.metrics.http_response(request.method, "unmatched", 413)
                 return JSONResponse(
                     error_body(
-                        f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                        f"request body of {length} bytes exceeds the limit of {limit} bytes"
+                        f" (limit {limit_name})",
                         "payload_too_large",
                         413,
                     ),
@@ -86,10 +85,20 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
                 )
             response = await call_next(request)
             response.headers["X-Request-Id"] = rid
+            # The route template, not the path: bounded label values for /metrics.
+            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
+            engine.metrics.http_response(request.method, route, response.status_code)
             return response
         finally:
             request_id_var.reset(token)
 
+    def body_limit(path: str) -> tuple[int, str]:
+        if path.startswith(UPLOAD_PATHS):
+            return config.max_upload_bytes, "max_upload_bytes"
+        return config.max_body_bytes, "max_body_bytes"
+
+    # Chunked bodies carry no Content-Length: counted as they are read.
+    app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
     for router in ROUTERS:
         app.include_router(router)
     return app

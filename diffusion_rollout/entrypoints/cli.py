@@ -7,6 +7,7 @@ defaults and help texts); ``make-tiny-model`` writes a tiny random pipeline fold
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import types
@@ -55,9 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(config: ServerConfig) -> None:
-    import uvicorn
-
     from diffusion_rollout.entrypoints.app import create_app
+    from diffusion_rollout.entrypoints.http_server import make_server
 
     configure_logging(config.log_level)
     if config.model is None:
@@ -72,7 +72,13 @@ def serve(config: ServerConfig) -> None:
             config.host,
         )
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    # Drains on SIGINT/SIGTERM: new rollouts get 503, in-flight ones finish within shutdown_grace_s.
+    server = make_server(app, config)
+    # uvicorn re-raises a captured SIGINT once it has shut down; uvicorn.run swallows it too.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE: the port was taken, or the app failed to start
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,11 +10,28 @@ RNG: every output owns a generator seeded ``seed + i`` (or ``seeds[i]``); the en
 output's x_T from it with the pipeline's own ``prepare_latents`` at batch 1 (what the stock pipeline
 does with a list of generators), then the scheduler draws each stochastic step's noise from the same
 generator. A sample's result therefore never depends on what it was batched with.
+
+Reliability (quality.md):
+
+- ``generate`` waits at most ``request_timeout_s`` (queue wait included), then answers 504
+  (``RequestTimeoutError``): queued work is dropped, a running batch finishes and its result is
+  discarded (a denoising loop cannot be interrupted half way without corrupting the batch).
+- ``plan`` rejects a rollout whose trajectory and debug tensors would exceed ``max_trajectory_bytes``
+  (400 naming the limit), estimated from the family's exact latent shape (its own
+  ``prepare_latents`` on the meta device: no memory, no RNG) times the entries it would return.
+- A failed batch fails only its own requests; the worker clears the failed call's frames, then
+  ``_after_batch_error`` collects garbage and empties the CUDA cache, so the next batch starts from a
+  clean allocator (CUDA OOM answers 503, anything else 500).
+- Every output is checked for NaN/Inf (generated output and log-probs) and flagged per sample
+  (``nonfinite_output``), logged with its request id and counted in ``/metrics``.
+- ``begin_shutdown`` refuses new work with 503 at once; ``stop`` drains the queue and the running
+  batch until the shutdown deadline (``shutdown_grace_s``) and fails what is left with 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import time
@@ -24,7 +41,13 @@ from typing import Any, TypeVar
 import torch
 
 from diffusion_rollout.config import ServerConfig
-from diffusion_rollout.errors import GenerationError, RequestError, ServiceUnavailableError
+from diffusion_rollout.errors import (
+    DiffusionRolloutError,
+    GenerationError,
+    RequestError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from diffusion_rollout.scheduler_mixins import (
     RolloutSettings,
     RolloutState,
@@ -34,6 +57,7 @@ from diffusion_rollout.scheduler_mixins import (
 )
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter, adapter_for
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
+from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.server.prompt_cache import PromptCache
 from diffusion_rollout.server.recorder import TransformerCallRecorder
@@ -72,7 +96,8 @@ class Engine:
         self.dtype = config.resolved_dtype()
         self.model_path: str | None = config.model
         self.status = "loading"
-        self.weight_version: Any = 0
+        self.metrics = Metrics()
+        self._weight_version: Any = 0  # not through the setter: the initial weights are no update
         self.loaded: LoadedPipeline | None = loaded
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
@@ -81,9 +106,23 @@ class Engine:
             max_queue_depth=config.max_queue_depth,
             max_batch_samples=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000.0,
+            on_batch_error=self._after_batch_error,
         )
         self.started_at = time.time()
         self.last_generate_ok_at: float | None = None
+        self._shutdown_deadline: float | None = None
+        self._latent_info_cache: dict[tuple, tuple[int, torch.dtype]] = {}
+
+    @property
+    def weight_version(self) -> Any:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: Any) -> None:
+        # The weights manager assigns this once per successful change of the weights (weights.md),
+        # which makes the setter the one place that counts weight updates for /metrics.
+        self._weight_version = value
+        self.metrics.weight_updated()
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> None:
@@ -101,9 +140,25 @@ class Engine:
         self.status = "ready"
         logger.info("engine ready: %s (%s) on %s, %s", self.family, self.model_path, self.device, self.dtype)
 
+    def begin_shutdown(self, grace_s: float | None = None) -> float:
+        """From now on new rollouts get 503; returns the monotonic deadline for in-flight work."""
+        if self._shutdown_deadline is None:
+            grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+            self._shutdown_deadline = time.monotonic() + grace
+            self.status = "stopping"
+            logger.info(
+                "shutting down: new rollouts get 503; draining queued=%d busy=%s within %.1f s",
+                self.worker.depth,
+                self.worker.busy,
+                grace,
+            )
+        return self._shutdown_deadline
+
     def stop(self, grace_s: float | None = None) -> None:
-        self.status = "stopping"
-        self.worker.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
+        """Refuse new work, drain until the shutdown deadline, fail what is left with 503."""
+        deadline = self.begin_shutdown(grace_s)
+        self.worker.stop(max(0.0, deadline - time.monotonic()))
+        logger.info("engine stopped")
 
     @property
     def pipe(self) -> Any:
@@ -128,16 +183,46 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, params: GenerateParams) -> list[SampleResult]:
-        """Validate, queue, wait. Cancelling the awaiting task drops queued work."""
-        self._check_ready()
-        plan = self.plan(params)
-        job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
-        fut = self.worker.submit(job)
+        """Validate, queue, wait (at most ``request_timeout_s``). Cancelling the awaiting task drops
+        queued work."""
+        t0 = time.monotonic()
+        outcome = "ok"
         try:
-            return await asyncio.wrap_future(fut)
+            self._check_ready()
+            plan = self.plan(params)
+            job = Job(
+                payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id
+            )
+            fut = self.worker.submit(job)
+            timeout = self.config.request_timeout_s
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            except asyncio.TimeoutError:
+                dropped = fut.cancel()  # False once the batch runs: it cannot be interrupted
+                self.metrics.request_cancelled("timeout")
+                raise RequestTimeoutError(
+                    f"request did not finish within request_timeout_s={timeout:g} s "
+                    "(limit request_timeout_s); "
+                    + (
+                        "it was still queued and has been dropped"
+                        if dropped
+                        else "its batch is running and will finish, but its result is discarded"
+                    )
+                ) from None
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
         except asyncio.CancelledError:
-            fut.cancel()
+            outcome = "cancelled"
             raise
+        except DiffusionRolloutError as exc:
+            outcome = exc.error_type
+            raise
+        except Exception:
+            outcome = "internal_error"
+            raise
+        finally:
+            self.metrics.request_done(outcome, time.monotonic() - t0)
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread between batches (weight updates, memory moves)."""
@@ -176,6 +261,8 @@ class Engine:
             raise ServiceUnavailableError("model memory is released; POST /resume_memory_occupation first")
         if self.status == "stopping":
             raise ServiceUnavailableError("server is shutting down")
+        if self.status != "ready":  # "failed" (the load raised), or any state added later
+            raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 
     # ------------------------------------------------------------------ validation
     def plan(self, p: GenerateParams) -> _Plan:
@@ -234,6 +321,15 @@ class Engine:
         if stock_sigmas is not None and not a.accepts_stock_sigmas():
             schedule = a.shift_sigmas(stock_sigmas)
             stock_sigmas = None
+        if schedule is not None:
+            # A derived schedule can still be unservable (an extreme flow_shift gives inf, or values
+            # equal in float32): refuse it here, not as a failed batch in the worker.
+            try:
+                schedule = validate_sigmas(schedule, steps)
+            except RequestError as exc:
+                field = "flow_shift" if p.flow_shift is not None else "sigmas"
+                message = f"the schedule {field} gives is not servable: {exc.message}"
+                raise RequestError(message, field=field) from None
 
         frames = None
         if a.is_video:
@@ -257,6 +353,14 @@ class Engine:
 
         if p.rollout:
             p.settings.validate(steps)
+            size = self.response_tensor_bytes(p, call, n)
+            if size > cfg.max_trajectory_bytes:
+                raise RequestError(
+                    f"the trajectory and debug tensors of this request would take {size} bytes, over "
+                    f"max_trajectory_bytes={cfg.max_trajectory_bytes} (limit max_trajectory_bytes): send "
+                    "rollout_debug_mode=false, fewer rollout_return_step_indices, fewer steps or outputs",
+                    field="max_trajectory_bytes",
+                )
 
         if p.seeds is not None:
             if len(p.seeds) != n:
@@ -272,7 +376,51 @@ class Engine:
             p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
         return _Plan(p, call, seeds, schedule, stock_sigmas)
 
+    def _latent_info(self, call: CallSettings) -> tuple[int, torch.dtype]:
+        """(elements, dtype) of one sample's latent at this geometry, cached per size."""
+        key = (call.height, call.width, call.num_frames)
+        info = self._latent_info_cache.get(key)
+        if info is None:
+            try:
+                # The family's own prepare_latents on the meta device: the exact (packed) shape and the
+                # dtype the pipeline keeps latents in, without memory or RNG.
+                x = self.adapter.initial_latents(call, None, self.dtype, "meta")
+            except Exception:  # a family whose prepare_latents cannot run on meta: one small real draw
+                g = torch.Generator("cpu").manual_seed(0)
+                x = self.adapter.initial_latents(call, g, self.dtype, "cpu")
+            info = (x.numel() // max(1, x.shape[0]), x.dtype)
+            if len(self._latent_info_cache) < 1024:  # sizes are few in practice; never grow unbounded
+                self._latent_info_cache[key] = info
+        return info
+
+    def response_tensor_bytes(self, p: GenerateParams, call: CallSettings, n: int) -> int:
+        """Bytes of the latent-sized tensors a rollout response carries (``max_trajectory_bytes``).
+
+        Per output: ``dit_trajectory.latents`` (K entries, in the promoted latent/model dtype) when
+        asked, and with ``rollout_debug_mode`` the three ``[T, *latent]`` debug tensors (noises and
+        means in float32, model outputs in the model dtype). Log-probs, sigmas and the generated
+        output itself are small or bounded by ``max_pixels`` and are not counted.
+        """
+        if not p.rollout:
+            return 0
+        numel, latent_dtype = self._latent_info(call)
+        steps = call.num_inference_steps
+        model_item = torch.empty((), dtype=self.dtype).element_size()
+        traj_item = torch.empty((), dtype=torch.promote_types(latent_dtype, self.dtype)).element_size()
+        per_output = 0
+        if p.return_dit_trajectory:
+            per_output += len(p.settings.kept_trajectory_indices(steps)) * numel * traj_item
+        if p.settings.debug:
+            per_output += steps * numel * (4 + 4 + model_item)
+        return n * per_output
+
     # ------------------------------------------------------------------ the worker side
+    def _after_batch_error(self, exc: BaseException, jobs: list[Job]) -> None:
+        """Worker hook after a failed batch (its frames already cleared): count it, free memory."""
+        self.metrics.batch_failed(getattr(exc, "error_type", "internal_error"))
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     def _encodings(self, plan: _Plan) -> dict[str, torch.Tensor]:
         p = plan.params
         key = (p.prompt, p.negative_prompt, self.adapter.encoding_cache_key(plan.call))
@@ -281,6 +429,18 @@ class Engine:
         )
 
     def _run_batch(self, jobs: list[Job]) -> None:
+        # Jobs of one batch share a batch key, but their prompt encodings can still differ in shape
+        # (Qwen-Image's text has the prompt's own length, and padding would change the numbers):
+        # those groups run as separate pipeline calls, in queue order.
+        with torch.inference_mode():
+            encodings = [self._encodings(j.payload) for j in jobs]
+        groups: dict[tuple, list[int]] = {}
+        for i, enc in enumerate(encodings):
+            groups.setdefault(self.adapter.encoding_group_key(enc), []).append(i)
+        for rows in groups.values():
+            self._run_call([jobs[i] for i in rows], [encodings[i] for i in rows])
+
+    def _run_call(self, jobs: list[Job], encodings: list[dict[str, torch.Tensor]]) -> None:
         a = self.adapter
         pipe = self.pipe
         plans: list[_Plan] = [j.payload for j in jobs]
@@ -293,8 +453,7 @@ class Engine:
 
         with torch.inference_mode():
             encs = []
-            for pl in plans:
-                enc = self._encodings(pl)
+            for pl, enc in zip(plans, encodings, strict=True):
                 encs.extend([enc] * len(pl.seeds))
             embeds = a.stack_encodings(encs)
             dtype = next(iter(embeds.values())).dtype
@@ -332,7 +491,7 @@ class Engine:
                 pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans
             )
             try:
-                with a.scheduler_for(p0.rollout), rollout_context(state):
+                with a.scheduler_for(need_state), rollout_context(state):
                     if watch:
                         with recorder.attach(a.transformers()):
                             output = pipe(**kwargs)
@@ -345,7 +504,7 @@ class Engine:
                 raise ServiceUnavailableError(f"CUDA out of memory in a batch of {batch}: {exc}") from exc
             except Exception as exc:
                 raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
-            images = a.output_tensor(output)
+            images = a.output_tensor(output, decoded=first.params.return_generated_output)
 
         elapsed = time.perf_counter() - t0
         peak = (
@@ -353,6 +512,15 @@ class Engine:
         )
         results = self._split(plans, state, recorder, images, call, version, elapsed, peak)
         self.last_generate_ok_at = time.time()
+        bad = [r for r in results if r.nonfinite_output]
+        for r in bad:
+            logger.warning(
+                "nonfinite_output request_id=%s seed=%d weight_version=%s: NaN/Inf in the output",
+                r.request_id,
+                r.seed,
+                version,
+            )
+        self.metrics.batch_done(len(results), call.num_inference_steps, elapsed, nonfinite=len(bad))
         row = 0
         for job, pl in zip(jobs, plans, strict=True):
             n = len(pl.seeds)
@@ -393,6 +561,8 @@ class Engine:
                 if p.rollout and state is not None:
                     view = state.per_sample(row)
                     log_probs = view["log_probs"].detach().float().cpu()
+                    # A NaN log-prob poisons a policy-gradient loss as surely as a NaN image.
+                    nonfinite = nonfinite or not bool(torch.isfinite(log_probs).all())
                     sde_steps = list(state.sde_step_indices)
                     if p.settings.debug:
                         debug = {

@@ -4,6 +4,25 @@ The pipeline is loaded with the ordinary ``DiffusionPipeline.from_pretrained`` (
 folder of a supported family works), then its flow-match Euler scheduler is replaced by the
 rollout-mixin subclass built from the same config: with no rollout attached it is the stock
 scheduler bit for bit, so ``rollout=false`` stays identical to the stock pipeline.
+
+``prepare_pipeline`` does the same fitting for a pipeline already in memory (benchmarks build the
+real architectures with random weights directly on the GPU and serve them through this path).
+
+Speed options (``ServerConfig.compile`` / ``attention_backend``), both off by default:
+
+- ``attention_backend``: ``transformer.set_attention_backend(name)`` through diffusers' attention
+  dispatcher (``"native"``, ``"_native_cudnn"``, ``"_native_flash"``, ``"flash"`` with flash-attn
+  installed, ...). Another kernel sums in another order: outputs are not bit-identical to the
+  default backend.
+- ``compile``: *regional* ``torch.compile`` of the repeated transformer blocks (the model's
+  ``_repeated_blocks`` classes where diffusers lists them, else every block of the model's top-level
+  ``ModuleList``\\s). The blocks are identical in structure, so the compiled code is reused by all of
+  them: compile time is that of one or two blocks, not of the whole model, and the denoising loop,
+  the scheduler and the rollout recording stay eager Python. Compiled (fused) kernels round
+  differently from eager ones: **a compiled server is not bit-identical to the stock pipeline**; the
+  ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. Compilation
+  happens lazily on the first call of each new shape (batch size, resolution), so the first request
+  of each shape is slow.
 """
 
 from __future__ import annotations
@@ -20,6 +39,9 @@ from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
 
 logger = logging.getLogger(__name__)
 
+# Pipeline components that are denoisers (the modules speed options apply to).
+DENOISER_COMPONENTS = ("transformer", "transformer_2")
+
 
 @dataclass
 class LoadedPipeline:
@@ -29,13 +51,49 @@ class LoadedPipeline:
     load_time_s: float
 
 
-def load_pipeline(path: str, *, dtype: torch.dtype, device: str) -> LoadedPipeline:
+def load_pipeline(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    compile: bool = False,
+    attention_backend: str | None = None,
+) -> LoadedPipeline:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+    from diffusers import DiffusionPipeline
 
     t0 = time.perf_counter()
     logger.info("loading pipeline from %s (dtype %s, device %s)", path, dtype, device)
     pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
+    _log_components(pipe, path, time.perf_counter() - t0, device)
+    return prepare_pipeline(
+        pipe, device=device, compile=compile, attention_backend=attention_backend, started_at=t0
+    )
+
+
+def _log_components(pipe: Any, path: str, seconds: float, device: str) -> None:
+    """Progress for a large model (minutes to read): what was read, before the device copy starts."""
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            params = list(module.parameters())
+            count = sum(p.numel() for p in params)
+            mib = sum(p.numel() * p.element_size() for p in params) / 2**20
+            logger.info("read %s (%s): %.1fM params, %.1f MiB", name, type(module).__name__, count / 1e6, mib)
+    logger.info("read %s in %.1f s; moving it to %s", path, seconds, device)
+
+
+def prepare_pipeline(
+    pipe: Any,
+    *,
+    device: str,
+    compile: bool = False,
+    attention_backend: str | None = None,
+    started_at: float | None = None,
+) -> LoadedPipeline:
+    """Fit an in-memory pipeline for serving: device, rollout scheduler, optional speed options."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    t0 = time.perf_counter() if started_at is None else started_at
     pipe.set_progress_bar_config(disable=True)
     pipe.to(device)
     stock = pipe.scheduler
@@ -46,6 +104,54 @@ def load_pipeline(path: str, *, dtype: torch.dtype, device: str) -> LoadedPipeli
         # Families whose stock scheduler has no transition density (Wan's UniPC) run rollouts on a
         # flow-match Euler scheduler at the model's shift; the family adapter builds it.
         rollout = None
+    apply_speed_options(pipe, compile=compile, attention_backend=attention_backend)
     dt = time.perf_counter() - t0
     logger.info("loaded %s in %.1f s", type(pipe).__name__, dt)
     return LoadedPipeline(pipe=pipe, stock_scheduler=stock, rollout_scheduler=rollout, load_time_s=dt)
+
+
+def denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The pipeline's transformer modules, by component name."""
+    found = {}
+    for name in DENOISER_COMPONENTS:
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            found[name] = module
+    return found
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated transformer blocks: its ``_repeated_blocks`` classes, else its block lists."""
+    names = getattr(model, "_repeated_blocks", None) or ()
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    blocks = []
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) > 1:
+            blocks.extend(child)
+    return blocks
+
+
+def apply_speed_options(pipe: Any, *, compile: bool = False, attention_backend: str | None = None) -> None:
+    """Attention backend and regional compile on every denoiser (both are opt-in; see the module doc)."""
+    for name, model in denoisers(pipe).items():
+        if attention_backend:
+            if not hasattr(model, "set_attention_backend"):
+                raise ValueError(f"{name} ({type(model).__name__}) has no set_attention_backend")
+            model.set_attention_backend(attention_backend)
+            logger.info("%s: attention backend %s", name, attention_backend)
+        if compile:
+            blocks = repeated_blocks(model)
+            if not blocks:
+                raise ValueError(f"{name} ({type(model).__name__}) has no repeated blocks to compile")
+            for block in blocks:
+                block.compile()
+            kinds = sorted({type(b).__name__ for b in blocks})
+            logger.info(
+                "%s: regional torch.compile of %d blocks (%s); not bit-identical to eager",
+                name,
+                len(blocks),
+                ", ".join(kinds),
+            )

@@ -10,7 +10,12 @@ Design decisions:
 - While paused, generation jobs wait in the queue but admin jobs still run (a trainer pauses,
   pushes weights, continues).
 - Jobs carry a ``concurrent.futures.Future``; a cancelled future (client gone, timeout) is dropped
-  before it runs.
+  before it runs (``dropped_cancelled`` counts them). A running batch cannot be interrupted
+  mid-loop: a request cancelled while its batch runs still occupies its slot until the batch ends.
+- A failed batch's exception keeps the frames of the failed call alive through its traceback, and
+  with them the call's tensors (activations, latents, recordings): the worker clears those frames
+  before ``on_batch_error`` runs, so device memory can actually be returned (CUDA OOM recovery).
+- While a batch runs, the worker thread's log lines carry the batch's request ids.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import concurrent.futures
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from diffusion_rollout.errors import QueueFullError, ServiceUnavailableError
+from diffusion_rollout.logging_utils import request_id_var
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +63,10 @@ class Worker:
         max_batch_samples: int,
         batch_wait_s: float = 0.0,
         name: str = "rollout-worker",
+        on_batch_error: Callable[[BaseException, list[Job]], None] | None = None,
     ) -> None:
         self._run_batch = run_batch
+        self._on_batch_error = on_batch_error
         self.max_queue_depth = max_queue_depth
         self.max_batch_samples = max_batch_samples
         self.batch_wait_s = batch_wait_s
@@ -68,6 +77,7 @@ class Worker:
         self._busy = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.batches_run = 0
+        self.dropped_cancelled = 0
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -92,7 +102,8 @@ class Worker:
         for job in leftover:
             if not job.future.done():
                 job.future.set_exception(ServiceUnavailableError("server is shutting down"))
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._thread.ident is not None:  # never started when the model failed to load
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
 
     def pause(self) -> None:
         with self._cond:
@@ -167,6 +178,7 @@ class Worker:
             nxt = self._queue[0]
             if nxt.future.cancelled():
                 self._queue.popleft()
+                self.dropped_cancelled += 1
                 continue
             if (
                 nxt.is_admin
@@ -179,15 +191,19 @@ class Worker:
 
     def _drop_cancelled(self) -> None:
         if any(j.future.cancelled() for j in self._queue):
-            self._queue = collections.deque(j for j in self._queue if not j.future.cancelled())
+            kept = collections.deque(j for j in self._queue if not j.future.cancelled())
+            self.dropped_cancelled += len(self._queue) - len(kept)
+            self._queue = kept
 
     def _loop(self) -> None:
         while True:
             jobs = self._take()
             if jobs is None:
                 return
+            token = request_id_var.set(",".join(j.request_id for j in jobs))
             try:
                 live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+                self.dropped_cancelled += len(jobs) - len(live)
                 if not live:
                     continue
                 if live[0].is_admin:
@@ -202,9 +218,25 @@ class Worker:
                         self.batches_run += 1
                     except Exception as exc:  # one failing batch fails only its own requests
                         logger.exception("batch of %d request(s) failed", len(live))
+                        _clear_frames(exc)
                         for j in live:
                             if not j.future.done():
                                 j.future.set_exception(exc)
+                        if self._on_batch_error is not None:
+                            try:
+                                self._on_batch_error(exc, live)
+                            except Exception:  # the hook must not kill the worker either
+                                logger.exception("on_batch_error hook failed")
             finally:
+                request_id_var.reset(token)
                 with self._cond:
                     self._busy = False
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of every finished frame in ``exc``'s chain (tracebacks stay printable)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

@@ -25,12 +25,19 @@ async def wire_response(request: Request, payload: Any) -> Response:
     return Response(content=body, media_type=media)
 
 
+def _bearer_token(request: Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>``, or None (no header, another scheme, empty)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def _check_key(request: Request, expected: str | None, what: str) -> None:
+    # Messages never echo the token or the key: error bodies and log lines may be shared.
     if expected is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if not header or scheme.lower() != "bearer" or not token:
+    token = _bearer_token(request)
+    if token is None:
         raise AuthenticationError(f"missing {what} key: send 'Authorization: Bearer <key>'")
     # Constant-time comparison so the key cannot be guessed byte by byte from response timing.
     if not hmac.compare_digest(token.encode(), expected.encode()):
@@ -42,8 +49,7 @@ def require_api_key(request: Request) -> None:
     cfg = request.app.state.config
     if cfg.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    token = header.partition(" ")[2]
+    token = _bearer_token(request)
     if cfg.admin_key is not None and token and hmac.compare_digest(token.encode(), cfg.admin_key.encode()):
         return
     _check_key(request, cfg.api_key, "API")

@@ -1,6 +1,23 @@
-"""``POST /rollout/generate``."""
+"""``POST /rollout/generate``.
+
+A client that disconnects has its queued work dropped (api.md): the engine call runs as a task raced
+against a watcher that waits for the ASGI ``http.disconnect`` message; when the client goes first,
+the task is cancelled, which cancels the job's future, and the worker drops a cancelled job before it
+runs. A batch that already runs cannot be interrupted mid-loop (the other samples of the batch need
+it finished): it completes, and the gone client's result is discarded without being encoded. The
+per-request timeout is the engine's (``request_timeout_s`` -> 504).
+
+Why a watcher on ``receive()`` and not ``request.is_disconnected()``: the latter peeks with an
+already-cancelled scope, which never gets through the task group of a ``BaseHTTPMiddleware`` (the
+app's request-id middleware), so it never reports a disconnect there. Once the body has been read,
+the only message ``receive()`` can still deliver is ``http.disconnect``, so waiting on it costs
+nothing and needs no polling.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -8,12 +25,37 @@ from fastapi.responses import Response
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key, wire_response
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
+
+# Status recorded for a request whose client left (nginx's convention); nobody receives it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: nothing else can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 @router.post("/rollout/generate", dependencies=[Depends(require_api_key)])
 async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
     params = body.to_params(request.state.request_id)
-    results = await engine.generate(params)
+    task = asyncio.ensure_future(engine.generate(params))
+    watcher = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()  # the client left, or this handler itself was cancelled (shutdown)
+        if gone:
+            task.cancel()
+    if gone:
+        engine.metrics.request_cancelled("disconnect")
+        logger.info("client disconnected: request cancelled, its queued work dropped")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    results = task.result()
     return await wire_response(request, [r.to_dict() for r in results])

@@ -1,0 +1,28 @@
+"""``GET /metrics``: the engine's Prometheus text (``server/metrics.py`` records, this renders).
+
+Open like ``/health``: it carries counts and timings, never keys, prompts or request ids, and a
+scraper should not need the admin key.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from diffusion_rollout.entrypoints.routers.common import get_engine
+from diffusion_rollout.server.metrics import CONTENT_TYPE
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    engine = get_engine(request)
+    text = engine.metrics.render(
+        queue_depth=engine.worker.depth,
+        busy=engine.worker.busy,
+        paused=engine.worker.paused,
+        status=engine.status,
+        weight_version=engine.weight_version,
+    )
+    return Response(content=text, media_type=CONTENT_TYPE)
