@@ -53,6 +53,7 @@ EXPECTED_ALL = [
     "ReplayedStep", "RetryPolicy", "RolloutClient", "RolloutConnectionError", "RolloutHTTPError",
     "RolloutOutput", "RolloutTimeoutError", "UpdateResult", "WeightBroadcaster",
     "build_update_weights_from_tensor_request", "clipped_policy_loss", "gaussian_kl", "group_advantages",
+    "group_by_server_batch",
     "lora_checksum", "lora_config_dict", "lora_state_dict", "push_lora", "push_weights", "push_weights_ipc",
     "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "safetensors_parts",
     "stack_envs", "trainable_steps", "verify_lora", "verify_weights_checksum",

@@ -215,3 +215,40 @@ def test_loss_helpers_match_their_definitions():
         .mean(1)
     )
     assert torch.allclose(kl, truth, atol=1e-6)
+
+
+def test_replaying_a_server_batch_by_batch_id_is_bit_exact(fresh_server):
+    """Concurrent requests batched together: regrouping by ``batch_id`` makes the ratio exactly 1."""
+    import threading
+    import time
+
+    from diffusion_rollout.client import RolloutClient, group_by_server_batch, replay_steps
+
+    srv = fresh_server("sd3", max_batch_size=8)
+    client = RolloutClient("http://testserver", http_client=srv.client)
+    kw = dict(
+        num_inference_steps=3, width=32, height=32, max_sequence_length=16, rollout_debug_mode=False,
+        rollout_return_dit_trajectory=True, rollout_return_denoising_env=True,
+    )  # fmt: skip
+    outs: list = []
+    srv.engine.worker.pause()
+    threads = [
+        threading.Thread(
+            target=lambda p=p, s=s: outs.extend(client.generate(p, seed=s, num_outputs_per_prompt=2, **kw))
+        )
+        for p, s in (("a red cat", 1), ("a blue dog", 2))
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while srv.engine.worker.depth < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.engine.worker.resume()
+    for t in threads:
+        t.join(60)
+    groups = group_by_server_batch(outs)
+    assert len(groups) == 1 and [o.batch_index for o in groups[0]] == [0, 1, 2, 3]
+    assert all(o.batch_size == 4 for o in outs)
+    with torch.no_grad():
+        for step in replay_steps(srv.engine.pipe.transformer, groups[0]):
+            assert torch.equal(step.log_prob, step.old_log_prob), f"step {step.step}"

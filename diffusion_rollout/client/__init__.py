@@ -20,7 +20,13 @@ from diffusion_rollout.client.exceptions import (
 )
 from diffusion_rollout.client.http import AsyncRolloutClient, RetryPolicy, RolloutClient
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
-from diffusion_rollout.client.results import DitTrajectory, ReplaySettings, RolloutOutput, UpdateResult
+from diffusion_rollout.client.results import (
+    DitTrajectory,
+    ReplaySettings,
+    RolloutOutput,
+    UpdateResult,
+    group_by_server_batch,
+)
 from diffusion_rollout.client.training import (
     ReplayBatch,
     ReplayedStep,
@@ -64,6 +70,7 @@ __all__ = [
     "clipped_policy_loss",
     "gaussian_kl",
     "group_advantages",
+    "group_by_server_batch",
     "lora_checksum",
     "lora_config_dict",
     "lora_state_dict",

@@ -14,7 +14,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -116,6 +116,9 @@ class RolloutOutput:
     inference_time_s: float | None = None
     peak_memory_mb: float | None = None
     nonfinite_output: bool = False
+    batch_id: str | None = None
+    batch_index: int | None = None
+    batch_size: int | None = None
     replay_settings: ReplaySettings = field(default_factory=ReplaySettings)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -160,3 +163,15 @@ class UpdateResult:
             weight_version=first.get("weight_version"),
             responses={u: dict(r) for u, r in items},
         )
+
+
+def group_by_server_batch(outputs: Sequence[RolloutOutput]) -> list[list[RolloutOutput]]:
+    """Outputs regrouped as the server ran them: one list per pipeline call, in row order.
+
+    Replaying each group as one batch (``ReplayBatch(group)``) gives the server's model outputs
+    bit for bit; a group is complete only if every output of that call is among ``outputs``.
+    """
+    groups: dict[str, list[RolloutOutput]] = {}
+    for o in outputs:
+        groups.setdefault(o.batch_id or f"unbatched-{id(o)}", []).append(o)
+    return [sorted(g, key=lambda o: o.batch_index or 0) for g in groups.values()]

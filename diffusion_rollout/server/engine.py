@@ -35,6 +35,7 @@ import gc
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -541,6 +542,7 @@ class Engine:
         timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
         experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
         out: list[SampleResult] = []
+        batch_id = uuid.uuid4().hex
         row = 0
         for pl in plans:
             p = pl.params
@@ -598,6 +600,9 @@ class Engine:
                         inference_time_s=elapsed,
                         peak_memory_mb=peak,
                         nonfinite_output=nonfinite,
+                        batch_id=batch_id,
+                        batch_index=row,
+                        batch_size=batch,
                     )
                 )
                 row += 1

@@ -64,6 +64,11 @@ class SampleResult:
     inference_time_s: float | None = None
     peak_memory_mb: float | None = None
     nonfinite_output: bool = False
+    # Which pipeline call produced this output and its row there: a transformer's last bits depend
+    # on the batch it ran in, so replaying a server batch as one batch is what makes ratios exactly 1.
+    batch_id: str = ""
+    batch_index: int = 0
+    batch_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
