@@ -29,6 +29,9 @@ for round_ in spec["rounds"]:
     for shape, dtype in zip(round_["shapes"], round_["dtypes"]):
         t = (0.05 * torch.randn(shape, generator=g)).to(getattr(torch, dtype))
         dist.broadcast(t, src=0, group=group)
+# Tear down only after the server has left the group: a gloo process that exits while its peer is
+# still connected can abort in its C++ destructors, which made this test flaky under load.
+sys.stdin.readline()
 dist.destroy_process_group(group)
 print("trainer done", flush=True)
 """
@@ -66,6 +69,7 @@ def test_gloo_group_lands_broadcast_tensors(fresh_server, tmp_path):
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(spec), str(port)],
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -120,7 +124,7 @@ def test_gloo_group_lands_broadcast_tensors(fresh_server, tmp_path):
             client.post("/destroy_weights_update_group", json={"group_name": "trainer_sync"}).status_code
             == 200
         )
-        out, _ = trainer.communicate(timeout=60)
+        out, _ = trainer.communicate("leave\n", timeout=60)
         assert trainer.returncode == 0, out
         assert "trainer done" in out
     finally:
