@@ -1,0 +1,503 @@
+"""Models for the benchmarks: the real architectures with random weights, and the tiny zoo.
+
+Design decisions:
+
+- **Real architectures from their public configs.** ``sd3.5-medium``, ``flux.1-dev`` and
+  ``wan2.1-1.3b`` use the transformer and VAE configurations the checkpoints ship, and the real
+  scheduler configurations (``REAL_SCHEDULER_CONFIGS``). No weights can be downloaded on the device
+  machine, so weights are random. Speed depends on shapes, not values.
+- **Built on the GPU, in the serving dtype.** Modules are constructed on the meta device
+  (``accelerate.init_empty_weights``: parameters only, buffers such as SD3's positional table are
+  computed normally), then every parameter is materialised directly on the device in bf16 and filled
+  there: ``N(0, 1/fan_in)`` for matrices and convolutions (so activations keep their scale through
+  57 FLUX blocks and stay finite), ones for norm weights, zeros for biases. FLUX's 12B parameters take
+  seconds instead of minutes of CPU initialisation, with no float32 copy (48 GB) on the way. Floating
+  buffers are cast to the serving dtype as ``from_pretrained(dtype=...)`` does, except in the model's
+  ``_keep_in_fp32_modules`` (Wan keeps its time embedder, norms and RoPE tables in float32).
+- **Small text encoders of the real widths.** CLIP-L/CLIP-G/T5-XXL and UMT5-XXL are replaced by one-
+  or two-layer encoders with the real *output* widths (768, 1280, 4096), the zoo's offline
+  tokenizers and the pipelines' default sequence lengths (SD3: 77 + 256 tokens, FLUX and Wan: 512),
+  so the transformer sees real sequence lengths. Text encoding is not what these benchmarks measure:
+  the server caches encodings and the stock pipeline is handed precomputed embeddings when timed.
+- **One set of weights, two pipelines.** ``BenchModel.pipe`` is the pipeline the server serves (the
+  loader swaps in the rollout scheduler); ``BenchModel.stock`` is a stock pipeline object over the
+  *same* modules with a fresh stock scheduler, so "same weights, same inputs" holds by construction.
+  ``BenchModel.stock_ode`` is the stock pipeline an all-ODE rollout must equal: the stock one, except
+  for Wan, whose rollouts run flow-match Euler at the checkpoint's shift instead of UniPC.
+- **Tiny models** (``tiny-<family>``) are the offline zoo's pipelines, float32 on the CPU, for the
+  smoke test and the CPU regression gate.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+REAL_MODELS = ("sd3.5-medium", "flux.1-dev", "wan2.1-1.3b")
+
+# Transformer configs, as in each checkpoint's transformer/config.json.
+SD35_MEDIUM_TRANSFORMER = {
+    "attention_head_dim": 64,
+    "caption_projection_dim": 1536,
+    "dual_attention_layers": tuple(range(13)),
+    "in_channels": 16,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 24,
+    "out_channels": 16,
+    "patch_size": 2,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 384,
+    "qk_norm": "rms_norm",
+    "sample_size": 128,
+}
+FLUX1_DEV_TRANSFORMER = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": (16, 56, 56),
+    "guidance_embeds": True,
+    "in_channels": 64,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "patch_size": 1,
+    "pooled_projection_dim": 768,
+}
+WAN21_1_3B_TRANSFORMER = {
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 8960,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 16,
+    "num_attention_heads": 12,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": (1, 2, 2),
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+# SD3.5 and FLUX.1 share the 16-channel KL VAE architecture; shift and scale differ.
+_KL_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (128, 256, 512, 512),
+    "layers_per_block": 2,
+    "act_fn": "silu",
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "force_upcast": True,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+SD35_VAE = {**_KL_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
+FLUX1_VAE = {**_KL_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
+# AutoencoderKLWan's defaults are the Wan 2.1 VAE (base_dim 96, dim_mult 1/2/4/4, 4x temporal).
+WAN21_VAE: dict[str, Any] = {}
+
+# Default request settings per benchmark model (API field names).
+REAL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3.5-medium": {"height": 512, "width": 512, "num_inference_steps": 10, "guidance_scale": 4.5},
+    "flux.1-dev": {"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5},
+    "wan2.1-1.3b": {
+        "height": 480,
+        "width": 832,
+        "num_frames": 17,
+        "num_inference_steps": 4,
+        "guidance_scale": 5.0,
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights directly on the device
+# ---------------------------------------------------------------------------------------------
+def _keep_fp32(name: str, keep: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(k in parts for k in keep)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: str, dtype: torch.dtype, seed: int) -> nn.Module:
+    """Give every meta parameter real storage on ``device`` with random values (see module doc)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for mod_name, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in made:
+                module._parameters[pname] = made[id(p)]
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            t = torch.empty(p.shape, device=device, dtype=torch.float32 if _keep_fp32(full, keep) else dtype)
+            if p.ndim >= 2:
+                std = 1.0 if isinstance(module, nn.Embedding) else 1.0 / math.sqrt(max(1, p[0].numel()))
+                t.normal_(0.0, std, generator=gen)
+            elif pname == "weight" or "scale" in pname:
+                t.fill_(1.0)
+            else:
+                t.zero_()
+            new = nn.Parameter(t, requires_grad=False)
+            made[id(p)] = new
+            module._parameters[pname] = new
+    for mod_name, module in model.named_modules():
+        for bname, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            full = f"{mod_name}.{bname}" if mod_name else bname
+            target = torch.float32 if _keep_fp32(full, keep) else dtype
+            module._buffers[bname] = b.to(device=device, dtype=target if b.is_floating_point() else b.dtype)
+    return model.eval()
+
+
+def build_module(factory: Callable[[], nn.Module], device: str, dtype: torch.dtype, seed: int) -> nn.Module:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    return materialize(model, device, dtype, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text encoders of the real output widths
+# ---------------------------------------------------------------------------------------------
+def _clip(tokenizer, hidden: int, *, projection: bool, seed: int, device: str, dtype) -> nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=256,
+        num_hidden_layers=2,  # SD3 reads the penultimate hidden state
+        num_attention_heads=hidden // 64,
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=hidden,
+        hidden_act="gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return build_module(lambda: cls(cfg), device, dtype, seed)
+
+
+def _t5(tokenizer, *, umt5: bool, seed: int, device: str, dtype) -> nn.Module:
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    kw = {
+        "vocab_size": -(-len(tokenizer) // 64) * 64,
+        "d_model": 4096,
+        "d_kv": 64,
+        "d_ff": 256,
+        "num_layers": 1,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+        "dropout_rate": 0.0,
+        "feed_forward_proj": "gated-gelu",
+        "is_encoder_decoder": False,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.pad_token_id,
+    }
+    if umt5:
+        return build_module(lambda: UMT5EncoderModel(UMT5Config(**kw)), device, dtype, seed)
+    return build_module(lambda: T5EncoderModel(T5Config(**kw)), device, dtype, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real pipelines
+# ---------------------------------------------------------------------------------------------
+def _sd35_medium(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_clip_tokenizer, make_t5_tokenizer
+
+    tok, tok2, tok3 = make_clip_tokenizer(), make_clip_tokenizer(pad_token="!"), make_t5_tokenizer()
+    tcfg = {**SD35_MEDIUM_TRANSFORMER, **overrides}
+    return StableDiffusion3Pipeline(
+        transformer=build_module(lambda: SD3Transformer2DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKL(**SD35_VAE), device, dtype, seed + 1),
+        text_encoder=_clip(tok, 768, projection=True, seed=seed + 2, device=device, dtype=dtype),
+        text_encoder_2=_clip(tok2, 1280, projection=True, seed=seed + 3, device=device, dtype=dtype),
+        text_encoder_3=_t5(tok3, umt5=False, seed=seed + 4, device=device, dtype=dtype),
+        tokenizer=tok,
+        tokenizer_2=tok2,
+        tokenizer_3=tok3,
+        scheduler=make_real_scheduler("sd3"),
+    )
+
+
+def _flux1_dev(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_clip_tokenizer, make_t5_tokenizer
+
+    tok, tok2 = make_clip_tokenizer(), make_t5_tokenizer()
+    tcfg = {**FLUX1_DEV_TRANSFORMER, **overrides}
+    return FluxPipeline(
+        transformer=build_module(lambda: FluxTransformer2DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKL(**FLUX1_VAE), device, dtype, seed + 1),
+        text_encoder=_clip(tok, 768, projection=False, seed=seed + 2, device=device, dtype=dtype),
+        text_encoder_2=_t5(tok2, umt5=False, seed=seed + 3, device=device, dtype=dtype),
+        tokenizer=tok,
+        tokenizer_2=tok2,
+        scheduler=make_real_scheduler("flux"),
+        image_encoder=None,
+        feature_extractor=None,
+    )
+
+
+def _wan21_1_3b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_t5_tokenizer
+
+    tok = make_t5_tokenizer()
+    tcfg = {**WAN21_1_3B_TRANSFORMER, **overrides}
+    return WanPipeline(
+        transformer=build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed),
+        # The Wan VAE runs in float32 in the diffusers examples; bf16 here, like the rest.
+        vae=build_module(lambda: AutoencoderKLWan(**WAN21_VAE), device, dtype, seed + 1),
+        text_encoder=_t5(tok, umt5=True, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        scheduler=make_real_scheduler("wan"),
+    )
+
+
+_TINY_PIPELINE_CLASS = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "qwenimage": "QwenImagePipeline",
+    "wan": "WanPipeline",
+    "wan2.2": "WanPipeline",
+}
+_REAL_BUILDERS = {"sd3.5-medium": _sd35_medium, "flux.1-dev": _flux1_dev, "wan2.1-1.3b": _wan21_1_3b}
+_REAL_FAMILY = {"sd3.5-medium": "sd3", "flux.1-dev": "flux", "wan2.1-1.3b": "wan"}
+
+
+def build_real_pipeline(
+    name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: Any
+) -> Any:
+    """The ``name`` architecture with random weights on ``device`` (``overrides`` change the
+    transformer config, e.g. fewer layers for a CPU check of the builder itself)."""
+    try:
+        builder = _REAL_BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(REAL_MODELS)}") from None
+    pipe = builder(device, dtype, seed, overrides)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark models: served pipeline + stock twin
+# ---------------------------------------------------------------------------------------------
+def stock_twin(pipe: Any, scheduler: Any | None = None) -> Any:
+    """A stock pipeline object over the same modules, with a fresh copy of the stock scheduler."""
+    params = inspect.signature(type(pipe).__init__).parameters
+    components = dict(pipe.components)
+    stock = scheduler if scheduler is not None else type(pipe.scheduler).from_config(pipe.scheduler.config)
+    components["scheduler"] = stock
+    kwargs = {k: v for k, v in components.items() if k in params}
+    for k in params:
+        if k not in kwargs and k != "self" and k in pipe.config:
+            kwargs[k] = pipe.config[k]
+    twin = type(pipe)(**kwargs)
+    twin.set_progress_bar_config(disable=True)
+    return twin
+
+
+def _ode_reference(pipe: Any, stock: Any) -> Any:
+    """The stock pipeline an all-ODE rollout equals (Wan: flow-match Euler at its flow_shift)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(stock.scheduler, FlowMatchEulerDiscreteScheduler):
+        return stock
+    cfg = stock.scheduler.config
+    shift = cfg.get("flow_shift") if "flow_shift" in cfg else cfg.get("shift", 1.0)
+    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps, shift=shift)
+    return stock_twin(pipe, euler)
+
+
+@dataclass
+class BenchModel:
+    name: str
+    family: str
+    device: str
+    dtype: torch.dtype
+    pipe: Any
+    stock: Any
+    stock_ode: Any
+    defaults: dict[str, Any]
+    build_s: float
+    server_overrides: dict[str, Any] = field(default_factory=dict)
+    _server: Any = None
+
+    @property
+    def generator_device(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    @property
+    def is_video(self) -> bool:
+        return self.family.startswith("wan")
+
+    def server(self, **config_overrides: Any):
+        """The model's loopback server (started on first use, then shared)."""
+        if self._server is None:
+            from benchmarks.common import LoopbackServer
+            from diffusion_rollout.config import ServerConfig
+            from diffusion_rollout.server.engine import Engine
+            from diffusion_rollout.server.loader import prepare_pipeline
+
+            cfg = {
+                "model": None,
+                "device": self.device,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "max_outputs_per_request": 64,
+                "max_batch_size": 16,
+                **self.server_overrides,
+                **config_overrides,
+            }
+            config = ServerConfig(**cfg)
+            loaded = prepare_pipeline(
+                self.pipe,
+                device=self.device,
+                compile=config.compile,
+                attention_backend=config.attention_backend,
+            )
+            engine = Engine(config, loaded=loaded)
+            engine.model_path = self.name
+            engine.start()
+            self._server = LoopbackServer(engine, config)
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server.engine.stop(grace_s=5)
+            self._server = None
+        self.pipe = self.stock = self.stock_ode = None
+        if self.device.startswith("cuda"):
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ stock calls
+    def stock_kwargs(self, pipe: Any, body: dict[str, Any]) -> dict[str, Any]:
+        """The stock ``__call__`` arguments equivalent to a request ``body`` (API field names)."""
+        params = inspect.signature(type(pipe).__call__).parameters
+        n = body.get("num_outputs_per_prompt", 1)
+        kw: dict[str, Any] = {"num_videos_per_prompt" if self.is_video else "num_images_per_prompt": n}
+        for key in (
+            "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
+            "true_cfg_scale", "guidance_scale_2", "num_frames", "max_sequence_length",
+        ):  # fmt: skip
+            if body.get(key) is not None and key in params:
+                kw[key] = body[key]
+        seeds = body.get("seeds") or [body["seed"] + i for i in range(n)]
+        kw["generator"] = [torch.Generator(self.generator_device).manual_seed(s) for s in seeds]
+        return kw
+
+    def stock_output(self, pipe: Any, output: Any, decoded: bool) -> torch.Tensor:
+        """The stock output in the server's per-sample layout (Wan videos [B, C, F, H, W])."""
+        from diffusion_rollout.server.families import adapter_for
+
+        return adapter_for(pipe).output_tensor(output, decoded=decoded)
+
+    def encode_for_stock(self, prompt: str, body: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Prompt embeddings computed once, for timing the stock pipeline without its text encoders."""
+        from diffusion_rollout.server.families import CallSettings, adapter_for
+
+        adapter = adapter_for(self.stock)
+        settings = CallSettings(
+            height=body["height"],
+            width=body["width"],
+            num_inference_steps=body["num_inference_steps"],
+            guidance_scale=float(body.get("guidance_scale", adapter.default_guidance())),
+            true_cfg_scale=body.get("true_cfg_scale", adapter.default_true_cfg()),
+            guidance_scale_2=body.get("guidance_scale_2"),
+            num_frames=body.get("num_frames"),
+            max_sequence_length=body.get("max_sequence_length"),
+            has_negative_prompt=body.get("negative_prompt") is not None,
+        )
+        with torch.inference_mode():
+            enc = adapter.encode(prompt, body.get("negative_prompt"), settings)
+        return {k: v for k, v in enc.items() if v is not None}
+
+
+def _tiny_defaults(family: str) -> dict[str, Any]:
+    from diffusion_rollout.models import TINY_CALL_DEFAULTS
+
+    return dict(TINY_CALL_DEFAULTS[family])
+
+
+def build(name: str, device: str = "cuda", dtype: torch.dtype | None = None, seed: int = 0) -> BenchModel:
+    """A ``BenchModel`` by name: ``tiny-<family>`` or one of ``REAL_MODELS``."""
+    t0 = time.perf_counter()
+    if name.startswith("tiny-"):
+        from diffusion_rollout.models import build_tiny_pipeline
+
+        family = name.removeprefix("tiny-")
+        dtype = dtype or torch.float32
+        pipe = build_tiny_pipeline(family, seed)
+        if dtype != torch.float32:
+            pipe.to(dtype=dtype)
+        pipe.to(device)
+        defaults = _tiny_defaults(family)
+    else:
+        family = _REAL_FAMILY.get(name) or ""
+        dtype = dtype or torch.bfloat16
+        pipe = build_real_pipeline(name, device, dtype, seed)
+        defaults = dict(REAL_DEFAULTS[name])
+    stock = stock_twin(pipe)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return BenchModel(
+        name=name,
+        family=family,
+        device=device,
+        dtype=dtype,
+        pipe=pipe,
+        stock=stock,
+        stock_ode=_ode_reference(pipe, stock),
+        defaults=defaults,
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def default_models(device: str) -> list[str]:
+    if device.startswith("cuda"):
+        return ["sd3.5-medium", "flux.1-dev"]
+    from diffusion_rollout.models import FAMILIES
+    from diffusion_rollout.server.families import ADAPTERS
+
+    served = {c for a in ADAPTERS for c in a.pipeline_classes}
+    return [f"tiny-{f}" for f in FAMILIES if _TINY_PIPELINE_CLASS.get(f) in served]
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

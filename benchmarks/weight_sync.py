@@ -1,0 +1,517 @@
+"""Weight-sync speed: full-transformer updates over HTTP parts, from disk, through CUDA IPC; LoRA push.
+
+All through the real endpoints of a server on loopback (weights.md), against the host-to-device copy
+rate measured in the same run (pinned and pageable, 1 GiB, ``torch.Tensor.to``):
+
+- ``http``: ``POST /update_weights`` with safetensors bodies of ``part_mb`` each (``final=false``
+  parts, then the final one, applied atomically), streamed by the client in 1 MiB slices (see
+  ``LoopbackServer.post_bytes``: one large ``bytes`` body is quadratic in httpcore). The trainer side starts from CPU tensors already
+  in the server dtype; timed: serialising each part, sending it, the server parsing, validating,
+  staging and applying. The tensors sent are the model's own values (a no-op for the model).
+- ``disk``: ``POST /update_weights_from_disk`` of a ``<dir>/transformer/*.safetensors`` folder just
+  written (so read from the page cache: this is the server's read + validate + copy rate, not a
+  disk's). Writing is timed separately.
+- ``ipc``: ``POST /update_weights_from_tensor`` from a separate trainer process that holds the
+  tensors on the same GPU (SGLang's payload: base64 ``ForkingPickler`` of CUDA IPC handles); on a
+  CPU-only machine the same path runs over shared-memory file descriptors. Timed from the trainer:
+  serialising the handles and the request until the answer (the server opens the handles, validates
+  names/shapes/finiteness, backs up and copies every tensor in place).
+- ``lora``: rank ``lora_rank`` on every attention projection of the transformer (``to_q/k/v``,
+  ``to_out.0``, ``add_*_proj``, ``to_add_out``), pushed as one safetensors body to ``POST /lora/load``
+  with ``activate=true``. The first push injects the PEFT layers (cold); later pushes to the same
+  name replace the tensors in place, the trainer's steady state (target: push + activate < 100 ms).
+
+GB/s counts payload bytes (decimal GB). Targets: IPC and HTTP at least half the host-to-device rate.
+Sizes: ``--http-gb``/``--disk-gb`` cap the payload (the first parameters in order, up to the cap;
+GB/s is what is compared); IPC sends the whole transformer unless ``--ipc-gb`` caps it.
+
+    python -m benchmarks.weight_sync --device cuda --models flux.1-dev --out bench_out
+    python -m benchmarks.weight_sync --trainer SPEC.json   # (internal) the IPC trainer process
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    REPO_ROOT,
+    base_parser,
+    document,
+    log,
+    median,
+    print_table,
+    quiet_libraries,
+    resolve_device,
+    sync,
+    write_json,
+)
+from benchmarks.model_builders import BenchModel, build
+
+ATTENTION_PROJECTION = re.compile(
+    r"(^|\.)attn\d*\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
+)
+COLUMNS = [
+    ("transport", "transport", ""),
+    ("what", "what", ""),
+    ("mb", "MB", ".1f"),
+    ("seconds", "seconds", ".4f"),
+    ("gb_per_s", "GB/s", ".2f"),
+    ("vs_h2d", "vs H2D pinned", ".2f"),
+    ("note", "note", ""),
+]
+
+
+def _gb(nbytes: int) -> float:
+    return nbytes / 1e9
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-to-device reference
+# ---------------------------------------------------------------------------------------------
+def h2d_rates(device: str, size: int = 2**30, reps: int = 5) -> list[dict[str, Any]]:
+    rows = []
+    if not device.startswith("cuda"):
+        size = min(size, 64 * 2**20)
+        src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            src.clone()
+            times.append(time.perf_counter() - t0)
+        s = median(times)
+        return [{"transport": "memcpy", "what": "64 MiB CPU clone (no GPU)", "gb": _gb(size), "seconds": s,
+                 "gb_per_s": _gb(size) / s}]  # fmt: skip
+    for pinned in (True, False):
+        src = torch.empty(size, dtype=torch.uint8)
+        src.fill_(0x5A)  # a copy's speed does not depend on the bytes (random_() takes seconds here)
+        if pinned:
+            src = src.pin_memory()
+        dst = torch.empty(size, dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(reps + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pinned)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        s = median(times[1:])
+        rows.append(
+            {
+                "transport": "h2d_pinned" if pinned else "h2d_pageable",
+                "what": "1 GiB host->device copy",
+                "gb": _gb(size),
+                "seconds": s,
+                "gb_per_s": _gb(size) / s,
+            }
+        )
+        del src, dst
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Payload selection
+# ---------------------------------------------------------------------------------------------
+def first_params(module: torch.nn.Module, cap_bytes: float | None) -> list[tuple[str, torch.Tensor]]:
+    out, total = [], 0
+    for name, p in module.named_parameters():
+        if cap_bytes is not None and total >= cap_bytes:
+            break
+        out.append((name, p))
+        total += nbytes(p)
+    return out
+
+
+def _parts(named: list[tuple[str, torch.Tensor]], part_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    parts, cur, size = [], [], 0
+    for name, t in named:
+        if cur and size + nbytes(t) > part_bytes:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes(t)
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports
+# ---------------------------------------------------------------------------------------------
+def http_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str) -> dict[str, Any]:
+    from safetensors.torch import save
+
+    parts = _parts(named_cpu, part_bytes)
+    total = sum(nbytes(t) for _, t in named_cpu)
+    ser = send = 0.0
+    t_all = time.perf_counter()
+    for i, part in enumerate(parts):
+        t0 = time.perf_counter()
+        body = save(dict(part))
+        t1 = time.perf_counter()
+        srv.post_bytes(
+            "/update_weights",
+            body,
+            params={
+                "target_module": "transformer",
+                "upload_id": tag,
+                "part": i,
+                "final": "true" if i == len(parts) - 1 else "false",
+                "weight_version": tag,
+                "flush_cache": "false",
+            },
+        )
+        ser += t1 - t0
+        send += time.perf_counter() - t1
+        del body
+    seconds = time.perf_counter() - t_all
+    return {
+        "transport": "http",
+        "what": f"{len(named_cpu)} tensors in {len(parts)} parts",
+        "gb": _gb(total),
+        "seconds": seconds,
+        "gb_per_s": _gb(total) / seconds,
+        "serialize_s": ser,
+        "request_s": send,
+        "note": f"serialize {ser:.2f}s + requests {send:.2f}s",
+    }
+
+
+def disk_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, root: Path) -> list[dict]:
+    from safetensors.torch import save_file
+
+    folder = root / "transformer"
+    folder.mkdir(parents=True, exist_ok=True)
+    total = sum(nbytes(t) for _, t in named_cpu)
+    t0 = time.perf_counter()
+    for i, part in enumerate(_parts(named_cpu, part_bytes)):
+        save_file(dict(part), str(folder / f"diffusion_pytorch_model-{i:05d}.safetensors"))
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    srv.post_json(
+        "/update_weights_from_disk",
+        {"model_path": str(root), "target_modules": ["transformer"], "flush_cache": False},
+    )
+    seconds = time.perf_counter() - t0
+    return [
+        {"transport": "disk_write", "what": "trainer writes safetensors", "gb": _gb(total), "seconds": write_s,
+         "gb_per_s": _gb(total) / write_s, "note": "not part of the server's time"},
+        {"transport": "disk", "what": "update_weights_from_disk", "gb": _gb(total), "seconds": seconds,
+         "gb_per_s": _gb(total) / seconds, "note": "files in the page cache"},
+    ]  # fmt: skip
+
+
+def ipc_update(
+    srv, model: BenchModel, cap_bytes: float | None, reps: int, load_format: str | None
+) -> list[dict]:
+    spec = [
+        [name, list(p.shape), str(p.dtype).replace("torch.", "")]
+        for name, p in first_params(model.pipe.transformer, cap_bytes)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(
+            json.dumps(
+                {
+                    "url": srv.url,
+                    "device": model.device,
+                    "reps": reps,
+                    "load_format": load_format,
+                    "tensors": spec,
+                    # CPU tensors travel as file descriptors through multiprocessing's resource
+                    # sharer, which only serves processes that know this process's authkey.
+                    "authkey": bytes(multiprocessing.current_process().authkey).hex(),
+                }
+            )
+        )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.weight_sync", "--trainer", str(spec_path)],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"IPC trainer failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    total = report["bytes"]
+    rows = []
+    for i, rep in enumerate(report["reps"]):
+        rows.append(
+            {
+                "transport": "ipc",
+                "what": f"{len(spec)} tensors, {load_format or 'direct'}" + (" (first)" if i == 0 else ""),
+                "gb": _gb(total),
+                "seconds": rep["total_s"],
+                "gb_per_s": _gb(total) / rep["total_s"],
+                "serialize_s": rep["serialize_s"],
+                "request_s": rep["request_s"],
+                "note": f"serialize {rep['serialize_s']:.3f}s + request {rep['request_s']:.3f}s",
+            }
+        )
+    return rows
+
+
+def trainer_main(spec_path: str) -> int:
+    """The IPC trainer process: make the tensors on the device, send handles, time, print JSON."""
+    import httpx
+
+    from diffusion_rollout.server.weights import ipc
+
+    spec = json.loads(Path(spec_path).read_text())
+    multiprocessing.current_process().authkey = bytes.fromhex(spec["authkey"])
+    device = spec["device"]
+    gen = torch.Generator(device).manual_seed(1)
+    pairs = []
+    total = 0
+    with torch.no_grad():
+        for name, shape, dtype in spec["tensors"]:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            if len(shape) >= 2:
+                t.normal_(0.0, 1.0 / math.sqrt(max(1, math.prod(shape[1:]))), generator=gen)
+            elif name.endswith("weight") or "scale" in name:
+                t.fill_(1.0)
+            else:
+                t.zero_()
+            pairs.append((name, t))
+            total += nbytes(t)
+    sync(device)
+    reps = []
+    with httpx.Client(base_url=spec["url"], timeout=httpx.Timeout(900.0)) as client:
+        for i in range(spec["reps"]):
+            t0 = time.perf_counter()
+            payload = ipc.serialize_named_tensors(pairs, load_format=spec["load_format"])
+            t1 = time.perf_counter()
+            r = client.post(
+                "/update_weights_from_tensor",
+                json={
+                    "serialized_named_tensors": [payload],
+                    "load_format": spec["load_format"],
+                    "target_modules": ["transformer"],
+                    "weight_version": f"ipc-{i}",
+                    "flush_cache": False,
+                },
+            )
+            t2 = time.perf_counter()
+            if r.status_code != 200:
+                print(r.text[:3000], file=sys.stderr)
+                return 2
+            reps.append({"serialize_s": t1 - t0, "request_s": t2 - t1, "total_s": t2 - t0})
+    print(json.dumps({"bytes": total, "reps": reps}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------------------------
+def lora_payload(
+    module: torch.nn.Module, rank: int, device: str, dtype: torch.dtype
+) -> tuple[bytes, int, int]:
+    from safetensors.torch import save
+
+    gen = torch.Generator("cpu").manual_seed(2)
+    tensors = {}
+    layers = 0
+    for path, layer in module.named_modules():
+        if isinstance(layer, torch.nn.Linear) and ATTENTION_PROJECTION.search(path):
+            a = torch.randn(rank, layer.in_features, generator=gen) / math.sqrt(layer.in_features)
+            b = torch.randn(layer.out_features, rank, generator=gen) * 1e-3
+            tensors[f"{path}.lora_A.weight"] = a.to(dtype)
+            tensors[f"{path}.lora_B.weight"] = b.to(dtype)
+            layers += 1
+    if not tensors:
+        raise RuntimeError("no attention projections found for the LoRA payload")
+    size = sum(nbytes(t) for t in tensors.values())
+    return save(tensors), layers, size
+
+
+def lora_push(srv, model: BenchModel, rank: int, reps: int) -> list[dict[str, Any]]:
+    body, layers, size = lora_payload(model.pipe.transformer, rank, model.device, model.dtype)
+    params = {"name": "bench", "target_module": "transformer", "activate": "true", "lora_alpha": rank}
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        srv.post_bytes("/lora/load", body, params=params)
+        times.append(time.perf_counter() - t0)
+    act = []
+    for name in (None, "bench") * 2:
+        t0 = time.perf_counter()
+        srv.post_json("/lora/activate", {"name": name, "target_module": "transformer"})
+        act.append(time.perf_counter() - t0)
+    srv.post_json("/lora/unload", {"name": None, "target_module": "transformer"})
+    what = f"rank {rank}, {layers} layers"
+    steady = median(times[1:])
+    return [
+        {"transport": "lora_load_cold", "what": what + ", inject + activate", "gb": _gb(size),
+         "seconds": times[0], "gb_per_s": _gb(size) / times[0]},
+        {"transport": "lora_push_activate", "what": what + ", in place + activate", "gb": _gb(size),
+         "seconds": steady, "gb_per_s": _gb(size) / steady, "times_s": times[1:],
+         "note": f"median of {reps}"},
+        {"transport": "lora_activate", "what": "switch adapter (none <-> bench)", "gb": 0.0,
+         "seconds": median(act), "gb_per_s": None, "times_s": act},
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+def run(
+    model: BenchModel,
+    *,
+    out_dir=None,
+    device: str = "cpu",
+    http_gb: float | None = 4.0,
+    disk_gb: float | None = 4.0,
+    ipc_gb: float | None = None,
+    part_mb: int = 256,
+    ipc_reps: int = 2,
+    ipc_format: str | None = None,
+    lora_rank: int = 64,
+    lora_reps: int = 5,
+    deadline=None,
+) -> dict[str, Any]:
+    srv = model.server()
+    transformer = model.pipe.transformer
+    total_bytes = sum(nbytes(p) for p in transformer.parameters())
+    rows: list[dict[str, Any]] = []
+    notes = [f"transformer: {total_bytes / 1e9:.2f} GB in {model.dtype}"]
+
+    def phase(name: str, fn, estimate_s: float = 0.0) -> None:
+        if deadline is not None and not deadline.allows(estimate_s):
+            notes.append(f"{name}: skipped (time budget)")
+            return
+        log(f"weight_sync: {name}")
+        try:
+            out = fn()
+            rows.extend(out if isinstance(out, list) else [out])
+        except Exception as exc:
+            notes.append(f"{name}: failed: {type(exc).__name__}: {str(exc)[:500]}")
+            log(f"weight_sync: {name} failed: {exc!r}"[:800])
+
+    phase("h2d", lambda: h2d_rates(device))
+    pinned = next((r["gb_per_s"] for r in rows if r["transport"] in ("h2d_pinned", "memcpy")), None)
+    part_bytes = part_mb * 2**20
+
+    def cpu_copies(cap_gb):
+        return [
+            (n, p.detach().to("cpu", copy=True))
+            for n, p in first_params(transformer, cap_gb * 1e9 if cap_gb else None)
+        ]
+
+    def do_http():
+        named = cpu_copies(http_gb)
+        return http_update(srv, named, part_bytes, "bench-http")
+
+    def do_disk():
+        named = cpu_copies(disk_gb)
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            return disk_update(srv, named, part_bytes, Path(tmp))
+
+    phase("http", do_http, 30)
+    phase("disk", do_disk, 30)
+    if device.startswith("cuda"):
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    phase("ipc", lambda: ipc_update(srv, model, ipc_gb * 1e9 if ipc_gb else None, ipc_reps, ipc_format), 40)
+    phase("lora", lambda: lora_push(srv, model, lora_rank, lora_reps), 20)
+    for r in rows:
+        r["mb"] = r["gb"] * 1000
+        if pinned and r.get("gb_per_s") and not r["transport"].startswith("h2d"):
+            r["vs_h2d"] = r["gb_per_s"] / pinned
+    table = print_table(f"Weight sync on {model.name} (loopback)", rows, COLUMNS)
+
+    def best(kind):
+        vals = [r["gb_per_s"] for r in rows if r["transport"] == kind and r.get("gb_per_s")]
+        return max(vals) if vals else None
+
+    targets = {}
+    for kind in ("ipc", "http"):
+        v = best(kind)
+        if v is not None and pinned:
+            targets[kind] = {"gb_per_s": v, "h2d_pinned_gb_per_s": pinned, "target_ratio": 0.5,
+                             "met": v >= 0.5 * pinned}  # fmt: skip
+    lora = next((r for r in rows if r["transport"] == "lora_push_activate"), None)
+    if lora:
+        targets["lora_push_activate"] = {
+            "ms": 1000 * lora["seconds"],
+            "target_ms": 100,
+            "met": lora["seconds"] < 0.1,
+        }
+    doc = document(
+        "weight_sync",
+        device,
+        {
+            "model": model.name,
+            "http_gb": http_gb,
+            "disk_gb": disk_gb,
+            "ipc_gb": ipc_gb,
+            "part_mb": part_mb,
+            "ipc_reps": ipc_reps,
+            "ipc_format": ipc_format or "direct",
+            "lora_rank": lora_rank,
+            "lora_reps": lora_reps,
+        },
+        rows,
+        ok=not any("failed" in n for n in notes),
+        notes=notes,
+    )
+    doc["targets"] = targets
+    doc["table"] = table
+    write_json(out_dir, "weight_sync", doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--trainer"]:
+        return trainer_main(argv[1])
+    quiet_libraries()
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--http-gb", type=float, default=4.0)
+    p.add_argument("--disk-gb", type=float, default=4.0)
+    p.add_argument("--ipc-gb", type=float, default=None, help="cap on the IPC payload (default: all)")
+    p.add_argument("--part-mb", type=int, default=256)
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-reps", type=int, default=5)
+    args = p.parse_args(argv)
+    device = resolve_device(args.device)
+    name = args.models or ("flux.1-dev" if device.startswith("cuda") else "tiny-flux")
+    model = build(name, device)
+    try:
+        doc = run(
+            model,
+            out_dir=args.out,
+            device=device,
+            http_gb=args.http_gb,
+            disk_gb=args.disk_gb,
+            ipc_gb=args.ipc_gb,
+            part_mb=args.part_mb,
+            lora_rank=args.lora_rank,
+            lora_reps=args.lora_reps,
+        )
+    finally:
+        model.close()
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

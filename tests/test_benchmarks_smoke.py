@@ -1,0 +1,95 @@
+"""The benchmark scripts on the tiny zoo models, on the CPU: each one runs end to end, prints its
+table and writes its JSON (device, commit, versions, settings); the ODE regression gate passes on
+every served family and fails (exit 1) when the server differs from the stock pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_suite, ode_regression, rollout_overhead, throughput, weight_sync
+from benchmarks.model_builders import default_models
+
+
+def _doc(path, name, benchmark=None):
+    doc = json.loads((path / f"{name}.json").read_text())
+    assert doc["benchmark"] == (benchmark or name)
+    assert doc["facts"]["device"] == "cpu" and doc["facts"]["commit"]
+    assert doc["facts"]["versions"]["torch"] and doc["facts"]["versions"]["diffusers"]
+    assert isinstance(doc["settings"], dict) and doc["results"]
+    return doc
+
+
+def test_ode_regression_every_family_bit_exact(tmp_path, capsys):
+    assert ode_regression.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    doc = _doc(tmp_path, "ode_regression")
+    families = {r["family"] for r in doc["results"]}
+    assert families == {m.removeprefix("tiny-") for m in default_models("cpu")}
+    assert {"sd3", "flux"} <= families
+    assert all(r["exact"] and r["max_abs_diff"] == 0.0 for r in doc["results"])
+    assert {r["mode"] for r in doc["results"]} == set(ode_regression.MODES)
+    assert "max |diff|" in capsys.readouterr().out
+
+
+def test_ode_regression_gate_fails_on_a_difference(tmp_path, monkeypatch):
+    monkeypatch.setitem(ode_regression.MODES, "sde", {"rollout_sde_type": "sde", "rollout_debug_mode": False})
+    argv = ["--device", "cpu", "--models", "tiny-sd3", "--modes", "sde", "--out", str(tmp_path)]
+    assert ode_regression.main(argv) == 1
+    doc = json.loads((tmp_path / "ode_regression.json").read_text())
+    assert not doc["ok"] and all(not r["exact"] and r["max_abs_diff"] > 0 for r in doc["results"])
+
+
+def test_compare_counts_nan_positions_as_equal():
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert ode_regression.compare(a, a.clone())["exact"]
+    b = torch.tensor([1.0, float("nan"), 3.5])
+    r = ode_regression.compare(a, b)
+    assert not r["exact"] and r["max_abs_diff"] == 0.5
+
+
+def test_rollout_overhead(tmp_path):
+    argv = ["--device", "cpu", "--models", "tiny-sd3", "--reps", "1", "--out", str(tmp_path)]
+    assert rollout_overhead.main(argv) == 0
+    doc = _doc(tmp_path, "rollout_overhead")
+    assert {r["variant"] for r in doc["results"]} == {"stock", "server_plain", "server_rollout"}
+    assert "tiny-sd3" in doc["targets"]
+    assert next(r for r in doc["results"] if r["variant"] == "server_rollout")["response_mb"] > 0
+
+
+def test_throughput(tmp_path):
+    argv = [
+        "--device", "cpu", "--models", "tiny-sd3,tiny-flux", "--group", "4", "--requests", "2",
+        "--clients", "2", "--batch-sizes", "4,8", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert throughput.main(argv) == 0
+    doc = _doc(tmp_path, "throughput")
+    server = [r for r in doc["results"] if r.get("variant") == "server_sde_rollout"]
+    assert [r["max_batch_size"] for r in server] == [4, 8]
+    assert all(4 <= r["mean_batch"] <= 8 for r in server)  # groups batched across requests up to 8
+    assert any(r.get("option") == "eager" for r in doc["results"])
+    assert "grpo_vs_stock_batched" in doc["targets"]
+
+
+def test_weight_sync(tmp_path):
+    argv = [
+        "--device", "cpu", "--models", "tiny-flux", "--lora-rank", "4", "--lora-reps", "2",
+        "--part-mb", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert weight_sync.main(argv) == 0
+    doc = _doc(tmp_path, "weight_sync")
+    kinds = {r["transport"] for r in doc["results"]}
+    assert {"http", "disk", "ipc", "lora_push_activate"} <= kinds, doc["notes"]
+    assert doc["ok"], doc["notes"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_suite_dry_run_on_tiny_models(tmp_path):
+    argv = ["--device", "cpu", "--tiny", "--no-compile", "--no-wan", "--out", str(tmp_path)]
+    assert gpu_suite.main(argv) == 0
+    summary = _doc(tmp_path, "summary", "gpu_suite")
+    assert all(p["status"] == "ok" for p in summary["results"]), summary["results"]
+    for name in ("ode_regression", "rollout_overhead", "throughput", "weight_sync"):
+        _doc(tmp_path, name)
+    assert summary["targets"]["ode_regression.exact"]["met"]
