@@ -248,3 +248,38 @@ def test_weight_broadcaster_over_gloo(fresh_server, tmp_path):
     assert module_checksum(server.engine.pipe.transformer) == trainer_weights_checksum(
         master.items(), torch.float32
     )
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_large_bodies_are_streamed_in_slices_and_land_intact(fresh_server, monkeypatch, use_async):
+    """Bodies over the slice size go out as an iterator with a Content-Length (linear, not quadratic)."""
+    import asyncio
+
+    import httpx
+    from safetensors.torch import save
+
+    import diffusion_rollout.client.http as client_http
+    from diffusion_rollout.client import AsyncRolloutClient, RolloutClient
+
+    monkeypatch.setattr(client_http, "_UPLOAD_CHUNK", 4096)  # the tiny payload spans many slices
+    server = fresh_server("sd3")
+    new = {k: v.detach() + 0.01 for k, v in server.engine.pipe.transformer.named_parameters()}
+    data = save(new)
+    assert len(data) > 50 * 4096
+    if use_async:
+
+        async def push():
+            async with AsyncRolloutClient(
+                "http://testserver", transport=httpx.ASGITransport(app=server.app)
+            ) as c:
+                return await c.update_weights(data, target_module="transformer", weight_version="sliced")
+
+        result = asyncio.run(push())
+    else:
+        result = RolloutClient("http://testserver", http_client=server.client).update_weights(
+            data, target_module="transformer", weight_version="sliced"
+        )
+    assert result.weight_version == "sliced"
+    assert module_checksum(server.engine.pipe.transformer) == trainer_weights_checksum(
+        new.items(), torch.float32
+    )

@@ -229,6 +229,15 @@ def _lora_load_call(
     return _Call("POST", "/lora/load", "admin", "never", json=body, timeout=timeout)
 
 
+_UPLOAD_CHUNK = 8 << 20
+
+
+def _slices(data: bytes):
+    view = memoryview(data)
+    for start in range(0, len(view), _UPLOAD_CHUNK):
+        yield bytes(view[start : start + _UPLOAD_CHUNK])
+
+
 class _ClientBase:
     """Configuration, call building and answer parsing shared by both clients."""
 
@@ -291,7 +300,13 @@ class _ClientBase:
         if call.json is not None:
             kw["json"] = call.json
         if call.content is not None:
-            kw["content"] = call.content
+            if len(call.content) > _UPLOAD_CHUNK:
+                # httpcore re-slices a bytes body after every socket write, which is quadratic for
+                # a multi-GB upload; slices from an iterator with a Content-Length keep it linear.
+                kw["content"] = self._body_chunks(call.content)
+                kw["headers"]["Content-Length"] = str(len(call.content))
+            else:
+                kw["content"] = call.content
         if call.params:
             kw["params"] = call.params
         return kw
@@ -400,6 +415,9 @@ class RolloutClient(_ClientBase):
         self.close()
 
     # ------------------------------------------------------------------ sending
+    def _body_chunks(self, data: bytes):
+        return _slices(data)
+
     def _send(self, call: _Call, url: str) -> httpx.Response:
         attempt = 0
         while True:
@@ -810,6 +828,13 @@ class AsyncRolloutClient(_ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def _body_chunks(self, data: bytes):
+        async def chunks():
+            for piece in _slices(data):
+                yield piece
+
+        return chunks()
 
     async def _send(self, call: _Call, url: str) -> httpx.Response:
         attempt = 0

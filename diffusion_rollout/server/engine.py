@@ -130,7 +130,13 @@ class Engine:
         if self.loaded is None:
             if not self.model_path:
                 raise ServiceUnavailableError("no model path configured")
-            self.loaded = load_pipeline(self.model_path, dtype=self.dtype, device=self.device)
+            self.loaded = load_pipeline(
+                self.model_path,
+                dtype=self.dtype,
+                device=self.device,
+                compile=self.config.compile,
+                attention_backend=self.config.attention_backend,
+            )
         self.adapter = adapter_for(self.loaded.pipe)
         self.adapter.setup_schedulers(self.loaded)
 
@@ -191,9 +197,7 @@ class Engine:
         try:
             self._check_ready()
             plan = self.plan(params)
-            job = Job(
-                payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id
-            )
+            job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
             fut = self.worker.submit(job)
             timeout = self.config.request_timeout_s
             try:
@@ -422,6 +426,7 @@ class Engine:
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
     def _encodings(self, plan: _Plan) -> dict[str, torch.Tensor]:
         p = plan.params
         key = (p.prompt, p.negative_prompt, self.adapter.encoding_cache_key(plan.call))
