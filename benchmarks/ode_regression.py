@@ -16,6 +16,8 @@ The gate is defined for the eager path; a server started with ``compile`` or ano
 
     python -m benchmarks.ode_regression                    # CPU: every tiny family served
     python -m benchmarks.ode_regression --device cuda --models sd3.5-medium,flux.1-dev --out bench_out
+    python -m benchmarks.ode_regression --device cuda --dtype bfloat16 \
+        --models tiny-sd3,tiny-flux,tiny-qwenimage,tiny-wan,tiny-wan2.2   # every family on the GPU
 """
 
 from __future__ import annotations
@@ -159,14 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--modes", default=None, help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument(
+        "--dtype", default=None, help="float32 or bfloat16 (default: float32 tiny models, bfloat16 real ones)"
+    )
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     device = resolve_device(args.device)
     names = args.models.split(",") if args.models else default_models(device)
     modes = args.modes.split(",") if args.modes else None
     models = []
     try:
         for name in names:
-            models.append(build(name, device))
+            models.append(build(name, device, dtype))
         doc = run(models, out_dir=args.out, modes=modes, device=device)
     finally:
         for m in models:
