@@ -9,7 +9,9 @@ reused as is and the ODE path stays bit-identical to diffusers.
 RNG: every output owns a generator seeded ``seed + i`` (or ``seeds[i]``); the engine draws each
 output's x_T from it with the pipeline's own ``prepare_latents`` at batch 1 (what the stock pipeline
 does with a list of generators), then the scheduler draws each stochastic step's noise from the same
-generator. A sample's result therefore never depends on what it was batched with.
+generator. A sample's random numbers therefore never depend on what it was batched with; its
+arithmetic can, in the last bits (matmul kernels block differently per batch size), which is why every
+output names its pipeline call (``batch_id``, ``batch_index``, ``batch_size``) for exact replay.
 
 Reliability (quality.md):
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -52,42 +53,19 @@ from diffusion_rollout.errors import (
 from diffusion_rollout.scheduler_mixins import (
     RolloutSettings,
     RolloutState,
-    flow_shift_sigmas,
     rollout_context,
-    validate_sigmas,
 )
-from diffusion_rollout.server.families import CallSettings, FamilyAdapter, adapter_for
+from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.planner import Plan, RequestPlanner
 from diffusion_rollout.server.prompt_cache import PromptCache
 from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.worker import Job, Worker
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class _Plan:
-    """A validated request: everything the worker needs, plus the batch key."""
-
-    def __init__(self, params: GenerateParams, call: CallSettings, seeds: list[int], schedule, stock_sigmas):
-        self.params = params
-        self.call = call
-        self.seeds = seeds
-        self.schedule = schedule  # exact sigma_0..sigma_{T-1}, or None for the pipeline's own
-        self.stock_sigmas = stock_sigmas  # sigmas for the pipeline to shift itself, or None
-        p = params
-        self.key = (
-            call,
-            p.rollout,
-            p.settings if p.rollout else None,
-            tuple(schedule) if schedule is not None else None,
-            tuple(stock_sigmas) if stock_sigmas is not None else None,
-            p.generator_device,
-            p.return_generated_output,
-            p.rollout and p.return_denoising_env,
-        )
 
 
 class Engine:
@@ -112,7 +90,7 @@ class Engine:
         self.started_at = time.time()
         self.last_generate_ok_at: float | None = None
         self._shutdown_deadline: float | None = None
-        self._latent_info_cache: dict[tuple, tuple[int, torch.dtype]] = {}
+        self.planner: RequestPlanner | None = None
 
     @property
     def weight_version(self) -> Any:
@@ -139,6 +117,13 @@ class Engine:
             )
         self.adapter = adapter_for(self.loaded.pipe)
         self.adapter.setup_schedulers(self.loaded)
+        self.planner = RequestPlanner(
+            self.config,
+            self.adapter,
+            device=self.device,
+            dtype=self.dtype,
+            num_train_timesteps=lambda: self.loaded.pipe.scheduler.config.num_train_timesteps,
+        )
 
     def start(self) -> None:
         if self.adapter is None:
@@ -270,154 +255,9 @@ class Engine:
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 
     # ------------------------------------------------------------------ validation
-    def plan(self, p: GenerateParams) -> _Plan:
-        a = self.adapter
-        assert a is not None
-        cfg = self.config
-        if p.num_outputs_per_prompt < 1 or p.num_outputs_per_prompt > cfg.max_outputs_per_request:
-            raise RequestError(
-                f"num_outputs_per_prompt={p.num_outputs_per_prompt} must be in 1..{cfg.max_outputs_per_request}"
-                " (limit max_outputs_per_request)",
-                field="num_outputs_per_prompt",
-            )
-        n = p.num_outputs_per_prompt
-        dh, dw = a.default_size()
-        height, width = p.height or dh, p.width or dw
-        if height * width > cfg.max_pixels:
-            raise RequestError(
-                f"width*height={width * height} exceeds max_pixels={cfg.max_pixels}", field="width"
-            )
-
-        # Schedule: the trainer's sigmas exactly, a flow_shift schedule, or the pipeline's own.
-        schedule = stock_sigmas = None
-        sigmas = p.sigmas
-        if p.timesteps is not None:
-            if sigmas is not None:
-                raise RequestError("send either sigmas or timesteps, not both", field="timesteps")
-            ntt = float(self.loaded.pipe.scheduler.config.num_train_timesteps)
-            sigmas = [float(t) / ntt for t in p.timesteps]
-        steps = p.num_inference_steps
-        if sigmas is not None:
-            if steps is not None and steps != len(sigmas):
-                raise RequestError(
-                    f"num_inference_steps={steps} but {len(sigmas)} sigmas were sent", field="sigmas"
-                )
-            steps = len(sigmas)
-        steps = steps or a.default_steps()
-        if steps < 1 or steps > cfg.max_steps:
-            raise RequestError(
-                f"num_inference_steps={steps} must be in 1..{cfg.max_steps} (limit max_steps)",
-                field="num_inference_steps",
-            )
-        if sigmas is not None:
-            if p.flow_shift is not None:
-                raise RequestError(
-                    "flow_shift applies to the default schedule; not with sigmas", field="flow_shift"
-                )
-            sigmas = validate_sigmas(sigmas, steps)
-            if p.sigmas_are_shifted:
-                schedule = sigmas
-            else:
-                stock_sigmas = sigmas
-        elif p.flow_shift is not None:
-            if not (p.flow_shift > 0):
-                raise RequestError("flow_shift must be > 0", field="flow_shift")
-            schedule = flow_shift_sigmas(steps, p.flow_shift)
-        if stock_sigmas is not None and not a.accepts_stock_sigmas():
-            schedule = a.shift_sigmas(stock_sigmas)
-            stock_sigmas = None
-        if schedule is not None:
-            # A derived schedule can still be unservable (an extreme flow_shift gives inf, or values
-            # equal in float32): refuse it here, not as a failed batch in the worker.
-            try:
-                schedule = validate_sigmas(schedule, steps)
-            except RequestError as exc:
-                field = "flow_shift" if p.flow_shift is not None else "sigmas"
-                message = f"the schedule {field} gives is not servable: {exc.message}"
-                raise RequestError(message, field=field) from None
-
-        frames = None
-        if a.is_video:
-            frames = p.num_frames or a.default_frames()
-            if frames > cfg.max_frames:
-                raise RequestError(
-                    f"num_frames={frames} exceeds max_frames={cfg.max_frames}", field="num_frames"
-                )
-        call = CallSettings(
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=float(p.guidance_scale if p.guidance_scale is not None else a.default_guidance()),
-            true_cfg_scale=p.true_cfg_scale if p.true_cfg_scale is not None else a.default_true_cfg(),
-            guidance_scale_2=p.guidance_scale_2,
-            num_frames=frames,
-            max_sequence_length=p.max_sequence_length,
-            has_negative_prompt=p.negative_prompt is not None,
-        )
-        a.validate(call)
-
-        if p.rollout:
-            p.settings.validate(steps)
-            size = self.response_tensor_bytes(p, call, n)
-            if size > cfg.max_trajectory_bytes:
-                raise RequestError(
-                    f"the trajectory and debug tensors of this request would take {size} bytes, over "
-                    f"max_trajectory_bytes={cfg.max_trajectory_bytes} (limit max_trajectory_bytes): send "
-                    "rollout_debug_mode=false, fewer rollout_return_step_indices, fewer steps or outputs",
-                    field="max_trajectory_bytes",
-                )
-
-        if p.seeds is not None:
-            if len(p.seeds) != n:
-                raise RequestError(
-                    f"seeds has {len(p.seeds)} entries but num_outputs_per_prompt={n}", field="seeds"
-                )
-            seeds = list(p.seeds)
-        else:
-            if p.seed is None:
-                p.seed = random.randrange(0, 2**31 - n)
-            seeds = [p.seed + i for i in range(n)]
-        if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
-            p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
-        return _Plan(p, call, seeds, schedule, stock_sigmas)
-
-    def _latent_info(self, call: CallSettings) -> tuple[int, torch.dtype]:
-        """(elements, dtype) of one sample's latent at this geometry, cached per size."""
-        key = (call.height, call.width, call.num_frames)
-        info = self._latent_info_cache.get(key)
-        if info is None:
-            try:
-                # The family's own prepare_latents on the meta device: the exact (packed) shape and the
-                # dtype the pipeline keeps latents in, without memory or RNG.
-                x = self.adapter.initial_latents(call, None, self.dtype, "meta")
-            except Exception:  # a family whose prepare_latents cannot run on meta: one small real draw
-                g = torch.Generator("cpu").manual_seed(0)
-                x = self.adapter.initial_latents(call, g, self.dtype, "cpu")
-            info = (x.numel() // max(1, x.shape[0]), x.dtype)
-            if len(self._latent_info_cache) < 1024:  # sizes are few in practice; never grow unbounded
-                self._latent_info_cache[key] = info
-        return info
-
-    def response_tensor_bytes(self, p: GenerateParams, call: CallSettings, n: int) -> int:
-        """Bytes of the latent-sized tensors a rollout response carries (``max_trajectory_bytes``).
-
-        Per output: ``dit_trajectory.latents`` (K entries, in the promoted latent/model dtype) when
-        asked, and with ``rollout_debug_mode`` the three ``[T, *latent]`` debug tensors (noises and
-        means in float32, model outputs in the model dtype). Log-probs, sigmas and the generated
-        output itself are small or bounded by ``max_pixels`` and are not counted.
-        """
-        if not p.rollout:
-            return 0
-        numel, latent_dtype = self._latent_info(call)
-        steps = call.num_inference_steps
-        model_item = torch.empty((), dtype=self.dtype).element_size()
-        traj_item = torch.empty((), dtype=torch.promote_types(latent_dtype, self.dtype)).element_size()
-        per_output = 0
-        if p.return_dit_trajectory:
-            per_output += len(p.settings.kept_trajectory_indices(steps)) * numel * traj_item
-        if p.settings.debug:
-            per_output += steps * numel * (4 + 4 + model_item)
-        return n * per_output
+    def plan(self, p: GenerateParams) -> Plan:
+        """Validate ``p`` against the model and the limits (``RequestError``) and plan its batch."""
+        return self.planner.plan(p)
 
     # ------------------------------------------------------------------ the worker side
     def _after_batch_error(self, exc: BaseException, jobs: list[Job]) -> None:
@@ -427,7 +267,7 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    def _encodings(self, plan: _Plan) -> dict[str, torch.Tensor]:
+    def _encodings(self, plan: Plan) -> dict[str, torch.Tensor]:
         p = plan.params
         key = (p.prompt, p.negative_prompt, self.adapter.encoding_cache_key(plan.call))
         return self.prompt_cache.get_or_compute(
@@ -449,7 +289,7 @@ class Engine:
     def _run_call(self, jobs: list[Job], encodings: list[dict[str, torch.Tensor]]) -> None:
         a = self.adapter
         pipe = self.pipe
-        plans: list[_Plan] = [j.payload for j in jobs]
+        plans: list[Plan] = [j.payload for j in jobs]
         first = plans[0]
         call = first.call
         t0 = time.perf_counter()
