@@ -258,10 +258,10 @@ def test_large_bodies_are_streamed_in_slices_and_land_intact(fresh_server, monke
     import httpx
     from safetensors.torch import save
 
-    import diffusion_rollout.client.http as client_http
+    import diffusion_rollout.client.calls as client_calls
     from diffusion_rollout.client import AsyncRolloutClient, RolloutClient
 
-    monkeypatch.setattr(client_http, "_UPLOAD_CHUNK", 4096)  # the tiny payload spans many slices
+    monkeypatch.setattr(client_calls, "_UPLOAD_CHUNK", 4096)  # the tiny payload spans many slices
     server = fresh_server("sd3")
     new = {k: v.detach() + 0.01 for k, v in server.engine.pipe.transformer.named_parameters()}
     data = save(new)

@@ -1,10 +1,13 @@
 """The thin trainer client: rollouts over HTTP, weight and LoRA pushes, and replay for training.
 
-- ``http``: :class:`RolloutClient` / :class:`AsyncRolloutClient` (every endpoint of api.md and
-  weights.md, typed results, bounded concurrency, retries only where a repeat is harmless).
+- ``sync_client`` / ``async_client``: :class:`RolloutClient` / :class:`AsyncRolloutClient` (every
+  endpoint of api.md and weights.md, typed results, bounded concurrency, retries only where a
+  repeat is harmless); ``calls`` describes each endpoint once for both, ``base`` holds what they
+  share (connection settings, :class:`RetryPolicy`, headers, error mapping). ``http`` re-exports
+  the client names under their original import path.
 - ``results``: :class:`RolloutOutput` and friends (torch tensors, api.md's field names).
 - ``weights``: bounded multi-part safetensors uploads with one atomic commit, PEFT adapter pushes,
-  checksum verification, the same-host IPC body and the NCCL/gloo broadcaster.
+  checksum verification, the same-host IPC body and the NCCL/gloo broadcaster (one module each).
 - ``replay`` / ``training``: recompute a rollout's steps with the trainer's transformer and the
   shared transition function (ratio exactly 1 on-policy), plus the common loss pieces.
 - ``exceptions``: server errors as the project's exception classes, with status and message.
@@ -12,13 +15,14 @@
 Importing this package opens no connection and starts nothing.
 """
 
+from diffusion_rollout.client.async_client import AsyncRolloutClient
+from diffusion_rollout.client.base import RetryPolicy
 from diffusion_rollout.client.exceptions import (
     ChecksumMismatchError,
     RolloutConnectionError,
     RolloutHTTPError,
     RolloutTimeoutError,
 )
-from diffusion_rollout.client.http import AsyncRolloutClient, RetryPolicy, RolloutClient
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
 from diffusion_rollout.client.results import (
     DitTrajectory,
@@ -27,6 +31,7 @@ from diffusion_rollout.client.results import (
     UpdateResult,
     group_by_server_batch,
 )
+from diffusion_rollout.client.sync_client import RolloutClient
 from diffusion_rollout.client.training import (
     ReplayBatch,
     ReplayedStep,

@@ -6,8 +6,10 @@
 - ``distributed``: NCCL/gloo update groups and broadcasts from the trainer.
 - ``lora``: named PEFT adapters, dynamic and merged modes; ``lora_io`` reads adapters and configs.
 - ``memory``: releasing and resuming device memory.
-- ``manager``: ``WeightManager`` and ``get_weight_manager(engine)``; runs every mutation through
-  ``engine.run_exclusive`` so updates land between generation batches.
+- ``manager``: ``WeightManager`` and ``get_weight_manager(engine)``; combines ``manager_core``
+  (state, versioning, every mutation through ``engine.run_exclusive`` so updates land between
+  generation batches), ``full_ops`` (full-weight transports and checks) and ``lora_ops`` (adapter
+  operations), and adds SGLang tensor payloads, memory release and pause.
 """
 
 from diffusion_rollout.server.weights.manager import WeightManager, get_weight_manager

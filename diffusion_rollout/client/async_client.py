@@ -1,0 +1,372 @@
+"""``AsyncRolloutClient``: the asyncio twin of ``RolloutClient`` (same methods, awaitable).
+
+Design decisions:
+
+- **Same descriptions, another executor.** Every method builds the same
+  :class:`~diffusion_rollout.client.calls._Call` as :class:`~diffusion_rollout.client.RolloutClient`
+  and awaits it on one ``httpx.AsyncClient``; retry decisions, headers and error mapping come from
+  :class:`~diffusion_rollout.client.base._ClientBase`, so the two clients cannot drift apart.
+- **Concurrency with a semaphore.** :meth:`AsyncRolloutClient.generate_many` bounds the requests in
+  flight with ``asyncio.Semaphore(max_concurrency)``; on the first failure the others are cancelled.
+- **The event loop stays free.** Decoding a rollout answer (a large trajectory) runs in a thread;
+  a large upload body is streamed from an async iterator of slices.
+- ``generate`` takes api.md's request fields as ``**fields`` (documented on
+  :meth:`RolloutClient.generate`). ``transport=`` is an ``httpx.AsyncBaseTransport``
+  (``httpx.ASGITransport(app)`` drives an app in process); ``http_client=`` a ready
+  ``httpx.AsyncClient``. Constructing a client opens no connection and starts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from diffusion_rollout import wire
+from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
+from diffusion_rollout.client.calls import (
+    _activate_call,
+    _admin_switch_call,
+    _Call,
+    _checker_call,
+    _checksum_call,
+    _destroy_group_call,
+    _disk_call,
+    _distributed_call,
+    _generate_call,
+    _info_call,
+    _init_group_call,
+    _lora_list_call,
+    _lora_load_call,
+    _merge_item,
+    _outputs,
+    _ready_call,
+    _slices,
+    _tensor_call,
+    _unload_call,
+    _upload_call,
+)
+from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
+from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+
+__all__ = ["AsyncRolloutClient"]
+
+
+class AsyncRolloutClient(_ClientBase):
+    """The asyncio twin of :class:`RolloutClient` (same methods, awaitable).
+
+    ``transport`` is an ``httpx.AsyncBaseTransport`` (``httpx.ASGITransport(app)`` drives an app in
+    process); ``http_client`` a ready ``httpx.AsyncClient``.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] | None = None,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        wire_format: WireFormat = "msgpack",
+        max_concurrency: int = 8,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(
+            url,
+            api_key=api_key,
+            admin_key=admin_key,
+            timeout=timeout,
+            retry=retry,
+            wire_format=wire_format,
+            max_concurrency=max_concurrency,
+            headers=headers,
+        )
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(
+            transport=transport, timeout=timeout, limits=self._http_limits()
+        )
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _body_chunks(self, data: bytes):
+        async def chunks():
+            for piece in _slices(data):
+                yield piece
+
+        return chunks()
+
+    async def _send(self, call: _Call, url: str) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                resp = await self._http.request(
+                    call.method, url + call.path, **self._request_kwargs(call, url)
+                )
+            except httpx.TransportError as exc:
+                delay = self._delay_after_transport_error(call, url, attempt, exc)
+            else:
+                if resp.is_success:
+                    return resp
+                delay = self._delay_after_error_status(call, url, attempt, resp)
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _one(self, call: _Call, server: int = 0) -> Any:
+        url = self.urls[server]
+        return self._parse_plain(call, await self._send(call, url))
+
+    async def _all(self, call: _Call, server: int | None) -> UpdateResult:
+        responses = {}
+        for u in self._targets(server):  # in order: a failure names the server and stops there
+            responses[u] = (await self._send(call, u)).json()
+        return self._updates(responses)
+
+    async def health(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_info_call("/health"), server)
+
+    async def health_generate(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_info_call("/health_generate"), server)
+
+    async def wait_until_ready(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        call = _ready_call()
+        for url in self.urls:
+            while True:
+                try:
+                    await self._send(call, url)
+                    break
+                except (RolloutConnectionError, RolloutHTTPError) as exc:
+                    self._raise_unless_starting(exc, url, deadline, timeout_s)
+                await self._sleep(interval_s)
+
+    async def model_info(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_info_call("/model_info"), server)
+
+    async def server_info(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_info_call("/server_info"), server)
+
+    async def list_models(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_info_call("/v1/models"), server)
+
+    async def metrics(self, *, server: int = 0) -> str:
+        return await self._one(_info_call("/metrics", decode="text"), server)
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **fields: Any,
+    ) -> list[RolloutOutput]:
+        """``POST /rollout/generate``; keyword arguments as :meth:`RolloutClient.generate`."""
+        call, settings = _generate_call(prompt, fields, timeout)
+        resp = await self._send(call, self._rollout_url(server))
+        media = resp.headers.get("content-type", wire.MSGPACK)
+        # Decoding a large trajectory is CPU work: keep it off the event loop.
+        decoded = await asyncio.to_thread(wire.decode, resp.content, media)
+        return _outputs(decoded, settings)
+
+    async def generate_many(
+        self,
+        prompts: Sequence[str | Mapping[str, Any]],
+        *,
+        max_concurrency: int | None = None,
+        **fields: Any,
+    ) -> list[list[RolloutOutput]]:
+        """As :meth:`RolloutClient.generate_many`, with a semaphore bounding the requests in flight."""
+        sem = asyncio.Semaphore(max_concurrency or self.max_concurrency)
+
+        async def one(job: dict[str, Any]) -> list[RolloutOutput]:
+            async with sem:
+                return await self.generate(**job)
+
+        tasks = [asyncio.ensure_future(one(_merge_item(item, fields))) for item in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def pause_generation(self, *, server: int | None = None) -> UpdateResult:
+        return await self._all(_admin_switch_call("/pause_generation"), server)
+
+    async def continue_generation(self, *, server: int | None = None) -> UpdateResult:
+        return await self._all(_admin_switch_call("/continue_generation"), server)
+
+    async def release_memory_occupation(self, *, server: int | None = None) -> UpdateResult:
+        return await self._all(_admin_switch_call("/release_memory_occupation"), server)
+
+    async def resume_memory_occupation(self, *, server: int | None = None) -> UpdateResult:
+        return await self._all(_admin_switch_call("/resume_memory_occupation"), server)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        target_modules: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        call = _disk_call(model_path, target_modules, flush_cache, weight_version, timeout)
+        return await self._all(call, server)
+
+    async def update_weights(
+        self,
+        data: bytes,
+        *,
+        target_module: str = "transformer",
+        weight_version: str | int | None = None,
+        final: bool = True,
+        upload_id: str | None = None,
+        part: int | None = None,
+        flush_cache: bool = True,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        call = _upload_call(data, target_module, weight_version, final, upload_id, part, flush_cache, timeout)
+        return await self._all(call, server)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        weight_update_mode: str | None = None,
+        lora_alpha: float | None = None,
+        lora_rank: int | None = None,
+        weight_version: str | int | None = None,
+        payload_gpu_uuids: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        return await self._all(_tensor_call(locals()), server)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = 300.0,
+        server: int = 0,
+    ) -> UpdateResult:
+        call = _init_group_call(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+            self._at_least(timeout_s + 30),
+        )  # fmt: skip
+        return await self._all(call, server)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        target_modules: Sequence[str] | None = None,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        server: int = 0,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        call = _distributed_call(
+            names, dtypes, shapes, group_name, target_modules, weight_version, flush_cache, timeout
+        )
+        return await self._all(call, server)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, server: int | None = None
+    ) -> UpdateResult:
+        return await self._all(_destroy_group_call(group_name), server)
+
+    async def get_weights_checksum(
+        self, module_names: Sequence[str] | None = None, *, algorithm: str = "sglang", server: int = 0
+    ) -> dict[str, str]:
+        return await self._one(_checksum_call(module_names, algorithm), server)
+
+    async def check_weights(
+        self, target_module: str, expected_named_tensors_sha256: Mapping[str, str], *, server: int = 0
+    ) -> dict[str, Any]:
+        return await self._one(_checker_call(target_module, expected_named_tensors_sha256), server)
+
+    async def lora_load(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        data: bytes | None = None,
+        target_module: str = "transformer",
+        peft_config: Mapping[str, Any] | None = None,
+        lora_alpha: float | None = None,
+        activate: bool = False,
+        mode: str | None = None,
+        strength: float | None = None,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        call = _lora_load_call(
+            name,
+            path=path,
+            data=data,
+            target_module=target_module,
+            peft_config=peft_config,
+            lora_alpha=lora_alpha,
+            activate=activate,
+            mode=mode,
+            strength=strength,
+            weight_version=weight_version,
+            timeout=timeout,
+        )
+        return await self._all(call, server)
+
+    async def lora_activate(
+        self,
+        name: str | None,
+        *,
+        target_module: str = "transformer",
+        mode: str | None = None,
+        strength: float | None = None,
+        merge_dtype: str | None = None,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+    ) -> UpdateResult:
+        call = _activate_call(name, target_module, mode, strength, merge_dtype, weight_version)
+        return await self._all(call, server)
+
+    async def lora_unload(
+        self,
+        name: str | None = None,
+        *,
+        target_module: str = "transformer",
+        weight_version: str | int | None = None,
+        server: int | None = None,
+    ) -> UpdateResult:
+        return await self._all(_unload_call(name, target_module, weight_version), server)
+
+    async def lora_list(self, *, server: int = 0) -> dict[str, Any]:
+        return await self._one(_lora_list_call(), server)

@@ -1,0 +1,448 @@
+"""``RolloutClient``: the blocking HTTP client for a rollout server (thread-safe).
+
+Design decisions:
+
+- **Sends what** :mod:`diffusion_rollout.client.calls` **describes.** Every method builds its
+  :class:`~diffusion_rollout.client.calls._Call` there and sends it with one ``httpx.Client``;
+  retry decisions, headers and error mapping come from
+  :class:`~diffusion_rollout.client.base._ClientBase`. The asyncio twin
+  (:mod:`diffusion_rollout.client.async_client`) has the same methods over the same descriptions.
+- **Concurrency with threads.** :meth:`RolloutClient.generate_many` runs at most
+  ``max_concurrency`` requests on a thread pool; the httpx connection pool is sized to match.
+- **Tests and embedding.** ``transport=`` takes any httpx transport and ``http_client=`` a ready
+  ``httpx.Client`` (a FastAPI ``TestClient`` works), so the real app can be driven without a socket.
+  Constructing a client opens no connection and starts nothing.
+- ``generate`` lists api.md's request fields as keyword arguments (for discovery and editors);
+  ``None`` leaves a field out, so the server's default applies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from diffusion_rollout import wire
+from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
+from diffusion_rollout.client.calls import (
+    _NOT_FIELDS,
+    _activate_call,
+    _admin_switch_call,
+    _Call,
+    _checker_call,
+    _checksum_call,
+    _destroy_group_call,
+    _disk_call,
+    _distributed_call,
+    _generate_call,
+    _info_call,
+    _init_group_call,
+    _lora_list_call,
+    _lora_load_call,
+    _merge_item,
+    _outputs,
+    _ready_call,
+    _slices,
+    _tensor_call,
+    _unload_call,
+    _upload_call,
+)
+from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
+from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+
+__all__ = ["RolloutClient"]
+
+
+class RolloutClient(_ClientBase):
+    """Blocking client (thread-safe). Use as a context manager or call :meth:`close`.
+
+    Args:
+        url: server URL, a list of them, or comma-separated; default ``$DIFFUSION_ROLLOUT_URL`` or
+            ``http://127.0.0.1:30000``.
+        api_key, admin_key: default ``$DIFFUSION_ROLLOUT_API_KEY`` / ``$DIFFUSION_ROLLOUT_ADMIN_KEY``.
+        timeout: default for every call (seconds or an ``httpx.Timeout``); calls that may run long
+            take a ``timeout=`` of their own.
+        retry: the :class:`RetryPolicy`.
+        wire_format: ``"msgpack"`` (default) or ``"json"`` for rollout answers.
+        max_concurrency: requests in flight in :meth:`generate_many`.
+        transport: an ``httpx.BaseTransport`` for the internal ``httpx.Client``.
+        http_client: a ready ``httpx.Client`` (e.g. FastAPI's ``TestClient``), used with its own
+            default timeout; not closed by us.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] | None = None,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        wire_format: WireFormat = "msgpack",
+        max_concurrency: int = 8,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(
+            url,
+            api_key=api_key,
+            admin_key=admin_key,
+            timeout=timeout,
+            retry=retry,
+            wire_format=wire_format,
+            max_concurrency=max_concurrency,
+            headers=headers,
+        )
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.Client(
+            transport=transport, timeout=timeout, limits=self._http_limits()
+        )
+        self._sleep: Callable[[float], None] = time.sleep
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sending
+    def _body_chunks(self, data: bytes):
+        return _slices(data)
+
+    def _send(self, call: _Call, url: str) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.request(call.method, url + call.path, **self._request_kwargs(call, url))
+            except httpx.TransportError as exc:
+                delay = self._delay_after_transport_error(call, url, attempt, exc)
+            else:
+                if resp.is_success:
+                    return resp
+                delay = self._delay_after_error_status(call, url, attempt, resp)
+            self._sleep(delay)
+            attempt += 1
+
+    def _one(self, call: _Call, server: int = 0) -> Any:
+        url = self.urls[server]
+        return self._parse_plain(call, self._send(call, url))
+
+    def _all(self, call: _Call, server: int | None) -> UpdateResult:
+        return self._updates({u: self._send(call, u).json() for u in self._targets(server)})
+
+    # ------------------------------------------------------------------ health and info
+    def health(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /health``: liveness."""
+        return self._one(_info_call("/health"), server)
+
+    def health_generate(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /health_generate``: readiness (a 503 while loading, paused or asleep)."""
+        return self._one(_info_call("/health_generate"), server)
+
+    def wait_until_ready(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
+        """Poll ``/health_generate`` on every server until each answers 200 (or raise a timeout)."""
+        deadline = time.monotonic() + timeout_s
+        call = _ready_call()
+        for url in self.urls:
+            while True:
+                try:
+                    self._send(call, url)
+                    break
+                except (RolloutConnectionError, RolloutHTTPError) as exc:
+                    self._raise_unless_starting(exc, url, deadline, timeout_s)
+                self._sleep(interval_s)
+
+    def model_info(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /model_info``: model path, family, dtype, device, ``weight_version``."""
+        return self._one(_info_call("/model_info"), server)
+
+    def server_info(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /server_info``: model info plus versions, limits and queue state."""
+        return self._one(_info_call("/server_info"), server)
+
+    def list_models(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /v1/models``."""
+        return self._one(_info_call("/v1/models"), server)
+
+    def metrics(self, *, server: int = 0) -> str:
+        """``GET /metrics``: Prometheus text (queue depth, batch sizes, latencies, weight updates)."""
+        return self._one(_info_call("/metrics", decode="text"), server)
+
+    # ------------------------------------------------------------------ rollouts
+    def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str | None = None,
+        seed: int | None = None,
+        seeds: Sequence[int] | None = None,
+        initial_noise_seed: int | None = None,
+        generator_device: str | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        num_inference_steps: int | None = None,
+        num_outputs_per_prompt: int | None = None,
+        guidance_scale: float | None = None,
+        true_cfg_scale: float | None = None,
+        num_frames: int | None = None,
+        fps: int | None = None,
+        rollout: bool | None = None,
+        rollout_sde_type: str | None = None,
+        rollout_noise_level: float | None = None,
+        rollout_log_prob_no_const: bool | None = None,
+        rollout_log_prob_form: str | None = None,
+        rollout_debug_mode: bool | None = None,
+        rollout_return_denoising_env: bool | None = None,
+        rollout_return_dit_trajectory: bool | None = None,
+        rollout_sde_step_indices: Sequence[int] | None = None,
+        rollout_return_step_indices: Sequence[int] | None = None,
+        image_path: Sequence[str] | None = None,
+        suppress_logs: bool | None = None,
+        extra_sampling_params: Mapping[str, Any] | None = None,
+        sigmas: Sequence[float] | None = None,
+        sigmas_are_shifted: bool | None = None,
+        flow_shift: float | None = None,
+        guidance_scale_2: float | None = None,
+        output_dtype: str | None = None,
+        return_generated_output: bool | None = None,
+        max_sequence_length: int | None = None,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **extra_fields: Any,
+    ) -> list[RolloutOutput]:
+        """``POST /rollout/generate``: one :class:`RolloutOutput` per output, in output order.
+
+        Keyword arguments are api.md's request fields; ``None`` leaves a field out (the server's
+        default applies). ``extra_fields`` are sent as they are (the server rejects unknown names
+        with 422). ``server`` pins the request to one of several servers (default: round-robin).
+        """
+        args = dict(locals())
+        fields = {k: v for k, v in args.items() if k not in _NOT_FIELDS}
+        fields.update(extra_fields)
+        return self._generate(prompt, fields, server, timeout)
+
+    def _generate(
+        self, prompt: str, fields: Mapping[str, Any], server: int | None, timeout
+    ) -> list[RolloutOutput]:
+        call, settings = _generate_call(prompt, fields, timeout)
+        resp = self._send(call, self._rollout_url(server))
+        return _outputs(wire.decode(resp.content, resp.headers.get("content-type", wire.MSGPACK)), settings)
+
+    def generate_many(
+        self,
+        prompts: Sequence[str | Mapping[str, Any]],
+        *,
+        max_concurrency: int | None = None,
+        **fields: Any,
+    ) -> list[list[RolloutOutput]]:
+        """One ``generate`` per prompt, at most ``max_concurrency`` in flight; answers in input order.
+
+        Each item is a prompt, or a mapping of request fields (with ``prompt``) laid over
+        ``fields``: e.g. ``[{"prompt": p, "seed": s} ...]`` with ``num_outputs_per_prompt=G`` shared
+        is one GRPO batch of groups. The first failure is raised; requests not yet sent are dropped.
+        """
+        jobs = [_merge_item(item, fields) for item in prompts]
+        limit = max_concurrency or self.max_concurrency
+        if limit == 1 or len(jobs) <= 1:
+            return [self.generate(**job) for job in jobs]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=limit, thread_name_prefix="rollout") as pool:
+            futures = [pool.submit(lambda job=job: self.generate(**job)) for job in jobs]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    # ------------------------------------------------------------------ pause and memory (admin)
+    def pause_generation(self, *, server: int | None = None) -> UpdateResult:
+        """Stop starting new batches; returns once the batch in flight has finished."""
+        return self._all(_admin_switch_call("/pause_generation"), server)
+
+    def continue_generation(self, *, server: int | None = None) -> UpdateResult:
+        return self._all(_admin_switch_call("/continue_generation"), server)
+
+    def release_memory_occupation(self, *, server: int | None = None) -> UpdateResult:
+        return self._all(_admin_switch_call("/release_memory_occupation"), server)
+
+    def resume_memory_occupation(self, *, server: int | None = None) -> UpdateResult:
+        return self._all(_admin_switch_call("/resume_memory_occupation"), server)
+
+    # ------------------------------------------------------------------ weights (admin)
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        target_modules: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        """Load ``<model_path>/<module>/*.safetensors`` on the server (shared filesystem)."""
+        call = _disk_call(model_path, target_modules, flush_cache, weight_version, timeout)
+        return self._all(call, server)
+
+    def update_weights(
+        self,
+        data: bytes,
+        *,
+        target_module: str = "transformer",
+        weight_version: str | int | None = None,
+        final: bool = True,
+        upload_id: str | None = None,
+        part: int | None = None,
+        flush_cache: bool = True,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        """One part of an HTTP weight upload (safetensors bytes); see ``client.weights.push_weights``."""
+        return self._all(
+            _upload_call(data, target_module, weight_version, final, upload_id, part, flush_cache, timeout),
+            server,
+        )
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        weight_update_mode: str | None = None,
+        lora_alpha: float | None = None,
+        lora_rank: int | None = None,
+        weight_version: str | int | None = None,
+        payload_gpu_uuids: Sequence[str] | None = None,
+        flush_cache: bool = True,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        """SGLang's same-host payload (CUDA IPC handles); see ``client.weights.push_weights_ipc``."""
+        return self._all(_tensor_call(locals()), server)
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = 300.0,
+        server: int = 0,
+    ) -> UpdateResult:
+        """Ask one server to join the trainer's process group (blocks until every rank has joined)."""
+        # The server answers once every rank has joined: wait at least as long as it may.
+        call = _init_group_call(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+            self._at_least(timeout_s + 30),
+        )  # fmt: skip
+        return self._all(call, server)
+
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        target_modules: Sequence[str] | None = None,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        server: int = 0,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        """Announce a broadcast to one server; the trainer then broadcasts each tensor in order."""
+        call = _distributed_call(
+            names, dtypes, shapes, group_name, target_modules, weight_version, flush_cache, timeout
+        )
+        return self._all(call, server)
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, server: int | None = None
+    ) -> UpdateResult:
+        return self._all(_destroy_group_call(group_name), server)
+
+    def get_weights_checksum(
+        self, module_names: Sequence[str] | None = None, *, algorithm: str = "sglang", server: int = 0
+    ) -> dict[str, str]:
+        """``{module: sha256_hex}`` of the server's weights (weights.md's algorithms)."""
+        return self._one(_checksum_call(module_names, algorithm), server)
+
+    def check_weights(
+        self, target_module: str, expected_named_tensors_sha256: Mapping[str, str], *, server: int = 0
+    ) -> dict[str, Any]:
+        """``/update_weights_from_tensor_checker``: compare per-tensor hashes; raises on mismatch."""
+        return self._one(_checker_call(target_module, expected_named_tensors_sha256), server)
+
+    # ------------------------------------------------------------------ LoRA (admin)
+    def lora_load(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        data: bytes | None = None,
+        target_module: str = "transformer",
+        peft_config: Mapping[str, Any] | None = None,
+        lora_alpha: float | None = None,
+        activate: bool = False,
+        mode: str | None = None,
+        strength: float | None = None,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> UpdateResult:
+        """Load (or reload in place) adapter ``name`` from a server path or safetensors bytes."""
+        call = _lora_load_call(
+            name,
+            path=path,
+            data=data,
+            target_module=target_module,
+            peft_config=peft_config,
+            lora_alpha=lora_alpha,
+            activate=activate,
+            mode=mode,
+            strength=strength,
+            weight_version=weight_version,
+            timeout=timeout,
+        )
+        return self._all(call, server)
+
+    def lora_activate(
+        self,
+        name: str | None,
+        *,
+        target_module: str = "transformer",
+        mode: str | None = None,
+        strength: float | None = None,
+        merge_dtype: str | None = None,
+        weight_version: str | int | None = None,
+        server: int | None = None,
+    ) -> UpdateResult:
+        """Which adapter rollouts sample from (``None``: the base model), and its mode."""
+        return self._all(
+            _activate_call(name, target_module, mode, strength, merge_dtype, weight_version), server
+        )
+
+    def lora_unload(
+        self,
+        name: str | None = None,
+        *,
+        target_module: str = "transformer",
+        weight_version: str | int | None = None,
+        server: int | None = None,
+    ) -> UpdateResult:
+        return self._all(_unload_call(name, target_module, weight_version), server)
+
+    def lora_list(self, *, server: int = 0) -> dict[str, Any]:
+        """``GET /lora``: adapters per module (rank, alpha, checksum), the active one, the mode."""
+        return self._one(_lora_list_call(), server)

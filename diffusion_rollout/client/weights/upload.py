@@ -1,0 +1,195 @@
+"""Full-weight pushes over HTTP: bounded safetensors parts, one atomic commit, checksum verification.
+
+Design decisions:
+
+- **Bounded parts, one commit.** :func:`push_weights` packs named tensors into safetensors parts of
+  at most ``max_part_bytes`` (a larger single tensor travels alone), sends them with
+  ``final=false`` and numbered ``part``, and commits with the last part (``final=true``): the server
+  stages the parts and applies all or nothing. The iterator is consumed lazily with one part of
+  look-ahead, so an FSDP trainer can feed gathered shards without holding the whole model twice.
+  Each push gets its own ``upload_id`` so stale parts of an earlier failed push never mix in.
+- **Verification with the same code.** Per-tensor SHA-256 (``checksums.tensor_sha256``) is computed
+  on every cast tensor as it is packed, and checked with ``/update_weights_from_tensor_checker``
+  after the commit; whole-module checksums (:func:`verify_weights_checksum`) use
+  ``checksums.trainer_weights_checksum``. A mismatch raises :class:`ChecksumMismatchError`.
+- Only the blocking :class:`RolloutClient` is accepted: pushes happen between training steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save as st_save
+
+from diffusion_rollout.checksums import tensor_sha256, trainer_weights_checksum, weights_checksum
+from diffusion_rollout.client.exceptions import ChecksumMismatchError
+from diffusion_rollout.client.results import UpdateResult
+from diffusion_rollout.client.weights.tensors import (
+    DTypeSpec,
+    NamedTensors,
+    _cast,
+    _check_manifest,
+    _named,
+    resolve_dtype,
+)
+
+if TYPE_CHECKING:
+    from diffusion_rollout.client.sync_client import RolloutClient
+
+__all__ = [
+    "DEFAULT_MAX_PART_BYTES",
+    "WeightPart",
+    "push_weights",
+    "safetensors_parts",
+    "verify_weights_checksum",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PART_BYTES = 512 * 2**20
+
+
+@dataclass
+class WeightPart:
+    """One safetensors body of a multi-part upload and the per-tensor hashes of what it holds."""
+
+    data: bytes
+    names: list[str]
+    sha256: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.data)
+
+
+def safetensors_parts(
+    named_tensors: NamedTensors,
+    *,
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+) -> Iterator[WeightPart]:
+    """Cast and pack named tensors into safetensors bodies of at most ``max_part_bytes`` of tensor data.
+
+    A single tensor larger than the bound travels alone. Repeated names are an error.
+    """
+    if max_part_bytes < 1:
+        raise ValueError("max_part_bytes must be positive")
+    seen: set[str] = set()
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> WeightPart:
+        part = WeightPart(st_save(batch), list(batch), {n: tensor_sha256(t) for n, t in batch.items()})
+        return part
+
+    for name, tensor in _named(named_tensors):
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice")
+        seen.add(name)
+        t = _cast(name, tensor, dtype).cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        if batch and size + nbytes > max_part_bytes:
+            yield flush()
+            batch, size = {}, 0
+        batch[name] = t
+        size += nbytes
+    if batch:
+        yield flush()
+
+
+def _lookahead(parts: Iterator[WeightPart]) -> Iterator[tuple[WeightPart, bool]]:
+    prev = next(parts, None)
+    if prev is None:
+        raise ValueError("nothing to push: no named tensors")
+    for part in parts:
+        yield prev, False
+        prev = part
+    yield prev, True
+
+
+def push_weights(
+    client: RolloutClient,
+    named_tensors: NamedTensors,
+    *,
+    target_module: str = "transformer",
+    dtype: DTypeSpec = "server",
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
+    weight_version: str | int | None = None,
+    upload_id: str | None = None,
+    flush_cache: bool = True,
+    verify: bool = True,
+    server: int | None = None,
+    timeout: float | None = None,
+) -> UpdateResult:
+    """Upload full weights over HTTP in bounded parts and apply them atomically with the last one.
+
+    ``named_tensors`` is a state dict, an iterator of ``(name, tensor)`` (e.g. FSDP-gathered) or a
+    module (its base parameters). Names may carry the ``"<target_module>."`` prefix. With ``verify``
+    the server checks every tensor's SHA-256 afterwards (raises :class:`ChecksumMismatchError`).
+    """
+    cast_to = resolve_dtype(client, dtype, server=server or 0)
+    upload_id = upload_id or uuid.uuid4().hex
+    manifest: dict[str, str] = {}
+    result: UpdateResult | None = None
+    parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
+    total = 0
+    for index, (part, last) in enumerate(_lookahead(parts)):
+        result = client.update_weights(
+            part.data,
+            target_module=target_module,
+            weight_version=weight_version,
+            final=last,
+            upload_id=upload_id,
+            part=index,
+            flush_cache=flush_cache,
+            server=server,
+            timeout=timeout,
+        )
+        manifest.update(part.sha256)
+        total += part.num_bytes
+        logger.info(
+            "pushed part %d (%d tensors, %.1f MiB)%s", index, len(part.names), part.num_bytes / 2**20,
+            " and committed" if last else "",
+        )  # fmt: skip
+    assert result is not None  # _lookahead raised on an empty iterator
+    if verify:
+        _check_manifest(client, target_module, manifest, server)
+    return result
+
+
+def verify_weights_checksum(
+    client: RolloutClient,
+    named_tensors: NamedTensors,
+    *,
+    target_module: str = "transformer",
+    dtype: DTypeSpec = "server",
+    algorithm: str = "sglang",
+    server: int | None = None,
+) -> str:
+    """Compare the server's ``/get_weights_checksum`` of a whole module with the trainer's tensors.
+
+    ``named_tensors`` must be *all* of the module's parameters (e.g. the trainer's module). Returns
+    the checksum; raises :class:`ChecksumMismatchError` naming the server that differs.
+    """
+    cast_to = resolve_dtype(client, dtype, server=server or 0)
+    pairs = [(n.removeprefix(target_module + "."), t) for n, t in _named(named_tensors)]
+    if cast_to is None:
+        local = weights_checksum(pairs, algorithm)  # type: ignore[arg-type]
+    else:
+        local = trainer_weights_checksum(pairs, cast_to, algorithm=algorithm)  # type: ignore[arg-type]
+    for index in range(len(client.urls)) if server is None else [server]:
+        remote = client.get_weights_checksum([target_module], algorithm=algorithm, server=index)[
+            target_module
+        ]
+        if remote != local:
+            raise ChecksumMismatchError(
+                f"{client.urls[index]}: {target_module} checksum {remote} != trainer's {local}",
+                expected=local,
+                actual=remote,
+            )
+    return local

@@ -1,0 +1,292 @@
+"""Full-weight operations of ``WeightManager``: every transport of new base weights, and their checks.
+
+Design decisions:
+
+- **One core, four transports.** Disk (``update_weights_from_disk``), multi-part HTTP uploads,
+  SGLang tensor payloads (dispatched by ``WeightManager.update_from_tensor``) and torch.distributed
+  broadcasts all end in :meth:`FullWeightOps.apply_named_tensors`: validate every tensor, then copy
+  them all in place on the worker (base weights exact under a merged LoRA), then bump the version.
+  A failure anywhere leaves the old weights.
+- **Slow I/O off the worker.** Reading files, parsing safetensors bodies and receiving broadcasts
+  happen before, in threads, so rollouts keep running meanwhile; only the copies run exclusively.
+- **Uploads all or nothing.** A failing part (numbering included) drops its whole upload from the
+  staging area; nothing of it is applied. Tensor specs of a module are read once and cached.
+- **Broadcasts are received first**, whatever the announcement says: a trainer blocked in a
+  broadcast nobody posts would hang; validation follows once every byte is here.
+- **Checks see updates.** Whole-module checksums and the per-tensor checker run on the worker, so a
+  checksum asked after an update sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusion_rollout.checksums import ALGORITHMS, module_checksum, tensor_sha256
+from diffusion_rollout.errors import NotFoundError, WeightUpdateError
+from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
+from diffusion_rollout.server.weights.updater import (
+    Problems,
+    TensorSpec,
+    apply_copies,
+    canonical_name,
+    check_and_convert,
+    describe_names,
+    get_module,
+    live_tensors,
+    module_spec,
+    plan_update,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def read_disk_update(model_path: str, targets: Sequence[str]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """``<model_path>/<module>/*.safetensors`` for every target (diffusers layout), all or nothing."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    root = Path(model_path)
+    if not root.is_dir():
+        raise WeightUpdateError(
+            f"model_path {model_path!r} is not a folder on this server", field="model_path"
+        )
+    files = {m: sorted((root / m).glob("*.safetensors")) for m in targets}
+    missing = [m for m, found in files.items() if not found]
+    if missing:
+        raise WeightUpdateError(
+            f"no <module>/*.safetensors under {model_path} for {', '.join(missing)}; nothing was applied",
+            field="model_path",
+        )
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for module, paths in files.items():
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for path in paths:
+            try:
+                pairs.extend(load_file(str(path)).items())
+            except (SafetensorError, OSError) as exc:
+                raise WeightUpdateError(f"cannot read {path}: {exc}", field="model_path") from exc
+        out[module] = pairs
+    return out
+
+
+def parse_safetensors(body: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file in memory -> CPU tensors; a truncated or garbled body is a 400."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if not body:
+        raise WeightUpdateError("the request body is empty; send safetensors bytes")
+    try:
+        return load(body)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise WeightUpdateError(
+            f"the body ({len(body)} bytes) is not a valid safetensors file (truncated?): {exc}"
+        ) from exc
+
+
+class FullWeightOps(ManagerCore):
+    """Apply, upload, receive and verify full weights (mixed into ``WeightManager``)."""
+
+    # ------------------------------------------------------------------ full updates
+    def _apply_full(
+        self, payload: Mapping[str, Sequence[tuple[str, Any]]], weight_version: Version, flush_cache: bool
+    ) -> str:
+        """Worker side: validate all, copy all (base weights exact under merged LoRA), bump."""
+        t0 = time.perf_counter()
+        pipe = self.engine.pipe
+        plan = plan_update(pipe, payload)
+        with contextlib.ExitStack() as stack:
+            for name in plan.modules:
+                stack.enter_context(self.lora.merge_suspended(name, get_module(pipe, name)))
+            apply_copies(plan.copies, before_copy=self.before_copy)
+        version = self._bump(weight_version, plan.modules, flush_cache)
+        dt = time.perf_counter() - t0
+        mib = plan.num_bytes / 2**20
+        logger.info("weights updated to version %s: %s, %.1f MiB in %.3f s", version, plan.summary(), mib, dt)
+        return f"updated {plan.summary()} ({mib:.1f} MiB in {dt:.3f} s)"
+
+    async def apply_named_tensors(
+        self,
+        payload: Mapping[str, Sequence[tuple[str, Any]]],
+        *,
+        weight_version: Version = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Apply ``{module: [(name, tensor)]}`` atomically (the core every transport ends in)."""
+        self.targets(list(payload))
+        message = await self._exclusive(lambda: self._apply_full(payload, weight_version, flush_cache))
+        return self.result(message)
+
+    async def update_from_disk(
+        self,
+        model_path: str,
+        target_modules: Sequence[str] | None,
+        *,
+        flush_cache: bool = True,
+        weight_version: Version = None,
+    ) -> dict[str, Any]:
+        targets = self.targets(target_modules)
+        payload = await asyncio.to_thread(read_disk_update, model_path, targets)
+        return await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+
+    # ------------------------------------------------------------------ multi-part HTTP upload
+    async def _spec(self, module: str) -> dict[str, TensorSpec]:
+        spec = self._specs.get(module)
+        if spec is None:
+            spec = await self._exclusive(lambda: module_spec(get_module(self.engine.pipe, module)))
+            self._specs[module] = spec
+        return spec
+
+    async def upload_part(
+        self,
+        body: bytes,
+        *,
+        target_module: str,
+        weight_version: Version = None,
+        final: bool = True,
+        upload_id: str | None = None,
+        part: int | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        [module] = self.targets([target_module])
+        uid = upload_id or (str(weight_version) if weight_version is not None else "default")
+        spec = await self._spec(module)
+        try:
+            # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
+            upload = self.staging.begin_part(uid, part)
+
+            def parse() -> dict[str, torch.Tensor]:
+                problems = Problems()
+                tensors = check_and_convert(
+                    module, parse_safetensors(body).items(), spec, problems, seen=upload.seen_names(module)
+                )
+                problems.raise_if_any()
+                return tensors
+
+            tensors = await asyncio.to_thread(parse)
+            upload = self.staging.add_part(uid, part, module, tensors)
+        except Exception as exc:
+            dropped = self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
+            if dropped and isinstance(exc, WeightUpdateError):
+                raise WeightUpdateError(
+                    f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
+                    field=exc.field,
+                ) from exc
+            raise
+        if not final:
+            return self.result(
+                f"staged part {part if part is not None else upload.num_parts - 1} of upload {uid!r} "
+                f"({len(tensors)} tensors; {upload.num_tensors} staged, {upload.num_bytes / 2**20:.1f} MiB)",
+                upload_id=uid,
+                staged_tensors=upload.num_tensors,
+            )
+        complete = self.staging.take_complete(uid, part)
+        payload = {m: list(t.items()) for m, t in complete.tensors.items()}
+        out = await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+        out["upload_id"] = uid
+        return out
+
+    # ------------------------------------------------------------------ torch.distributed
+    async def init_group(self, **kwargs: Any) -> dict[str, Any]:
+        group = await asyncio.to_thread(lambda: self.groups.init(**kwargs))
+        return self.result(
+            f"joined weight update group {group.name!r} as rank {group.rank} of {group.world_size} "
+            f"({group.backend}, {group.master})"
+        )
+
+    async def update_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        target_modules: Sequence[str] | None = None,
+        weight_version: Version = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        # Receive first, whatever the announcement says: a trainer blocked in a broadcast nobody
+        # posts would hang; validation follows once every byte is here.
+        received = await asyncio.to_thread(
+            self.groups.receive, group_name, names, dtypes, shapes, self.engine.device
+        )
+        targets = self.targets(target_modules)
+        if len(targets) == 1:
+            payload = {targets[0]: received}
+        else:
+            payload = {t: [] for t in targets}
+            unrouted = []
+            for name, tensor in received:
+                owner = next((t for t in targets if name.startswith(t + ".")), None)
+                if owner is None:
+                    unrouted.append(name)
+                else:
+                    payload[owner].append((name, tensor))
+            if unrouted:
+                raise WeightUpdateError(
+                    f"with several target_modules every name needs a '<module>.' prefix; "
+                    f"{len(unrouted)} do not: {describe_names(unrouted)}",
+                    field="names",
+                )
+            payload = {t: pairs for t, pairs in payload.items() if pairs}
+        return await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+
+    async def destroy_group(self, group_name: str) -> dict[str, Any]:
+        await asyncio.to_thread(self.groups.destroy, group_name)
+        return self.result(f"left weight update group {group_name!r}")
+
+    # ------------------------------------------------------------------ checksums
+    async def checksums(
+        self, module_names: Sequence[str] | None, algorithm: str = "sglang"
+    ) -> dict[str, str]:
+        if algorithm not in ALGORITHMS:
+            raise WeightUpdateError(f"algorithm must be one of {ALGORITHMS}", field="algorithm")
+
+        def run() -> dict[str, str]:
+            modules = self.modules()
+            names = list(module_names) if module_names is not None else list(modules)
+            unknown = [n for n in names if n not in modules]
+            if unknown:
+                raise NotFoundError(
+                    f"unknown module(s) {', '.join(unknown)}; this pipeline has: {', '.join(sorted(modules))}"
+                )
+            return {n: module_checksum(modules[n], algorithm) for n in names}
+
+        return await self._exclusive(run)
+
+    async def check_tensors(self, target_module: str, expected: Mapping[str, str]) -> dict[str, Any]:
+        if not expected:
+            raise WeightUpdateError(
+                "expected_named_tensors_sha256 is empty", field="expected_named_tensors_sha256"
+            )
+
+        def run() -> str:
+            module = get_module(self.engine.pipe, target_module)
+            live = live_tensors(module)
+            missing, mismatched = [], []
+            for raw, digest in expected.items():
+                name = canonical_name(raw, target_module, live)
+                if name not in live:
+                    missing.append(raw)
+                elif tensor_sha256(live[name]) != digest:
+                    mismatched.append(raw)
+            if missing or mismatched:
+                parts = []
+                if missing:
+                    parts.append(f"missing {len(missing)} tensor(s): {describe_names(sorted(missing))}")
+                if mismatched:
+                    parts.append(
+                        f"checksum mismatch for {len(mismatched)} tensor(s): {describe_names(sorted(mismatched))}"
+                    )
+                raise WeightUpdateError(f"module {target_module!r} check failed: " + "; ".join(parts))
+            return f"verified {len(expected)} tensor(s) of {target_module!r}"
+
+        return self.result(await self._exclusive(run))

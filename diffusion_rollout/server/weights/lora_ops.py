@@ -1,0 +1,208 @@
+"""LoRA operations of ``WeightManager``: load, activate, switch mode, unload and describe adapters.
+
+Design decisions:
+
+- The adapters themselves live in :class:`~diffusion_rollout.server.weights.lora.LoraManager`
+  (PEFT layers, merged and dynamic modes); this layer adds what the engine needs around it: files
+  and bodies are read and parsed in threads (``lora_io``) before the change, the change runs on the
+  engine's worker between batches, and every successful change bumps ``weight_version``.
+- One path loads every adapter: a path on the server, an uploaded safetensors body and SGLang's
+  ``lora_merge`` tensor payload (:meth:`LoraOps._load_lora_merge`, loaded as adapter ``default`` and
+  activated) all end in :meth:`LoraOps._load_lora`, which may also activate the adapter or change
+  the mode in the same exclusive step.
+- ``merge_dtype`` is parsed before the worker is involved, so a bad name is a 400 that changes
+  nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.lora_io import (
+    lora_config_from_dict,
+    parse_lora_tensors,
+    read_lora_bytes,
+    read_lora_path,
+)
+from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
+from diffusion_rollout.server.weights.updater import describe_names, get_module
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    candidate = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(candidate, torch.dtype) or not candidate.is_floating_point:
+        raise WeightUpdateError(f"unknown floating dtype {name!r}", field="merge_dtype")
+    return candidate
+
+
+class LoraOps(ManagerCore):
+    """Named PEFT adapters on pipeline modules (mixed into ``WeightManager``)."""
+
+    async def _load_lora(
+        self,
+        target: str,
+        name: str,
+        payload,
+        *,
+        config: Any,
+        lora_alpha: float | None,
+        source: str | None,
+        weight_version: Version,
+        activate: bool = False,
+        mode: str | None = None,
+        strength: float | None = None,
+    ) -> dict[str, Any]:
+        def run() -> str:
+            t0 = time.perf_counter()
+            module = get_module(self.engine.pipe, target)
+            record, in_place = self.lora.load(
+                target, module, name, payload, config=config, lora_alpha=lora_alpha, source=source
+            )
+            if activate or mode is not None or strength is not None:
+                state = self.lora.state(target)
+                self.lora.activate(
+                    target, module, name if activate else state.active, mode=mode, strength=strength
+                )
+            self._bump(weight_version, [target])
+            how = "reloaded in place" if in_place else "loaded"
+            dt = time.perf_counter() - t0
+            logger.info("LoRA %r on %s %s (%d layers, %.3f s)", name, target, how, len(record.layers), dt)
+            return (
+                f"adapter {name!r} {how} on {target} ({len(record.layers)} layers, rank {record.config.r}, "
+                f"alpha {record.config.lora_alpha}, {dt:.3f} s)"
+            )
+
+        return self.result(await self._exclusive(run))
+
+    async def _load_lora_merge(
+        self,
+        target: str,
+        pairs: Sequence[tuple[str, Any]],
+        *,
+        lora_alpha: float | None,
+        lora_rank: int | None,
+        weight_version: Version,
+    ) -> dict[str, Any]:
+        """SGLang's ``lora_merge`` payload: A/B pairs loaded as adapter ``default`` and activated."""
+        lora = parse_lora_tensors(pairs, target)
+        if lora_rank is not None:
+            wrong = sorted(layer for layer, r in lora.ranks().items() if r != lora_rank)
+            if wrong:
+                raise WeightUpdateError(
+                    f"lora_rank={lora_rank} but lora_A has another rank for {len(wrong)} layers: "
+                    f"{describe_names(wrong)}",
+                    field="lora_rank",
+                )
+        return await self._load_lora(
+            target,
+            "default",
+            lora,
+            config=None,
+            lora_alpha=lora_alpha,
+            source="update_weights_from_tensor",
+            weight_version=weight_version,
+            activate=True,
+        )
+
+    async def load_lora(
+        self,
+        *,
+        target_module: str,
+        name: str,
+        path: str | None = None,
+        data: bytes | None = None,
+        peft_config: Mapping[str, Any] | None = None,
+        lora_alpha: float | None = None,
+        weight_version: Version = None,
+        activate: bool = False,
+        mode: str | None = None,
+        strength: float | None = None,
+    ) -> dict[str, Any]:
+        [target] = self.targets([target_module])
+        if (path is None) == (data is None):
+            raise WeightUpdateError("send either a path or safetensors bytes", field="path")
+        if path is not None:
+            tensors, file_config = await asyncio.to_thread(read_lora_path, path, target)
+            source = path
+        else:
+            tensors, file_config = await asyncio.to_thread(read_lora_bytes, data, target)
+            source = "upload"
+        cfg = peft_config if peft_config is not None else file_config
+        config = lora_config_from_dict(cfg) if cfg is not None else None
+        payload = parse_lora_tensors(tensors, target)
+        return await self._load_lora(
+            target,
+            name,
+            payload,
+            config=config,
+            lora_alpha=lora_alpha,
+            source=source,
+            weight_version=weight_version,
+            activate=activate,
+            mode=mode,
+            strength=strength,
+        )
+
+    async def activate_lora(
+        self,
+        *,
+        target_module: str,
+        name: str | None,
+        mode: str | None = None,
+        strength: float | None = None,
+        merge_dtype: str | None = None,
+        weight_version: Version = None,
+    ) -> dict[str, Any]:
+        [target] = self.targets([target_module])
+        dtype = _dtype(merge_dtype)
+
+        def run() -> str:
+            module = get_module(self.engine.pipe, target)
+            self.lora.activate(target, module, name, mode=mode, strength=strength, merge_dtype=dtype)
+            self._bump(weight_version, [target])
+            state = self.lora.state(target)
+            return f"{target}: active adapter {state.active!r} ({state.mode}{', merged' if state.merged else ''})"
+
+        return self.result(await self._exclusive(run))
+
+    async def set_lora_mode(
+        self, *, target_module: str, mode: str, merge_dtype: str | None = None
+    ) -> dict[str, Any]:
+        [target] = self.targets([target_module])
+        dtype = _dtype(merge_dtype)
+
+        def run() -> str:
+            module = get_module(self.engine.pipe, target)
+            self.lora.set_mode(target, module, mode, merge_dtype=dtype)
+            self._bump(None, [target])
+            state = self.lora.state(target)
+            return f"{target}: {state.mode} (active {state.active!r}{', merged' if state.merged else ''})"
+
+        return self.result(await self._exclusive(run))
+
+    async def unload_lora(
+        self, *, target_module: str, name: str | None, weight_version: Version = None
+    ) -> dict[str, Any]:
+        [target] = self.targets([target_module])
+
+        def run() -> str:
+            module = get_module(self.engine.pipe, target)
+            removed = self.lora.unload(target, module, name)
+            self._bump(weight_version, [target])
+            return f"unloaded {', '.join(repr(n) for n in removed)} from {target}"
+
+        return self.result(await self._exclusive(run))
+
+    async def describe_lora(self) -> dict[str, Any]:
+        return await self._exclusive(lambda: self.lora.describe(self.modules()))
