@@ -184,14 +184,15 @@ class RolloutSchedulerMixin:
         kind = state.current_kind()
         # ODE steps draw nothing, so a sample's generator advances only at its stochastic steps.
         noise = None if kind == "ode" else state.draw_noise(sample)
+        sigma, sigma_next, sigma_max, eta = state.step_scalars(index)
         result = transition(
             kind,
             sample,
             model_output,
-            self.sigmas[index],
-            self.sigmas[index + 1],
-            eta=state.settings.eta,
-            sigma_max=state.sigma_max,
+            sigma,
+            sigma_next,
+            eta=eta,
+            sigma_max=sigma_max,
             noise=noise,
             log_prob_form=state.settings.log_prob_form,
         )

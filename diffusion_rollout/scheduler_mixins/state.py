@@ -293,6 +293,12 @@ class RolloutState:
         self.step_offset = start_index
         self.sigma_max = scheduler_sigmas[min(1, len(scheduler_sigmas) - 1)].clone()
         self.sigmas = scheduler_sigmas[start_index:].to(device=device, dtype=torch.float32).clone()
+        # The step's scalars on the latent's device, copied once here: diffusers keeps its sigmas on
+        # the CPU, and a per-step host-to-device copy of a scalar synchronises the stream, stalling
+        # the GPU between steps. The values are the same float32 numbers, so the math is unchanged.
+        self._device_sigmas = scheduler_sigmas.to(device=device, dtype=torch.float32)
+        self._device_sigma_max = self.sigma_max.to(device=device, dtype=torch.float32)
+        self._device_eta = torch.tensor(float(settings.eta), dtype=torch.float32).to(device)
         self.timesteps = torch.zeros(num_steps + 1, dtype=torch.float32, device=device)
         self.sde_step_indices = settings.stochastic_steps(num_steps)
         self.latent_step_indices = settings.kept_trajectory_indices(num_steps)
@@ -314,6 +320,17 @@ class RolloutState:
         """The kind of the step about to run."""
         self._check_can_step()
         return self.settings.kind_at(self._loop_index)
+
+    def step_scalars(
+        self, scheduler_index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sigma, sigma_next, sigma_max, eta) of the scheduler's step ``scheduler_index``, on device."""
+        return (
+            self._device_sigmas[scheduler_index],
+            self._device_sigmas[scheduler_index + 1],
+            self._device_sigma_max,
+            self._device_eta,
+        )
 
     def draw_noise(self, latent: torch.Tensor) -> torch.Tensor:
         """One float32 ``eps`` per sample from its own generator, concatenated (see the module docstring)."""
