@@ -6,8 +6,8 @@ Design decisions:
   until the collective on this side has run too, so they go out on threads (one per server) while
   this thread joins the group, posts the broadcasts or destroys the group; the threads' answers are
   always collected, so no thread is left behind after a failure.
-- **Plain torch.** Joining goes through ``server.weights.distributed.join_group`` (imported lazily),
-  the same code the server uses; ``backend="gloo"`` works on CPU tensors, ``"nccl"`` needs them on
+- **Plain torch.** Joining goes through ``diffusion_rollout.weight_transport.join_group``, the same
+  code the server uses; ``backend="gloo"`` works on CPU tensors, ``"nccl"`` needs them on
   this rank's GPU. Tensors are cast on the trainer and broadcast in announcement order.
 - **Verification.** After the broadcast the server's per-tensor hashes are checked, per target
   module (names routed by their ``"<module>."`` prefix when there are several).
@@ -75,7 +75,7 @@ class WeightBroadcaster:
             pool.shutdown(wait=True)
 
     def init(self) -> WeightBroadcaster:
-        from diffusion_rollout.server.weights.distributed import join_group
+        from diffusion_rollout.weight_transport import join_group
 
         if self.group is not None:
             raise RuntimeError("the group is already initialised")

@@ -3,8 +3,8 @@
 Design decisions:
 
 - **The project's one encoder.** :func:`build_update_weights_from_tensor_request` builds SGLang's
-  body with ``server.weights.ipc.serialize_named_tensors`` (imported lazily: it needs no GPU and no
-  server state), so the trainer and the server cannot disagree on the format. CUDA tensors travel
+  body with ``diffusion_rollout.weight_transport.serialize_named_tensors``, the module the server's
+  decoder shares, so the trainer and the server cannot disagree on the format. CUDA tensors travel
   as IPC handles, CPU tensors as shared-memory descriptors: the payload is only valid on the same
   host, and the caller keeps the tensors alive until the server has answered.
 - **Cast once, verify after.** Tensors are cast on the trainer (``dtype="server"`` by default) and,
@@ -59,7 +59,7 @@ def build_update_weights_from_tensor_request(
     CUDA tensors travel as IPC handles, CPU tensors as shared-memory descriptors: the payload is
     only valid on the same host, and the tensors must stay alive until the server has answered.
     """
-    from diffusion_rollout.server.weights.ipc import serialize_named_tensors
+    from diffusion_rollout.weight_transport import serialize_named_tensors
 
     pairs = list(named_tensors)
     gpu = _gpu_uuid(t for _, t in pairs)

@@ -25,7 +25,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 from collections.abc import Sequence
@@ -35,50 +34,11 @@ import torch
 import torch.distributed as dist
 
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
+from diffusion_rollout.weight_transport import join_group
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("nccl", "gloo")
-
-
-def join_group(
-    *,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-    timeout_s: float = 300.0,
-):
-    """Create (and join) a process group independent of the default group; returns the group."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
-    # What init_process_group records for a default group; collectives map group ranks through it.
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 def parse_dtype(name: str) -> torch.dtype:

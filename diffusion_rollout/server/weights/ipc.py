@@ -38,15 +38,19 @@ import io
 import logging
 import math
 import pickle
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing.reductions as _reductions  # registers the tensor reducers
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.weight_transport import (  # noqa: F401  (re-exported: the trainer side)
+    FlattenedTensorMetadata,
+    flatten_bucket,
+    serialize,
+    serialize_named_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +59,6 @@ BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
 # SGLang's device-UUID rebuild; the index of the device argument in torch's CUDA reduction tuple.
 SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
 _CUDA_DEVICE_ARG = 6
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """One tensor's slice of a flattened bucket (field names as SGLang pickles them)."""
-
-    name: str
-    shape: Any
-    dtype: Any
-    start_idx: int
-    end_idx: int
-    numel: int
 
 
 def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
@@ -282,41 +274,3 @@ def module_payloads(
             field="target_modules",
         )
     return {target_modules[0]: named_tensors_of(decoded, load_format, target_modules[0])}
-
-
-# ---------------------------------------------------------------------------- trainer side
-def flatten_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """SGLang's multi-dtype bucket: one uint8 tensor and byte ranges per named tensor."""
-    pieces, metadata, offset = [], [], 0
-    for name, tensor in named_tensors:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(
-            FlattenedTensorMetadata(
-                name=name,
-                shape=tensor.shape,
-                dtype=tensor.dtype,
-                start_idx=offset,
-                end_idx=offset + flat.numel(),
-                numel=flat.numel(),
-            )
-        )
-        pieces.append(flat)
-        offset += flat.numel()
-    if not pieces:
-        raise ValueError("cannot build an empty bucket")
-    return {"flattened_tensor": torch.cat(pieces), "metadata": metadata}
-
-
-def serialize(obj: Any) -> str:
-    """What SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` produces."""
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def serialize_named_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], *, load_format: str | None = None
-) -> str:
-    """One ``serialized_named_tensors`` entry. The tensors must stay alive until the server answers."""
-    pairs = [(n, t) for n, t in named_tensors]
-    return serialize(flatten_bucket(pairs) if load_format == "flattened_bucket" else pairs)
