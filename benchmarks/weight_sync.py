@@ -20,6 +20,9 @@ rate measured in the same run (pinned and pageable, 1 GiB, ``torch.Tensor.to``):
   ``to_out.0``, ``add_*_proj``, ``to_add_out``), pushed as one safetensors body to ``POST /lora/load``
   with ``activate=true``. The first push injects the PEFT layers (cold); later pushes to the same
   name replace the tensors in place, the trainer's steady state (target: push + activate < 100 ms).
+- ``lora_ipc``: the same adapter from a same-host trainer process through
+  ``update_weights_from_tensor`` with ``weight_update_mode="lora_merge"`` (CUDA IPC handles; loaded
+  as adapter ``default`` and activated); the first call injects, later ones replace in place.
 
 GB/s counts payload bytes (decimal GB). Targets: IPC and HTTP at least half the host-to-device rate.
 Sizes: ``--http-gb``/``--disk-gb`` cap the payload (the first parameters in order, up to the cap;
@@ -217,12 +220,26 @@ def disk_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int,
 
 
 def ipc_update(
-    srv, model: BenchModel, cap_bytes: float | None, reps: int, load_format: str | None
+    srv,
+    model: BenchModel,
+    cap_bytes: float | None,
+    reps: int,
+    load_format: str | None,
+    *,
+    lora_rank: int | None = None,
 ) -> list[dict]:
-    spec = [
-        [name, list(p.shape), str(p.dtype).replace("torch.", "")]
-        for name, p in first_params(model.pipe.transformer, cap_bytes)
-    ]
+    """Full weights (default) or, with ``lora_rank``, a LoRA through ``weight_update_mode="lora_merge"``."""
+    if lora_rank is None:
+        spec = [
+            [name, list(p.shape), str(p.dtype).replace("torch.", "")]
+            for name, p in first_params(model.pipe.transformer, cap_bytes)
+        ]
+    else:
+        dtype = str(model.dtype).replace("torch.", "")
+        spec = []
+        for path, in_f, out_f in attention_projections(model.pipe.transformer):
+            spec.append([f"{path}.lora_A.weight", [lora_rank, in_f], dtype])
+            spec.append([f"{path}.lora_B.weight", [out_f, lora_rank], dtype])
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(
@@ -233,6 +250,7 @@ def ipc_update(
                     "reps": reps,
                     "load_format": load_format,
                     "tensors": spec,
+                    "lora_rank": lora_rank,
                     # CPU tensors travel as file descriptors through multiprocessing's resource
                     # sharer, which only serves processes that know this process's authkey.
                     "authkey": bytes(multiprocessing.current_process().authkey).hex(),
@@ -254,11 +272,18 @@ def ipc_update(
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     total = report["bytes"]
     rows = []
+    transport = "ipc" if lora_rank is None else "lora_ipc"
     for i, rep in enumerate(report["reps"]):
+        what = f"{len(spec)} tensors, {load_format or 'direct'}"
+        if lora_rank is not None:
+            what = f"rank {lora_rank}, {len(spec) // 2} layers, lora_merge + activate"
+            what += ", inject (first)" if i == 0 else ", in place"
+        elif i == 0:
+            what += " (first)"
         rows.append(
             {
-                "transport": "ipc",
-                "what": f"{len(spec)} tensors, {load_format or 'direct'}" + (" (first)" if i == 0 else ""),
+                "transport": transport,
+                "what": what,
                 "gb": _gb(total),
                 "seconds": rep["total_s"],
                 "gb_per_s": _gb(total) / rep["total_s"],
@@ -285,7 +310,9 @@ def trainer_main(spec_path: str) -> int:
     with torch.no_grad():
         for name, shape, dtype in spec["tensors"]:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            if len(shape) >= 2:
+            if name.endswith("lora_B.weight"):
+                t.normal_(0.0, 1e-3, generator=gen)  # a small update, as a trained adapter's B is
+            elif len(shape) >= 2:
                 t.normal_(0.0, 1.0 / math.sqrt(max(1, math.prod(shape[1:]))), generator=gen)
             elif name.endswith("weight") or "scale" in name:
                 t.fill_(1.0)
@@ -300,16 +327,18 @@ def trainer_main(spec_path: str) -> int:
             t0 = time.perf_counter()
             payload = ipc.serialize_named_tensors(pairs, load_format=spec["load_format"])
             t1 = time.perf_counter()
-            r = client.post(
-                "/update_weights_from_tensor",
-                json={
-                    "serialized_named_tensors": [payload],
-                    "load_format": spec["load_format"],
-                    "target_modules": ["transformer"],
-                    "weight_version": f"ipc-{i}",
-                    "flush_cache": False,
-                },
-            )
+            body = {
+                "serialized_named_tensors": [payload],
+                "load_format": spec["load_format"],
+                "target_modules": ["transformer"],
+                "weight_version": f"ipc-{i}",
+                "flush_cache": False,
+            }
+            if spec.get("lora_rank"):
+                body.update(
+                    weight_update_mode="lora_merge", lora_rank=spec["lora_rank"], lora_alpha=spec["lora_rank"]
+                )
+            r = client.post("/update_weights_from_tensor", json=body)
             t2 = time.perf_counter()
             if r.status_code != 200:
                 print(r.text[:3000], file=sys.stderr)
@@ -322,6 +351,15 @@ def trainer_main(spec_path: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # LoRA
 # ---------------------------------------------------------------------------------------------
+def attention_projections(module: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """(path, in_features, out_features) of every attention projection a LoRA benchmark targets."""
+    return [
+        (path, layer.in_features, layer.out_features)
+        for path, layer in module.named_modules()
+        if isinstance(layer, torch.nn.Linear) and ATTENTION_PROJECTION.search(path)
+    ]
+
+
 def lora_payload(
     module: torch.nn.Module, rank: int, device: str, dtype: torch.dtype
 ) -> tuple[bytes, int, int]:
@@ -330,13 +368,12 @@ def lora_payload(
     gen = torch.Generator("cpu").manual_seed(2)
     tensors = {}
     layers = 0
-    for path, layer in module.named_modules():
-        if isinstance(layer, torch.nn.Linear) and ATTENTION_PROJECTION.search(path):
-            a = torch.randn(rank, layer.in_features, generator=gen) / math.sqrt(layer.in_features)
-            b = torch.randn(layer.out_features, rank, generator=gen) * 1e-3
-            tensors[f"{path}.lora_A.weight"] = a.to(dtype)
-            tensors[f"{path}.lora_B.weight"] = b.to(dtype)
-            layers += 1
+    for path, in_f, out_f in attention_projections(module):
+        a = torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)
+        b = torch.randn(out_f, rank, generator=gen) * 1e-3
+        tensors[f"{path}.lora_A.weight"] = a.to(dtype)
+        tensors[f"{path}.lora_B.weight"] = b.to(dtype)
+        layers += 1
     if not tensors:
         raise RuntimeError("no attention projections found for the LoRA payload")
     size = sum(nbytes(t) for t in tensors.values())
@@ -385,6 +422,7 @@ def run(
     lora_rank: int = 64,
     lora_reps: int = 5,
     deadline=None,
+    phases: tuple[str, ...] = ("h2d", "http", "disk", "ipc", "lora", "lora_ipc"),
 ) -> dict[str, Any]:
     srv = model.server()
     transformer = model.pipe.transformer
@@ -393,6 +431,8 @@ def run(
     notes = [f"transformer: {total_bytes / 1e9:.2f} GB in {model.dtype}"]
 
     def phase(name: str, fn, estimate_s: float = 0.0) -> None:
+        if name not in phases:
+            return
         if deadline is not None and not deadline.allows(estimate_s):
             notes.append(f"{name}: skipped (time budget)")
             return
@@ -432,6 +472,9 @@ def run(
         torch.cuda.empty_cache()
     phase("ipc", lambda: ipc_update(srv, model, ipc_gb * 1e9 if ipc_gb else None, ipc_reps, ipc_format), 40)
     phase("lora", lambda: lora_push(srv, model, lora_rank, lora_reps), 20)
+    phase(
+        "lora_ipc", lambda: ipc_update(srv, model, None, lora_reps + 1, ipc_format, lora_rank=lora_rank), 20
+    )
     for r in rows:
         r["mb"] = r["gb"] * 1000
         if pinned and r.get("gb_per_s") and not r["transport"].startswith("h2d"):
@@ -455,6 +498,10 @@ def run(
             "target_ms": 100,
             "met": lora["seconds"] < 0.1,
         }
+    lora_ipc = [r["seconds"] for r in rows if r["transport"] == "lora_ipc"][1:]  # in place, after the first
+    if lora_ipc:
+        steady = median(lora_ipc)
+        targets["lora_ipc_push_activate"] = {"ms": 1000 * steady, "target_ms": 100, "met": steady < 0.1}
     doc = document(
         "weight_sync",
         device,
@@ -492,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mb", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--lora-reps", type=int, default=5)
+    p.add_argument("--phases", default="h2d,http,disk,ipc,lora,lora_ipc", help="comma-separated subset")
+    p.add_argument(
+        "--ipc-format", default=None, choices=["direct", "flattened_bucket"], help="IPC load_format"
+    )
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     name = args.models or ("flux.1-dev" if device.startswith("cuda") else "tiny-flux")
@@ -507,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             part_mb=args.part_mb,
             lora_rank=args.lora_rank,
             lora_reps=args.lora_reps,
+            phases=tuple(args.phases.split(",")),
+            ipc_format=None if args.ipc_format in (None, "direct") else args.ipc_format,
         )
     finally:
         model.close()

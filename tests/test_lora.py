@@ -333,6 +333,20 @@ def test_lora_payload_errors_change_nothing(fresh_server):
         ),
         400,
     )
+    poisoned = dict(tensors)
+    bad_b = sorted(k for k in poisoned if k.endswith("lora_B.weight"))[-1]
+    poisoned[bad_b] = torch.full_like(poisoned[bad_b], float("nan"))
+    message = error_of(
+        server.client.post(
+            "/lora/load",
+            content=save(poisoned, metadata={"peft_config": json.dumps(cfg)}),
+            params={"name": "x"},
+            headers={"Content-Type": "application/octet-stream"},
+        ),
+        400,
+    )
+    assert "non-float or non-finite tensors (1)" in message
+    assert bad_b.removesuffix(".lora_B.weight") in message
     assert "unknown LoRA config keys: bogus" in error_of(
         server.client.post(
             "/lora/load",

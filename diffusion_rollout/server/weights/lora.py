@@ -40,7 +40,7 @@ from torch import nn
 from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.errors import NotFoundError, WeightApplyError, WeightUpdateError
 from diffusion_rollout.server.weights.lora_io import LoraPayload, inferred_lora_config
-from diffusion_rollout.server.weights.updater import PlannedCopy, apply_copies, describe_names
+from diffusion_rollout.server.weights.updater import PlannedCopy, apply_copies, describe_names, finite_flags
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class LoraManager:
             problems.append(
                 f"layers in the payload the config does not target ({len(not_targeted)}): {describe_names(not_targeted)}"
             )
-        shape_bad, value_bad = [], []
+        shape_bad, value_bad, to_check = [], [], []
         for layer, (a, b) in payload.pairs.items():
             if layer in unknown:
                 continue
@@ -255,10 +255,12 @@ class LoraManager:
                 ok = ok and tuple(a.shape) == expected[0] and tuple(b.shape) == expected[1]
             if not ok:
                 shape_bad.append(f"{layer}: A {tuple(a.shape)}, B {tuple(b.shape)}")
-            elif not (a.is_floating_point() and b.is_floating_point()) or not (
-                bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
-            ):
+            elif not (a.is_floating_point() and b.is_floating_point()):
                 value_bad.append(layer)
+            else:
+                to_check.append(layer)
+        flags = finite_flags([t for layer in to_check for t in payload.pairs[layer]])
+        value_bad += [layer for k, layer in enumerate(to_check) if not (flags[2 * k] and flags[2 * k + 1])]
         if shape_bad:
             problems.append(
                 f"shapes that do not fit the layer ({len(shape_bad)}): {describe_names(shape_bad)}"
