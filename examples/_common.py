@@ -16,6 +16,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -138,3 +139,26 @@ def wait_ready(client, timeout_s: float = 300.0) -> None:
     t0 = time.monotonic()
     client.wait_until_ready(timeout_s=timeout_s)
     logger.info("server %s ready after %.1f s", client.url, time.monotonic() - t0)
+
+
+# The adapter's target layers and the prompt pool, the same for both examples.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
+PROMPTS = ["a red square", "a crimson circle", "a scarlet sky", "a ruby"]
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options both examples share: where the server is, and the size of a run."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--url", help="a running server (default: start one on a tiny SD3 model)")
+    p.add_argument(
+        "--model", help="diffusers folder the trainer loads (and the server serves, if started here)"
+    )
+    p.add_argument(
+        "--server", choices=["subprocess", "thread"], default="subprocess", help="how to start the server"
+    )
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=4, help="prompts (groups) per iteration")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
+    p.add_argument("--size", type=int, default=32, help="image width and height")
+    return p

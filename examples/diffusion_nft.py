@@ -37,7 +37,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _common import color_reward, load_trainer_transformer, rollout_server, wait_ready
+from _common import (
+    LORA_TARGETS,
+    PROMPTS,
+    base_parser,
+    color_reward,
+    load_trainer_transformer,
+    rollout_server,
+    wait_ready,
+)
 
 from diffusion_rollout.client import (
     RolloutClient,
@@ -49,24 +57,9 @@ from diffusion_rollout.client import (
 
 logger = logging.getLogger("examples.diffusion_nft")
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
-PROMPTS = ["a red square", "a crimson circle", "a scarlet sky", "a ruby"]
-
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="a running server (default: start one on a tiny SD3 model)")
-    p.add_argument(
-        "--model", help="diffusers folder the trainer loads (and the server serves, if started here)"
-    )
-    p.add_argument(
-        "--server", choices=["subprocess", "thread"], default="subprocess", help="how to start the server"
-    )
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--prompts", type=int, default=4, help="prompts (groups) per iteration")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
-    p.add_argument("--size", type=int, default=32, help="image width and height")
+    p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--beta", type=float, default=1.0, help="DiffusionNFT's guidance strength b")
     p.add_argument("--ema-decay", type=float, default=0.5, help="old <- decay * old + (1 - decay) * default")
     p.add_argument("--timesteps-per-sample", type=int, default=2)
