@@ -277,8 +277,9 @@ def test_every_admin_call_against_the_real_app(fresh_server, tiny_model_path, tm
     assert c.get_weights_checksum(algorithm="v2")["transformer"] != before
 
     # Pause and continue; release and resume (rollouts answer 503 while released).
-    assert isinstance(c.pause_generation(), UpdateResult)
-    assert c.continue_generation().success
+    paused = c.pause_generation()
+    assert isinstance(paused, UpdateResult) and paused.success and server.engine.worker.paused
+    assert c.continue_generation().success and not server.engine.worker.paused
     c.release_memory_occupation()
     with pytest.raises(ServerUnavailableError) as info:
         c.generate("x", **SMALL)

@@ -78,12 +78,16 @@ def test_metrics_follow_rollouts_failures_queue_and_weight_updates(fresh_server)
     srv.engine.worker.pause()
     t = threading.Thread(target=lambda: srv.generate(body()))
     t.start()
-    wait_until(lambda: srv.engine.worker.depth == 1, 10, "the request to queue")
+    try:
+        wait_until(lambda: srv.engine.worker.depth == 1, 10, "the request to queue")
+        m = scrape(srv)
+        assert m["diffusion_rollout_queue_depth"] == 1 and m["diffusion_rollout_paused"] == 1
+    finally:  # a failed assertion must not leave the queued request (and the teardown) hanging
+        srv.engine.worker.resume()
+        t.join(30)
     m = scrape(srv)
-    assert m["diffusion_rollout_queue_depth"] == 1 and m["diffusion_rollout_paused"] == 1
-    srv.engine.worker.resume()
-    t.join(30)
-    assert scrape(srv)["diffusion_rollout_queue_depth"] == 0
+    assert m["diffusion_rollout_queue_depth"] == 0 and m["diffusion_rollout_paused"] == 0
+    assert m['diffusion_rollout_requests_total{outcome="ok"}'] == 3  # the held request was served
 
     # Weight updates: counted, numeric version as a gauge, any version as a label.
     g = torch.Generator().manual_seed(0)

@@ -358,16 +358,21 @@ def test_body_over_limit_gets_413(fresh_server):
 def test_queue_full_gets_429_with_retry_after(fresh_server):
     srv = fresh_server("sd3", max_queue_depth=1)
     srv.engine.worker.pause()
-    t = threading.Thread(target=lambda: srv.generate(body()))
+    queued: list = []
+    t = threading.Thread(target=lambda: queued.extend(srv.generate(body())))
     t.start()
-    deadline = time.monotonic() + 10
-    while srv.engine.worker.depth < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    r = srv.client.post("/rollout/generate", json=body())
-    assert r.status_code == 429 and "max_queue_depth" in r.json()["error"]["message"]
-    assert int(r.headers["retry-after"]) >= 1
-    srv.engine.worker.resume()
-    t.join(30)
+    try:
+        deadline = time.monotonic() + 10
+        while srv.engine.worker.depth < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = srv.client.post("/rollout/generate", json=body())
+        assert r.status_code == 429 and "max_queue_depth" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    finally:  # a failed assertion must not leave the queued request (and the teardown) hanging
+        srv.engine.worker.resume()
+        t.join(30)
+    # The queued request was held, not refused: it is answered once the worker resumes.
+    assert [o["seed"] for o in queued] == [7]
 
 
 def test_generation_failure_is_500_and_server_keeps_serving(fresh_server, monkeypatch):

@@ -395,14 +395,17 @@ def test_pause_holds_requests_until_continue(fresh_server):
 
     t = threading.Thread(target=rollout)
     t.start()
-    assert not done.wait(0.5)  # queued, not refused
-    upload(server, new_weights(server, 10), weight_version="while-paused")  # admin work still runs
-    assert server.client.post("/continue_generation").json()["success"]
-    assert done.wait(30)
-    t.join()
+    try:
+        assert not done.wait(0.5)  # queued, not refused
+        upload(server, new_weights(server, 10), weight_version="while-paused")  # admin work still runs
+        assert server.client.post("/continue_generation").json()["success"]
+        assert done.wait(30)
+    finally:  # a failed assertion must not leave the queued request (and the teardown) hanging
+        server.engine.worker.resume()
+        t.join(30)
     assert result["out"][0]["weight_version"] == "while-paused"
-    assert (
-        "unknown field 'mode'" not in server.client.post("/pause_generation", json={"mode": "in_place"}).text
-    )
-    assert error_of(server.client.post("/pause_generation", json={"mode": "abort"}), 422)
-    server.client.post("/continue_generation")
+    r = server.client.post("/pause_generation", json={"mode": "in_place"})  # the one mode accepted
+    assert r.status_code == 200 and r.json()["success"] and server.engine.worker.paused, r.text
+    assert "mode" in error_of(server.client.post("/pause_generation", json={"mode": "abort"}), 422)
+    assert server.client.post("/continue_generation").json()["success"]
+    assert not server.engine.worker.paused
