@@ -62,6 +62,20 @@ def _drop_none(d: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _octet_call(path: str, data, params: dict[str, Any], timeout) -> _Call:
+    """An admin upload of safetensors bytes (never retried: an update is not idempotent)."""
+    return _Call(
+        "POST",
+        path,
+        "admin",
+        "never",
+        content=bytes(data),
+        params=params,
+        headers={"Content-Type": "application/octet-stream"},
+        timeout=timeout,
+    )
+
+
 def _jsonable(value: Any) -> Any:
     """Tensors, numpy values and tuples as JSON values (a schedule often arrives as a tensor)."""
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
@@ -149,16 +163,7 @@ def _upload_call(data, target_module, weight_version, final, upload_id, part, fl
             "flush_cache": _bool(flush_cache),
         }
     )
-    return _Call(
-        "POST",
-        "/update_weights",
-        "admin",
-        "never",
-        content=bytes(data),
-        params=params,
-        headers={"Content-Type": "application/octet-stream"},
-        timeout=timeout,
-    )
+    return _octet_call("/update_weights", data, params, timeout)
 
 
 def _tensor_call(args: Mapping[str, Any]) -> _Call:
@@ -260,16 +265,7 @@ def _lora_load_call(
                 "weight_version": weight_version,
             }
         )
-        return _Call(
-            "POST",
-            "/lora/load",
-            "admin",
-            "never",
-            content=bytes(data),
-            params=params,
-            headers={"Content-Type": "application/octet-stream"},
-            timeout=timeout,
-        )
+        return _octet_call("/lora/load", data, params, timeout)
     body = _drop_none(
         {
             "name": name,
