@@ -154,6 +154,24 @@ def test_wan22_runs_both_experts_on_either_side_of_the_boundary(served, tiny_mod
     assert same["denoising_env"]["guidance"]["guidance_scale_2"] == 4.0
 
 
+def test_wan22_always_names_the_expert_of_every_step(served, tiny_model_path):
+    # A trainer logging per-expert metrics needs expert_per_step on every response, not only when
+    # it asked for the trajectory or the conditioning; plain generation (UniPC) included.
+    srv = served("wan2.2")
+    (full,) = srv.generate(body("wan2.2", rollout_return_dit_trajectory=True))
+    (bare,) = srv.generate(body("wan2.2", rollout_debug_mode=False))
+    assert bare["dit_trajectory"] is None and bare["denoising_env"] is None
+    assert bare["expert_per_step"] == full["expert_per_step"]
+    (plain,) = srv.generate(body("wan2.2", rollout=False))
+    unipc = UniPCMultistepScheduler.from_pretrained(str(tiny_model_path("wan2.2")), subfolder="scheduler")
+    unipc.set_timesteps(T)
+    expected = ["transformer" if t >= BOUNDARY_T else "transformer_2" for t in unipc.timesteps.tolist()]
+    assert set(expected) == {"transformer", "transformer_2"}
+    assert plain["rollout_log_probs"] is None and plain["expert_per_step"] == expected
+    (one_expert,) = served("wan").generate(body("wan", rollout_debug_mode=False))
+    assert "expert_per_step" not in one_expert
+
+
 @pytest.mark.parametrize("family", ["wan", "wan2.2"])
 def test_replay_reproduces_every_step_with_its_expert_and_scale(served, family):
     srv = served(family)

@@ -332,10 +332,14 @@ class Engine:
             settings = p0.settings if p0.rollout else RolloutSettings(record=False)
             need_state = p0.rollout or first.schedule is not None
             state = RolloutState(settings, generators, sigmas=first.schedule) if need_state else None
-            recorder = TransformerCallRecorder(lambda: state.loop_index if state else 0)
-            watch = p0.rollout and any(
-                pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans
+            recorder = TransformerCallRecorder((lambda: state.loop_index) if state else None)
+            # Two experts: always watched, so every response names the expert of every step.
+            watch = a.has_experts() or (
+                p0.rollout
+                and any(pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans)
             )
+            if watch and state is None:
+                kwargs["callback_on_step_end"] = recorder.on_step_end
             try:
                 with a.scheduler_for(need_state), rollout_context(state):
                     if watch:
@@ -441,7 +445,7 @@ class Engine:
                         denoising_env=env,
                         dit_trajectory=traj,
                         sde_step_indices=sde_steps,
-                        expert_per_step=experts if p.rollout else None,
+                        expert_per_step=experts,
                         inference_time_s=elapsed,
                         peak_memory_mb=peak,
                         nonfinite_output=nonfinite,

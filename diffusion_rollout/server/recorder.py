@@ -4,6 +4,11 @@ Forward pre-hooks (which return nothing, so the call is untouched and the ODE pa
 bit-identical) record, per loop step, the timestep the pipeline handed to the model and which
 expert ran it, and keep the keyword arguments of the first step's calls: these are the
 conditioning a trainer needs to replay any step (``denoising_env``).
+
+The loop step comes from the rollout state when there is one. Plain generation has none, so the
+engine then hands :meth:`TransformerCallRecorder.on_step_end` to the pipeline as its
+``callback_on_step_end`` (which diffusers calls after every step and which returns nothing to
+change): that is how a two-expert model names the expert of every step even without a rollout.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import torch
 
 
 class TransformerCallRecorder:
-    def __init__(self, step_index: Callable[[], int]) -> None:
-        self._step_index = step_index
+    def __init__(self, step_index: Callable[[], int] | None = None) -> None:
+        self._steps_done = 0
+        self._step_index = step_index or (lambda: self._steps_done)
         self.first_step_calls: list[dict[str, Any]] = []
         self.timesteps: dict[int, torch.Tensor] = {}
         self.experts: dict[int, str] = {}
@@ -39,6 +45,11 @@ class TransformerCallRecorder:
             return None
 
         return pre_hook
+
+    def on_step_end(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
+        """diffusers' ``callback_on_step_end``: step ``step`` has finished (nothing is changed)."""
+        self._steps_done = int(step) + 1
+        return {}
 
     @contextlib.contextmanager
     def attach(self, modules: dict[str, torch.nn.Module]) -> Iterator[TransformerCallRecorder]:
