@@ -333,7 +333,6 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
 
 BAD_422 = [
     ({"rollout_sde_tpye": "sde"}, "rollout_sde_tpye"),
-    ({"extra_sampling_params": {"rollout": False}}, "rollout"),
     ({"extra_sampling_params": {"sigmsa": [1.0]}}, "sigmsa"),
     ({"rollout_sde_type": "langevin"}, "rollout_sde_type"),
     ({"rollout_noise_level": -1}, "rollout_noise_level"),

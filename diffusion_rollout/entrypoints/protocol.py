@@ -3,22 +3,27 @@
 Field names and defaults follow SGLang's diffusion post-training API. Every model forbids unknown
 fields, so a misspelt field is a 422 naming it rather than a silently ignored setting.
 ``extra_sampling_params`` is merged over the named fields before validation, so its keys obey the
-same rules (and the same unknown-field check).
+same rules (and the same unknown-field check). Fields that SGLang or its trainers' patches accept
+but that have no effect here are dropped first and reported (``ignored_fields``, see
+``entrypoints/dialects.py``), as is a ``rollout`` inside ``extra_sampling_params``: the top-level
+flag wins there, as in SGLang.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import RolloutSettings
 from diffusion_rollout.server.params import GenerateParams
 
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
+NoiseKey = Annotated[str, Field(max_length=1024)] | int
 
 
 class GenerateRequest(BaseModel):
@@ -60,26 +65,53 @@ class GenerateRequest(BaseModel):
     rollout_video_dtype: Literal["float32", "uint8"] | None = None
     return_generated_output: bool = True
     max_sequence_length: int | None = Field(None, ge=1, le=4096)
+    # Relax/UniRL noise recipes (diffusion_rollout/noise_recipes.py); keys compare as strings.
+    initial_noise_group_ids: list[NoiseKey] | None = Field(None, min_length=1)
+    initial_noise_latent_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, max_length=8
+    )
+    denoise_seeds: list[NoiseKey] | None = None
+    # SGLang's client-set request id: names the request for POST /abort_request and the response.
+    rid: str | None = Field(None, min_length=1, max_length=256)
 
-    @model_validator(mode="before")
+    # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return list(self._ignored_fields)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _merge_extra(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
+    def _accept_dialects(cls, data: Any, handler: Any) -> GenerateRequest:
+        ignored: list[str] = []
+        if isinstance(data, dict):
+            data, ignored = split_noop_sampling_fields(data)
+            data, overridden = cls._merge_extra(data)
+            ignored = sorted(ignored + overridden)
+        model = handler(data)
+        model._ignored_fields = ignored
+        return model
+
+    @classmethod
+    def _merge_extra(cls, data: dict) -> tuple[dict, list[str]]:
         extra = data.get("extra_sampling_params")
         if not extra:
-            return data
+            return data, []
         if not isinstance(extra, dict):
             raise ValueError("extra_sampling_params must be an object")
+        ignored = []
         if "rollout" in extra:
-            raise ValueError("extra_sampling_params.rollout: 'rollout' cannot be overridden here")
+            # SGLang's rule: the top-level rollout flag wins over one in extra_sampling_params.
+            extra = {k: v for k, v in extra.items() if k != "rollout"}
+            ignored.append("extra_sampling_params.rollout")
         unknown = sorted(k for k in extra if k not in cls.model_fields or k == "extra_sampling_params")
         if unknown:
             raise ValueError(f"extra_sampling_params: unknown field(s) {', '.join(repr(k) for k in unknown)}")
         merged = dict(data)
         merged.update(extra)
         merged["extra_sampling_params"] = None
-        return merged
+        return merged, ignored
 
     def to_params(self, request_id: str) -> GenerateParams:
         for name in ("sigmas", "timesteps"):
@@ -107,6 +139,9 @@ class GenerateRequest(BaseModel):
             seed=self.seed,
             seeds=self.seeds,
             initial_noise_seed=self.initial_noise_seed,
+            initial_noise_group_ids=_keys(self.initial_noise_group_ids),
+            initial_noise_latent_shape=self.initial_noise_latent_shape,
+            denoise_seeds=_keys(self.denoise_seeds),
             generator_device=self.generator_device,
             width=self.width,
             height=self.height,
@@ -130,3 +165,8 @@ class GenerateRequest(BaseModel):
             flow_shift=self.flow_shift,
             request_id=request_id,
         )
+
+
+def _keys(values: list[str | int] | None) -> list[str] | None:
+    # The recipes hash str(key): a JSON 5 and "5" are the same key, as in the trainers' patches.
+    return None if values is None else [str(v) for v in values]

@@ -30,7 +30,7 @@ Design decisions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,8 @@ class RolloutState:
         settings: the rollout settings.
         generators: one ``torch.Generator`` per sample of the batch (``generators[i]`` drives sample
             ``i``), or ``None`` to draw from torch's global RNG (not reproducible; tests and tools only).
+        step_generators: per sample, ``None`` or a function of the loop step returning the generator
+            that step's noise is drawn from (``denoise_seeds``); ``None``: every sample uses its own.
         sigmas: ``T`` floats ``sigma_0 .. sigma_{T-1}`` to use *exactly* (no shift, dynamic shift or
             ``shift_terminal`` on top); the terminal 0 is appended. ``None``: the pipeline's own schedule.
             Validated here (``RequestError(field="sigmas")``).
@@ -217,9 +219,13 @@ class RolloutState:
         generators: Sequence[torch.Generator] | None,
         *,
         sigmas: Sequence[float] | None = None,
+        step_generators: Sequence[Callable[[int], torch.Generator] | None] | None = None,
     ) -> None:
         self.settings = settings
         self.generators: list[torch.Generator] | None = None if generators is None else list(generators)
+        # Per sample, optionally: loop step -> the generator that step's noise comes from (a
+        # trainer's denoise_seeds), instead of the sample's own generator.
+        self.step_generators = None if step_generators is None else list(step_generators)
         self.exact_sigmas: tuple[float, ...] | None = (
             None if sigmas is None else tuple(validate_sigmas(sigmas, None))
         )
@@ -339,10 +345,17 @@ class RolloutState:
                 tuple(latent.shape), generator=None, device=latent.device, dtype=torch.float32
             )
         shape = (1, *latent.shape[1:])
+        generators = self.generators
+        if self.step_generators is not None:
+            step = self._loop_index
+            generators = [
+                own if per_step is None else per_step(step)
+                for own, per_step in zip(self.generators, self.step_generators, strict=True)
+            ]
         return torch.cat(
             [
                 randn_tensor(shape, generator=generator, device=latent.device, dtype=torch.float32)
-                for generator in self.generators
+                for generator in generators
             ]
         )
 

@@ -9,7 +9,7 @@ reused as is and the ODE path stays bit-identical to diffusers.
 RNG: every output owns a generator seeded ``seed + i`` (or ``seeds[i]``); the engine draws each
 output's x_T from it with the pipeline's own ``prepare_latents`` at batch 1 (what the stock pipeline
 does with a list of generators), then the scheduler draws each stochastic step's noise from the same
-generator. A sample's random numbers therefore never depend on what it was batched with; its
+generator (shared x_T and trainers' noise recipes: ``server/initial_noise.py``). A sample's random numbers therefore never depend on what it was batched with; its
 arithmetic can, in the last bits (matmul kernels block differently per batch size), which is why every
 output names its pipeline call (``batch_id``, ``batch_index``, ``batch_size``) for exact replay.
 
@@ -56,6 +56,7 @@ from diffusion_rollout.scheduler_mixins import (
     rollout_context,
 )
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
+from diffusion_rollout.server.initial_noise import sample_noise
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
@@ -303,22 +304,14 @@ class Engine:
                 encs.extend([enc] * len(pl.seeds))
             embeds = a.stack_encodings(encs)
             dtype = next(iter(embeds.values())).dtype
-            gen_device = first.params.generator_device
             generators: list[torch.Generator] = []
+            step_generators: list = []
             latents = []
-            for pl in plans:
-                shared = None
-                if pl.params.initial_noise_seed is not None:
-                    g0 = torch.Generator(gen_device).manual_seed(pl.params.initial_noise_seed)
-                    shared = a.initial_latents(call, g0, dtype, self.device)
-                for s in pl.seeds:
-                    g = torch.Generator(gen_device).manual_seed(s)
-                    # Without shared noise x_T comes from the sample's own generator, first, as in
-                    # the stock pipeline; with it, the generator only feeds the per-step noise.
-                    latents.append(
-                        shared if shared is not None else a.initial_latents(call, g, dtype, self.device)
-                    )
-                    generators.append(g)
+            for pl in plans:  # each output's x_T and noise sources: server/initial_noise.py
+                noise = sample_noise(pl.params, pl.seeds, a, call, dtype, self.device)
+                latents.extend(noise.latents)
+                generators.extend(noise.generators)
+                step_generators.extend(noise.step_generators)
             batch = len(generators)
             kwargs = a.call_kwargs(call)
             kwargs.update(embeds)
@@ -331,7 +324,16 @@ class Engine:
             p0 = first.params
             settings = p0.settings if p0.rollout else RolloutSettings(record=False)
             need_state = p0.rollout or first.schedule is not None
-            state = RolloutState(settings, generators, sigmas=first.schedule) if need_state else None
+            state = (
+                RolloutState(
+                    settings,
+                    generators,
+                    sigmas=first.schedule,
+                    step_generators=step_generators if any(step_generators) else None,
+                )
+                if need_state
+                else None
+            )
             recorder = TransformerCallRecorder((lambda: state.loop_index) if state else None)
             # Two experts: always watched, so every response names the expert of every step.
             watch = a.has_experts() or (

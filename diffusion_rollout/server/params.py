@@ -22,6 +22,10 @@ class GenerateParams:
     seed: int | None = None
     seeds: list[int] | None = None
     initial_noise_seed: int | None = None
+    # Relax/UniRL noise recipes (server/initial_noise.py): x_T per group id, step noise per key.
+    initial_noise_group_ids: list[str] | None = None
+    initial_noise_latent_shape: list[int] | None = None
+    denoise_seeds: list[str] | None = None
     generator_device: str = "cuda"
     width: int | None = None
     height: int | None = None

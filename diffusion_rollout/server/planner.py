@@ -17,6 +17,7 @@ import torch
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigmas
+from diffusion_rollout.server import initial_noise
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.params import GenerateParams
 
@@ -167,6 +168,7 @@ class RequestPlanner:
             if p.seed is None:
                 p.seed = random.randrange(0, 2**31 - n)
             seeds = [p.seed + i for i in range(n)]
+        initial_noise.validate(p, n, a, call)
         if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
             p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
         return Plan(p, call, seeds, schedule, stock_sigmas)

@@ -22,6 +22,7 @@ import logging
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key, wire_response
 
@@ -43,7 +44,11 @@ async def _client_disconnected(request: Request) -> None:
 @router.post("/rollout/generate", dependencies=[Depends(require_api_key)])
 async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
-    params = body.to_params(request.state.request_id)
+    # SGLang's rid, when the client sets one, names the request (POST /abort_request takes it).
+    params = body.to_params(body.rid or request.state.request_id)
+    ignored = body.ignored_fields
+    if ignored:
+        log_ignored_once("/rollout/generate", ignored)
     task = asyncio.ensure_future(engine.generate(params))
     watcher = asyncio.ensure_future(_client_disconnected(request))
     try:
@@ -58,4 +63,7 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
         logger.info("client disconnected: request cancelled, its queued work dropped")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     results = task.result()
-    return await wire_response(request, [r.to_dict() for r in results])
+    outputs = [r.to_dict() for r in results]
+    if ignored:  # fields of another dialect that changed nothing here (entrypoints/dialects.py)
+        outputs = [{**o, "ignored_fields": ignored} for o in outputs]
+    return await wire_response(request, outputs)

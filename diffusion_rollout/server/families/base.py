@@ -49,6 +49,9 @@ class FamilyAdapter:
     skip_kwargs: ClassVar[tuple[str, ...]] = ("hidden_states", "timestep", "return_dict")
     # Kwargs that describe the image geometry rather than the prompt (denoising_env.image_kwargs).
     image_kwarg_names: ClassVar[tuple[str, ...]] = ()
+    # True when prepare_latents draws [C, h, w] noise and packs 2x2 patches into tokens (FLUX and
+    # Qwen-Image): a trainer's x_T recipe names the unpacked shape and is packed the same way.
+    packs_latents_2x2: ClassVar[bool] = False
 
     def setup_schedulers(self, loaded: Any) -> None:
         """Called once after loading; families with a non-Euler stock scheduler build the rollout one."""
@@ -153,6 +156,29 @@ class FamilyAdapter:
     ) -> torch.Tensor:
         """One sample's x_T drawn exactly as the stock pipeline draws it."""
         raise NotImplementedError
+
+    def latent_reference(self, settings: CallSettings, dtype) -> torch.Tensor:
+        """A meta tensor with the shape and dtype of one sample's x_T as the pipeline keeps it."""
+        try:
+            return self.initial_latents(settings, None, dtype, "meta")
+        except Exception:  # a prepare_latents that cannot run on meta: one small real draw
+            g = torch.Generator("cpu").manual_seed(0)
+            return self.initial_latents(settings, g, dtype, "cpu").to("meta")
+
+    def noise_shape(self, settings: CallSettings) -> tuple[int, ...]:
+        """One sample's x_T before packing (``initial_noise_latent_shape``): [C, h, w] or [C, f, h, w]."""
+        if self.packs_latents_2x2:
+            f = int(self.pipe.vae_scale_factor) * 2
+            channels = int(self.pipe.transformer.config.in_channels) // 4
+            return (channels, 2 * (settings.height // f), 2 * (settings.width // f))
+        return tuple(self.latent_reference(settings, torch.float32).shape[1:])
+
+    def pack_noise(self, settings: CallSettings, noise: torch.Tensor) -> torch.Tensor:
+        """Unpacked x_T of one sample (``noise_shape``) -> ``[1, ...]`` in the pipeline's layout."""
+        if self.packs_latents_2x2:
+            c, h, w = noise.shape
+            return self.pipe._pack_latents(noise.reshape(1, c, h, w), 1, c, h, w)
+        return noise.unsqueeze(0)
 
     # ---------------------------------------------------------------- replay conditioning
     def split_env(

@@ -19,6 +19,7 @@ class FluxAdapter(FamilyAdapter):
     cfg_layout = "sequential"
     batch_kwargs = ("encoder_hidden_states", "pooled_projections", "guidance")
     image_kwarg_names = ("img_ids",)
+    packs_latents_2x2 = True
 
     def default_size(self) -> tuple[int, int]:
         s = int(self.pipe.default_sample_size) * int(self.pipe.vae_scale_factor)

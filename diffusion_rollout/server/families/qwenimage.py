@@ -46,6 +46,7 @@ class QwenImageAdapter(FamilyAdapter):
     batch_kwargs = ("encoder_hidden_states", "encoder_hidden_states_mask", "guidance")
     batch_list_kwargs = ("img_shapes",)
     image_kwarg_names = ("img_shapes",)
+    packs_latents_2x2 = True
 
     def _guidance_embeds(self) -> bool:
         return bool(self.pipe.transformer.config.guidance_embeds)
