@@ -48,6 +48,14 @@ class ServerConfig(BaseModel):
     admin_key: str | None = Field(
         None, repr=False, description="key required for weight, LoRA, memory and pause endpoints"
     )
+    allow_cpu_ipc: bool = Field(
+        False,
+        description="accept CPU tensors shared by file descriptor in /update_weights_from_tensor "
+        "(only a sender sharing this process's multiprocessing authkey can use it; CUDA IPC needs no flag)",
+    )
+    ipc_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="bound on each socket step of fetching a shared CPU tensor"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
 
     # Batching and queueing

@@ -271,7 +271,7 @@ def test_keys_and_auth_errors(fresh_server, monkeypatch):
 
 
 def test_every_admin_call_against_the_real_app(fresh_server, tiny_model_path, tmp_path):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     c = sync_client(server, retry=RetryPolicy(max_retries=0))
     before = c.get_weights_checksum(["transformer"])["transformer"]
     assert c.get_weights_checksum(algorithm="v2")["transformer"] != before
@@ -499,7 +499,7 @@ def test_async_admin_calls_against_the_real_app(fresh_server, tiny_model_path):
     from diffusion_rollout.client import build_update_weights_from_tensor_request, lora_state_dict
     from tests.test_client_weights import trainer_transformer
 
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     name, param = next(iter(server.engine.pipe.transformer.named_parameters()))
     trainer = trainer_transformer(tiny_model_path("sd3"))
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]), trainer)

@@ -122,7 +122,7 @@ def test_rejected_push_changes_nothing_and_is_not_retried(fresh_server):
 
 
 def test_ipc_push_same_host(fresh_server):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)  # CPU tensors travel by descriptor
     c = client_for(server)
     for seed, load_format in ((5, "flattened_bucket"), (6, None)):
         master = perturbed(server.engine.pipe.transformer, seed)  # new values each time: no no-op passes

@@ -26,6 +26,7 @@ from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.models import build_tiny_pipeline
 from diffusion_rollout.server.weights import ipc
+from diffusion_rollout.server.weights.safe_pickle import FdPolicy
 
 ODE = {
     "prompt": "a bowl of fruit",
@@ -104,7 +105,7 @@ def post(server, body: dict, expect: int = 200):
 
 # ---------------------------------------------------------------------------- full weights
 def test_plain_list_payload(fresh_server):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     master = new_weights(server, 1)
     # One entry per TP rank; this server is one rank and uses entry 0.
     entry = sglang_serialize([(f"transformer.{n}", t) for n, t in master.items()])
@@ -114,7 +115,7 @@ def test_plain_list_payload(fresh_server):
 
 
 def test_flattened_bucket_with_mixed_dtypes(fresh_server, sglang_bucket_module):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     master = new_weights(server, 2)
     # bf16 and fp32 tensors in one uint8 bucket: byte offsets that are not 4-aligned for fp32.
     named = [
@@ -127,7 +128,7 @@ def test_flattened_bucket_with_mixed_dtypes(fresh_server, sglang_bucket_module):
 
 
 def test_per_module_dict_payload_and_our_client_serializer(fresh_server):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     master = new_weights(server, 3)
     g = torch.Generator().manual_seed(0)
     vae = {
@@ -160,7 +161,7 @@ def test_per_module_dict_payload_and_our_client_serializer(fresh_server):
 
 
 def test_bad_payloads_are_refused_and_change_nothing(fresh_server, tmp_path, sglang_bucket_module):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     before = checksum(server)
     marker = tmp_path / "pwned"
 
@@ -210,7 +211,9 @@ def test_bad_payloads_are_refused_and_change_nothing(fresh_server, tmp_path, sgl
 
 def test_restricted_unpickler_allows_only_tensor_globals():
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    decoded = ipc.decode_entry(sglang_serialize([("w", t), ("p", torch.nn.Parameter(torch.ones(2)))]))
+    decoded = ipc.decode_entry(
+        sglang_serialize([("w", t), ("p", torch.nn.Parameter(torch.ones(2)))]), FdPolicy(allow_cpu_ipc=True)
+    )
     assert torch.equal(decoded[0][1], t) and torch.equal(decoded[1][1], torch.ones(2))
     with pytest.raises(WeightUpdateError, match=r"refused pickle global collections\.Counter"):
         ipc.decode_entry(base64.b64encode(pickle.dumps(__import__("collections").Counter())).decode())
@@ -218,7 +221,7 @@ def test_restricted_unpickler_allows_only_tensor_globals():
 
 # ---------------------------------------------------------------------------- lora_merge
 def test_lora_merge_payload(fresh_server, sglang_bucket_module):
-    server = fresh_server("sd3")
+    server = fresh_server("sd3", allow_cpu_ipc=True)
     scratch = build_tiny_pipeline("sd3").transformer
     config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"])
     scratch.add_adapter(config)

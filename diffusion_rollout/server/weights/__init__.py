@@ -2,7 +2,9 @@
 
 - ``updater``: validate-all-then-apply in-place copies with rollback (the core every transport uses).
 - ``staging``: multi-part HTTP uploads staged until the final part.
-- ``ipc``: SGLang ``update_weights_from_tensor`` payloads and the restricted unpickler.
+- ``ipc``: SGLang ``update_weights_from_tensor`` payloads, decoded on a pool of their own.
+- ``safe_pickle``: the restricted two-phase unpickler for pickled tensors from the network (IPC
+  payloads, ``decode_torch_save`` for ``torch.save`` bytes): recipes, checks, then tensors.
 - ``distributed``: NCCL/gloo update groups and broadcasts from the trainer.
 - ``lora``: named PEFT adapters, dynamic and merged modes; ``lora_io`` reads adapters and configs.
 - ``memory``: releasing and resuming device memory.

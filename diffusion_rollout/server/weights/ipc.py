@@ -19,32 +19,28 @@ and ``sglang/multimodal_gen/runtime/post_training/weights_updater.py``; re-imple
   function is then pickled as ``sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified``. That
   name resolves to this module's own UUID-aware rebuild, never to the sender's code.
 
-Security: the pickle comes from the network. :class:`RestrictedUnpickler` resolves only torch's
-rebuild functions (``torch.multiprocessing.reductions.rebuild_*``, ``torch._utils._rebuild_*``),
-tensor/storage/``Size``/``device``/dtype objects, ``collections.OrderedDict`` (parameter hooks),
-``multiprocessing.resource_sharer.DupFd`` (CPU shared memory) and the bucket metadata type (mapped
-by class name to the dataclass below, whatever module the sender had it in). Every other global is
-refused with ``WeightUpdateError`` before anything is called. ``DupFd`` makes the server connect to
-the sender's resource-sharer socket (authenticated with this process's multiprocessing key); it
-is allowed because CPU tensors can travel no other way, on an admin route.
+Security: the pickle comes from the network. It is decoded by ``safe_pickle`` in two phases:
+the restricted unpickler builds inert recipes (no descriptor, socket or allocation is touched),
+every recipe is checked (dtype, device, extent inside its storage), and only then are tensors
+built. CPU tensors (shared by file descriptor) are refused unless the server runs with
+``allow_cpu_ipc``; see ``safe_pickle`` for why and how. Decoding runs on a small pool of its own
+(:class:`PayloadDecoder`), bounded by ``ipc_timeout_s``, so a slow or stalled payload never holds
+a thread that rollouts need.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import importlib
-import io
+import asyncio
+import concurrent.futures
 import logging
 import math
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.multiprocessing.reductions as _reductions  # registers the tensor reducers
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.safe_pickle import FdPolicy, decode_base64, decode_tensor_pickle
 from diffusion_rollout.weight_transport import (  # noqa: F401  (re-exported: the trainer side)
     FlattenedTensorMetadata,
     flatten_bucket,
@@ -55,103 +51,35 @@ from diffusion_rollout.weight_transport import (  # noqa: F401  (re-exported: th
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
-BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
-# SGLang's device-UUID rebuild; the index of the device argument in torch's CUDA reduction tuple.
-SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
-_CUDA_DEVICE_ARG = 6
 
 
-def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
-    """torch's CUDA rebuild, accepting the device as a UUID string (what SGLang trainers send)."""
-    args_list = list(args)
-    device = args_list[_CUDA_DEVICE_ARG] if len(args_list) > _CUDA_DEVICE_ARG else None
-    if isinstance(device, str):
-        for index in range(torch.cuda.device_count()):
-            if str(torch.cuda.get_device_properties(index).uuid) == device:
-                args_list[_CUDA_DEVICE_ARG] = index
-                break
-        else:
-            raise WeightUpdateError(f"payload tensor lives on GPU {device}, which this server cannot see")
-    return _reductions.rebuild_cuda_tensor(*args_list)
+class PayloadDecoder:
+    """Decodes entries on its own small thread pool, each bounded in time (see the module docstring)."""
 
+    def __init__(self, policy: FdPolicy, workers: int = 2) -> None:
+        self.policy = policy
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ipc-decode")
 
-# ---------------------------------------------------------------------------- restricted unpickling
-class RefusedGlobal(pickle.UnpicklingError):
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.module = module
-        self.name = name
-
-
-_EXACT_GLOBALS = {
-    ("torch", "Tensor"),
-    ("torch._tensor", "Tensor"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.nn.parameter", "Parameter"),
-    ("collections", "OrderedDict"),
-    ("multiprocessing.resource_sharer", "DupFd"),
-}
-
-
-def _allowed_global(module: str, name: str) -> Any | None:
-    """The object a pickle global may resolve to, or None when it is refused."""
-    if name == BUCKET_METADATA_CLASS:
-        return FlattenedTensorMetadata
-    if name == SGLANG_CUDA_REBUILD:
-        return rebuild_cuda_tensor_by_uuid
-    if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"):
-        return getattr(_reductions, name, None)
-    if module == "torch._utils" and name.startswith("_rebuild_"):
-        return getattr(torch._utils, name, None)
-    if (module, name) in _EXACT_GLOBALS:
-        return getattr(importlib.import_module(module), name)
-    if module in ("torch", "torch.storage"):
-        obj = getattr(torch if module == "torch" else torch.storage, name, None)
-        if isinstance(obj, torch.dtype):
-            return obj
-        if isinstance(obj, type) and issubclass(obj, (torch.UntypedStorage, torch.storage.TypedStorage)):
-            return obj
-    return None
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals a torch tensor payload needs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = _allowed_global(module, name)
-        if obj is None:
-            raise RefusedGlobal(module, name)
-        return obj
-
-
-def decode_entry(entry: str | bytes) -> Any:
-    """Base64 (or raw bytes) of a ForkingPickler pickle -> the object, through the restricted unpickler."""
-    if isinstance(entry, str):
+    async def decode(self, entry: str | bytes) -> Any:
+        data = decode_base64(entry, "serialized_named_tensors")
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._pool, decode_tensor_pickle, data, self.policy)
         try:
-            data = base64.b64decode(entry, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise WeightUpdateError(f"serialized_named_tensors entry is not base64: {exc}") from exc
-    elif isinstance(entry, (bytes, bytearray)):
-        data = bytes(entry)
-    else:
-        raise WeightUpdateError(
-            f"serialized_named_tensors entries must be strings, got {type(entry).__name__}"
-        )
-    try:
-        return RestrictedUnpickler(io.BytesIO(data)).load()
-    except RefusedGlobal as exc:
-        raise WeightUpdateError(
-            f"refused pickle global {exc.module}.{exc.name}: a tensor payload may reference only torch "
-            "rebuild functions, tensor/storage types and the bucket metadata"
-        ) from exc
-    except WeightUpdateError:
-        raise
-    except Exception as exc:
-        raise WeightUpdateError(
-            f"could not decode serialized_named_tensors ({type(exc).__name__}: {exc}); tensors shared by "
-            "file descriptor or CUDA IPC must come from a live process on this host"
-        ) from exc
+            # The socket operations inside are bounded too; this bounds the queue wait and the sum.
+            return await asyncio.wait_for(job, timeout=self.policy.timeout_s * 3)
+        except TimeoutError as exc:
+            raise WeightUpdateError(
+                f"the tensor payload was not decoded within {self.policy.timeout_s * 3:g} s "
+                "(3 x ipc_timeout_s); nothing was applied"
+            ) from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def decode_entry(entry: str | bytes, policy: FdPolicy | None = None) -> Any:
+    """Base64 (or raw bytes) of a ForkingPickler pickle -> the object, checked (synchronous form)."""
+    return decode_tensor_pickle(decode_base64(entry, "serialized_named_tensors"), policy or FdPolicy())
 
 
 def select_entry(entries: Sequence[Any], gpu_uuids: Sequence[str] | None, device: str) -> Any:

@@ -18,7 +18,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from collections.abc import Sequence
@@ -32,12 +31,22 @@ from diffusion_rollout.server.weights.full_ops import read_disk_update as read_d
 from diffusion_rollout.server.weights.lora_ops import LoraOps
 from diffusion_rollout.server.weights.manager_core import DEFAULT_TARGETS as DEFAULT_TARGETS
 from diffusion_rollout.server.weights.manager_core import Version
+from diffusion_rollout.server.weights.safe_pickle import FdPolicy
 
 
 class WeightManager(FullWeightOps, LoraOps):
     """The engine's weight manager; see the module docstrings of ``full_ops`` and ``lora_ops``."""
 
     # ------------------------------------------------------------------ SGLang tensor payloads
+    _decoder: ipc.PayloadDecoder | None = None
+
+    def _payload_decoder(self) -> ipc.PayloadDecoder:
+        if self._decoder is None:
+            cfg = self.engine.config
+            policy = FdPolicy(allow_cpu_ipc=cfg.allow_cpu_ipc, timeout_s=cfg.ipc_timeout_s)
+            self._decoder = ipc.PayloadDecoder(policy)
+        return self._decoder
+
     async def update_from_tensor(
         self,
         serialized_named_tensors: Sequence[str | bytes],
@@ -53,7 +62,7 @@ class WeightManager(FullWeightOps, LoraOps):
     ) -> dict[str, Any]:
         targets = self.targets(target_modules)
         entry = ipc.select_entry(serialized_named_tensors, payload_gpu_uuids, self.engine.device)
-        decoded = await asyncio.to_thread(ipc.decode_entry, entry)
+        decoded = await self._payload_decoder().decode(entry)
         payload = ipc.module_payloads(decoded, load_format, targets)
         if weight_update_mode is None:
             return await self.apply_named_tensors(

@@ -1,0 +1,612 @@
+"""Restricted, two-phase unpickling of tensor payloads that come from the network.
+
+Used by ``update_weights_from_tensor`` (``ipc.py``) and importable by any route that decodes
+pickled tensors (``decode_torch_save`` for ``torch.save`` bytes).
+
+Design decisions:
+
+- **Recipes first, tensors after.** The unpickler resolves the few globals a payload may name to
+  *inert stand-ins*: torch's rebuild functions return recipe objects, tensor and storage classes
+  become tokens that cannot be called, ``multiprocessing.resource_sharer.DupFd`` becomes an
+  :class:`FdTicket` that only holds an address. Loading the pickle therefore touches no file
+  descriptor, socket, device or allocator whatever the bytes say. Only :func:`materialize` builds
+  tensors, and it first checks *every* recipe of the payload: dtype (plain numeric types only),
+  device (CPU shared memory or CUDA IPC; never ``meta``), non-negative sizes and strides, and the
+  tensor's extent (offset + reach of its strides) inside its storage. So a hostile payload is a 400
+  before any connection is made, any storage is mapped, or any weight is copied.
+- **What a real payload contains** (``ForkingPickler`` with torch's reductions, as SGLang's
+  ``MultiprocessingSerializer`` makes it): ``torch.multiprocessing.reductions.rebuild_tensor`` /
+  ``rebuild_typed_storage`` / ``rebuild_storage_fd`` / ``rebuild_storage_empty`` on a CPU,
+  ``rebuild_cuda_tensor`` (or SGLang's UUID-aware ``_rebuild_cuda_tensor_modified``) on a GPU, the
+  classes ``torch.Tensor``, ``torch.nn.parameter.Parameter``, ``torch.storage.UntypedStorage`` /
+  ``TypedStorage`` (as arguments only), ``torch.Size``, ``torch.device``, dtypes,
+  ``collections.OrderedDict``, ``DupFd`` (built by NEWOBJ + BUILD with state ``{"_id": (address,
+  key)}``: never by calling it) and the bucket metadata class. Nothing else resolves; every other
+  rebuild function (meta tensors, the ``file_system`` strategy's shared-memory manager, events,
+  sparse and nested tensors) is refused by name.
+- **CPU descriptors are off unless enabled** (:class:`FdPolicy`, ``allow_cpu_ipc`` in the config).
+  Descriptors can only travel between processes that share the multiprocessing authkey (a parent
+  and the child it spawned, or one process), so a real trainer on a GPU host uses CUDA IPC and the
+  option exists for same-process tools and tests. When enabled, the descriptor is fetched the way
+  ``multiprocessing.resource_sharer`` hands it out, but only from an ``AF_UNIX`` path (local by
+  construction; a TCP address is refused without a connection), authenticated with this process's
+  authkey, with every socket operation bounded by ``timeout_s``. Every descriptor received is closed
+  whatever happens (one is mapped, then closed), and it must be a regular file at least as large as
+  the storage it claims to back (a shorter one would fault on access).
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import binascii
+import io
+import math
+import os
+import pickle
+import socket
+import stat
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from multiprocessing import process as mp_process
+from typing import Any
+
+import torch
+
+from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.weight_transport import FlattenedTensorMetadata
+
+BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
+SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
+MAX_NDIM = 16  # more dimensions than any weight has: a cheap bound on what a recipe may claim
+
+_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool}
+_INT_DTYPES |= {d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64")) if d is not None}
+
+
+def allowed_dtype(dtype: object) -> bool:
+    """Plain numeric dtypes only: floats (fp8 included), complex, integers, bool; no quantized types."""
+    return isinstance(dtype, torch.dtype) and (
+        dtype.is_floating_point or dtype.is_complex or dtype in _INT_DTYPES
+    )
+
+
+def _refuse(message: str) -> WeightUpdateError:
+    return WeightUpdateError(f"tensor payload refused: {message}")
+
+
+# ---------------------------------------------------------------------------- inert stand-ins
+@dataclass(frozen=True)
+class ClassToken:
+    """Stands for a tensor or storage class named by the pickle; not callable, so never built."""
+
+    name: str
+
+
+TENSOR = ClassToken("Tensor")
+PARAMETER = ClassToken("Parameter")
+UNTYPED_STORAGE = ClassToken("UntypedStorage")
+TYPED_STORAGE = ClassToken("TypedStorage")
+
+
+class FdTicket:
+    """``multiprocessing.resource_sharer.DupFd`` as data: the sharer's address and key, nothing more.
+
+    A real payload builds it with NEWOBJ (no arguments) and BUILD (state ``{"_id": (address, key)}``).
+    Calling it with arguments (REDUCE) would, on the real class, duplicate a descriptor of this
+    process: refused here.
+    """
+
+    __slots__ = ("address", "key")
+
+    def __new__(cls, *args: Any) -> FdTicket:
+        if args:
+            raise _refuse("DupFd may not be constructed with arguments")
+        ticket = object.__new__(cls)
+        ticket.address = None
+        ticket.key = None
+        return ticket
+
+    def __init__(self, *args: Any) -> None:
+        if args:
+            raise _refuse("DupFd may not be constructed with arguments")
+
+    def __setstate__(self, state: Any) -> None:
+        ident = state.get("_id") if isinstance(state, dict) and set(state) == {"_id"} else None
+        if not (isinstance(ident, tuple) and len(ident) == 2):
+            raise _refuse("DupFd state must be {'_id': (address, key)}")
+        address, key = ident
+        if not isinstance(key, int) or isinstance(key, bool):
+            raise _refuse("DupFd key must be an integer")
+        if not isinstance(address, str):
+            # A tuple would be a TCP address: descriptors never travel over the network.
+            raise _refuse(f"DupFd address must be a local AF_UNIX path, got {type(address).__name__}")
+        self.address, self.key = address, key
+
+
+@dataclass(frozen=True, eq=False)
+class FdStorage:
+    ticket: FdTicket
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class EmptyStorage:
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class InlineStorage:
+    """Bytes carried inside the payload (``torch.save`` archives)."""
+
+    data: bytes
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, eq=False)
+class TypedStorageRecipe:
+    storage: FdStorage | EmptyStorage | InlineStorage
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRecipe:
+    """A CPU tensor: a view ``(offset, size, stride)`` in elements of ``dtype`` over ``storage``."""
+
+    storage: FdStorage | EmptyStorage | InlineStorage
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class CudaTensorRecipe:
+    """torch's ``rebuild_cuda_tensor`` arguments, checked; the device may be a GPU UUID (SGLang)."""
+
+    args: tuple
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_nbytes: int
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _refuse(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM:
+        raise _refuse(f"{what} must be a tuple of at most {MAX_NDIM} integers")
+    return tuple(_int(v, what) for v in value)
+
+
+def _dtype(value: Any) -> torch.dtype:
+    if not allowed_dtype(value):
+        raise _refuse(f"dtype {value!r} is not a plain numeric dtype")
+    return value
+
+
+def _view(size: Any, stride: Any, offset: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    size, stride, offset = _ints(size, "size"), _ints(stride, "stride"), _int(offset, "storage offset")
+    if len(size) != len(stride):
+        raise _refuse(f"size {size} and stride {stride} differ in length")
+    return size, stride, offset
+
+
+# ---------------------------------------------------------------------------- recipe builders
+def _rebuild_storage_fd(cls: Any, df: Any, size: Any) -> FdStorage:
+    if cls is not UNTYPED_STORAGE:
+        raise _refuse("rebuild_storage_fd must name torch.UntypedStorage")
+    if not isinstance(df, FdTicket) or df.address is None:
+        raise _refuse("rebuild_storage_fd needs a DupFd descriptor holder")
+    return FdStorage(df, _int(size, "storage size"))
+
+
+def _rebuild_storage_empty(cls: Any) -> EmptyStorage:
+    if cls is not UNTYPED_STORAGE:
+        raise _refuse("rebuild_storage_empty must name torch.UntypedStorage")
+    return EmptyStorage()
+
+
+def _rebuild_typed_storage(storage: Any, dtype: Any) -> TypedStorageRecipe:
+    if not isinstance(storage, (FdStorage, EmptyStorage)):
+        raise _refuse("rebuild_typed_storage needs a storage")
+    return TypedStorageRecipe(storage, _dtype(dtype))
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> TensorRecipe:
+    if cls not in (TENSOR, PARAMETER):
+        raise _refuse("rebuild_tensor must name torch.Tensor or Parameter")
+    if not isinstance(storage, TypedStorageRecipe):
+        raise _refuse("rebuild_tensor needs a typed storage")
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise _refuse("rebuild_tensor metadata must be (offset, size, stride, requires_grad)")
+    offset, size, stride, _requires_grad = metadata
+    size, stride, offset = _view(size, stride, offset)
+    return TensorRecipe(storage.storage, storage.dtype, offset, size, stride)
+
+
+_CUDA_ARGS = 15  # torch's rebuild_cuda_tensor signature
+
+
+def _rebuild_cuda_tensor(*args: Any) -> CudaTensorRecipe:
+    if len(args) != _CUDA_ARGS:
+        raise _refuse(f"rebuild_cuda_tensor takes {_CUDA_ARGS} arguments, got {len(args)}")
+    (
+        cls, size, stride, offset, storage_cls, dtype, device, handle, nbytes, storage_offset_bytes,
+        _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
+    ) = args  # fmt: skip
+    if cls not in (TENSOR, PARAMETER) or storage_cls not in (TYPED_STORAGE, UNTYPED_STORAGE):
+        raise _refuse("rebuild_cuda_tensor must name tensor and storage classes")
+    if not (isinstance(device, str) or (isinstance(device, int) and not isinstance(device, bool))):
+        raise _refuse("rebuild_cuda_tensor device must be an index or a GPU UUID")
+    for value, what in ((handle, "storage handle"), (ref_counter_handle, "ref-counter handle")):
+        if not isinstance(value, bytes):
+            raise _refuse(f"rebuild_cuda_tensor {what} must be bytes")
+    if not (event_handle is None or isinstance(event_handle, bytes)):
+        raise _refuse("rebuild_cuda_tensor event handle must be bytes")
+    _int(storage_offset_bytes, "storage offset bytes")
+    _int(ref_counter_offset, "ref-counter offset")
+    if not isinstance(event_sync_required, bool):
+        raise _refuse("rebuild_cuda_tensor event_sync_required must be a bool")
+    size, stride, offset = _view(size, stride, offset)
+    real_storage_cls = torch.storage.TypedStorage if storage_cls is TYPED_STORAGE else torch.UntypedStorage
+    real = (torch.Tensor, size, stride, offset, real_storage_cls, *args[5:])
+    return CudaTensorRecipe(real, _dtype(dtype), offset, size, stride, _int(nbytes, "storage size"))
+
+
+# ---------------------------------------------------------------------------- the unpickler
+class RefusedGlobal(pickle.UnpicklingError):
+    def __init__(self, module: str, name: str, reason: str = "") -> None:
+        super().__init__(f"{module}.{name}")
+        self.module, self.name, self.reason = module, name, reason
+
+
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_GLOBALS: dict[tuple[str, str], Any] = {
+    (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
+    (_REDUCTIONS, "rebuild_typed_storage"): _rebuild_typed_storage,
+    (_REDUCTIONS, "rebuild_storage_fd"): _rebuild_storage_fd,
+    (_REDUCTIONS, "rebuild_storage_empty"): _rebuild_storage_empty,
+    (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("torch", "Tensor"): TENSOR,
+    ("torch._tensor", "Tensor"): TENSOR,
+    ("torch.nn.parameter", "Parameter"): PARAMETER,
+    ("torch", "UntypedStorage"): UNTYPED_STORAGE,
+    ("torch.storage", "UntypedStorage"): UNTYPED_STORAGE,
+    ("torch", "TypedStorage"): TYPED_STORAGE,
+    ("torch.storage", "TypedStorage"): TYPED_STORAGE,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("multiprocessing.resource_sharer", "DupFd"): FdTicket,
+}
+# Named so the refusal says why, not just "refused".
+_REFUSED_REASONS = {
+    "rebuild_meta_tensor": "meta tensors carry no data",
+    "rebuild_storage_filename": "the file_system sharing strategy connects to a shared-memory manager",
+    "rebuild_event": "CUDA events are not weights",
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals of a real tensor payload, each to an inert stand-in."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name == BUCKET_METADATA_CLASS:
+            return FlattenedTensorMetadata  # SGLang's dataclass, wherever the sender defined it
+        if name == SGLANG_CUDA_REBUILD:
+            return _rebuild_cuda_tensor  # the device is a UUID, resolved when materialized
+        obj = _GLOBALS.get((module, name))
+        if obj is not None:
+            return obj
+        if module == "torch":
+            dtype = getattr(torch, name, None)
+            if allowed_dtype(dtype):
+                return dtype
+        raise RefusedGlobal(module, name, _REFUSED_REASONS.get(name, ""))
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed in this payload")
+
+
+def loads_recipes(data: bytes, unpickler: type[pickle.Unpickler] = RestrictedUnpickler) -> Any:
+    """Phase one: the payload's structure with recipes in place of tensors. Touches nothing."""
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as exc:
+        why = f" ({exc.reason})" if exc.reason else ""
+        raise WeightUpdateError(
+            f"refused pickle global {exc.module}.{exc.name}{why}: a tensor payload may reference only "
+            "torch's tensor rebuild functions, tensor/storage types, dtypes and the bucket metadata"
+        ) from exc
+    except WeightUpdateError:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"could not decode the tensor payload ({type(exc).__name__}: {exc})") from exc
+
+
+def decode_base64(entry: Any, field: str) -> bytes:
+    if isinstance(entry, (bytes, bytearray)):
+        return bytes(entry)
+    if not isinstance(entry, str):
+        raise WeightUpdateError(f"{field} entries must be strings, got {type(entry).__name__}", field=field)
+    try:
+        return base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WeightUpdateError(f"{field} entry is not base64: {exc}", field=field) from exc
+
+
+# ---------------------------------------------------------------------------- checks
+def iter_recipes(obj: Any, depth: int = 0) -> Iterator[Any]:
+    """Every recipe inside a decoded structure (lists, tuples, dicts, bucket metadata)."""
+    if depth > 32:
+        raise _refuse("payload nests deeper than 32 levels")
+    if isinstance(obj, (TensorRecipe, CudaTensorRecipe)):
+        yield obj
+    elif isinstance(obj, (FdStorage, EmptyStorage, TypedStorageRecipe, FdTicket, ClassToken)):
+        raise _refuse(f"a bare {type(obj).__name__} is not a tensor")
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_recipes(item, depth + 1)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_recipes(key, depth + 1)
+            yield from iter_recipes(value, depth + 1)
+
+
+def check_extent(
+    size: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int, nbytes: int
+) -> None:
+    """The view's last element lies inside the storage (so no storage is grown or read past its end)."""
+    if math.prod(size) == 0:
+        end = offset
+    else:
+        end = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
+    if end * itemsize > nbytes:
+        raise _refuse(
+            f"tensor of size {list(size)}, stride {list(stride)} at offset {offset} reaches byte "
+            f"{end * itemsize} of a storage of {nbytes} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class FdPolicy:
+    """Whether (and how long) CPU tensors may be fetched by descriptor; see the module docstring."""
+
+    allow_cpu_ipc: bool = False
+    timeout_s: float = 10.0
+
+
+def check_recipes(obj: Any, policy: FdPolicy) -> list[Any]:
+    """Phase two, first half: every recipe checked before anything is connected, mapped or copied."""
+    recipes = list(iter_recipes(obj))
+    for r in recipes:
+        if isinstance(r, CudaTensorRecipe):
+            if not torch.cuda.is_available():
+                raise _refuse("the payload holds CUDA IPC handles but this server has no GPU")
+            check_extent(r.size, r.stride, r.offset, r.dtype.itemsize, r.storage_nbytes)
+            continue
+        if isinstance(r.storage, FdStorage) and not policy.allow_cpu_ipc:
+            raise _refuse(
+                "CPU tensors shared by file descriptor are disabled on this server (allow_cpu_ipc=false); "
+                "send CUDA tensors from a trainer on this GPU host, or use POST /update_weights"
+            )
+        check_extent(r.size, r.stride, r.offset, r.dtype.itemsize, r.storage.nbytes)
+    return recipes
+
+
+# ---------------------------------------------------------------------------- descriptors
+def _set_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    # Kernel-level timeouts keep the socket blocking, which multiprocessing's Connection needs.
+    sec = int(timeout_s)
+    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _recv_fds(sock: socket.socket) -> list[int]:
+    """The descriptors of one SCM_RIGHTS message (all of them, so the caller can close them all)."""
+    fds = array.array("i")
+    msg, ancdata, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(16 * fds.itemsize))
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if not msg and not fds:
+        raise EOFError("the sender closed the connection")
+    return list(fds)
+
+
+def receive_fd(ticket: FdTicket, timeout_s: float) -> int:
+    """One descriptor from the sender's resource sharer (AF_UNIX, authenticated, time-bounded)."""
+    address = ticket.address
+    try:
+        if address.startswith("\0"):
+            raise _refuse("abstract-namespace socket addresses are not accepted")
+        if not stat.S_ISSOCK(os.stat(address).st_mode):
+            raise _refuse("DupFd address is not a socket")
+    except OSError as exc:
+        raise _refuse(f"DupFd address is not reachable ({exc.strerror})") from exc
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        _set_timeouts(sock, timeout_s)
+        sock.connect(address)
+        conn = mp_connection.Connection(os.dup(sock.fileno()))
+        try:
+            authkey = mp_process.current_process().authkey
+            mp_connection.answer_challenge(conn, authkey)
+            mp_connection.deliver_challenge(conn, authkey)
+            conn.send((ticket.key, os.getpid()))
+            fds = _recv_fds(sock)
+        finally:
+            conn.close()
+        if len(fds) != 1:
+            raise _refuse(f"the sender passed {len(fds)} descriptors instead of one")
+        return fds.pop()
+    except WeightUpdateError:
+        raise
+    except (OSError, EOFError, mp_connection.AuthenticationError, ValueError) as exc:
+        raise _refuse(
+            f"could not fetch a shared CPU tensor within {timeout_s:g} s ({type(exc).__name__}: {exc}); "
+            "descriptors travel only from a live sender sharing this process's multiprocessing authkey"
+        ) from exc
+    finally:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+
+
+def _map_fd_storage(storage: FdStorage, timeout_s: float) -> torch.UntypedStorage:
+    fd = receive_fd(storage.ticket, timeout_s)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _refuse("the shared descriptor is not a shared-memory file")
+        if info.st_size < storage.nbytes:
+            raise _refuse(
+                f"the shared memory holds {info.st_size} bytes, the storage claims {storage.nbytes}"
+            )
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, storage.nbytes)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- materialize
+def _cuda_device_index(device: int | str) -> int:
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                return index
+        raise _refuse(f"payload tensor lives on GPU {device}, which this server cannot see")
+    if not 0 <= device < torch.cuda.device_count():
+        raise _refuse(f"payload tensor lives on cuda:{device}, which this server cannot see")
+    return device
+
+
+def _build(recipe: Any, storages: dict[int, torch.UntypedStorage], policy: FdPolicy) -> torch.Tensor:
+    if isinstance(recipe, CudaTensorRecipe):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = list(recipe.args)
+        args[6] = _cuda_device_index(args[6])
+        return rebuild_cuda_tensor(*args).detach()
+    source = recipe.storage
+    storage = storages.get(id(source))
+    if storage is None:
+        if isinstance(source, FdStorage):
+            storage = _map_fd_storage(source, policy.timeout_s)
+        elif isinstance(source, InlineStorage) and source.data:
+            storage = torch.UntypedStorage.from_buffer(source.data, dtype=torch.uint8)
+        else:
+            storage = torch.UntypedStorage(0)
+        storages[id(source)] = storage
+    t = torch.empty(0, dtype=recipe.dtype)
+    return t.set_(storage, recipe.offset, recipe.size, recipe.stride)
+
+
+def materialize(obj: Any, policy: FdPolicy) -> Any:
+    """Phase two: check every recipe, then return ``obj`` with tensors in place of recipes."""
+    check_recipes(obj, policy)
+    storages: dict[int, torch.UntypedStorage] = {}
+    built: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, (TensorRecipe, CudaTensorRecipe)):
+            if id(node) not in built:
+                built[id(node)] = _build(node, storages, policy)
+            return built[id(node)]
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if isinstance(node, tuple):
+            return tuple(walk(x) for x in node)
+        if isinstance(node, dict):
+            return type(node)((k, walk(v)) for k, v in node.items())
+        return node
+
+    return walk(obj)
+
+
+def decode_tensor_pickle(data: bytes, policy: FdPolicy) -> Any:
+    """A ``ForkingPickler`` tensor payload -> the object with checked tensors (both phases)."""
+    return materialize(loads_recipes(data), policy)
+
+
+# ---------------------------------------------------------------------------- torch.save archives
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRecipe:
+    if not isinstance(storage, InlineStorage):
+        raise _refuse("_rebuild_tensor_v2 needs a storage of the archive")
+    size, stride, offset = _view(size, stride, offset)
+    return TensorRecipe(storage, storage.dtype, offset, size, stride)
+
+
+@dataclass(frozen=True)
+class _LegacyStorage:
+    dtype: torch.dtype
+
+
+# torch.save names a storage by its legacy typed class (torch.FloatStorage, ...): name -> dtype.
+_LEGACY_STORAGES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+def decode_torch_save(data: bytes, *, max_tensors: int = 100_000) -> Any:
+    """``torch.save`` bytes (zip format) -> the saved object with checked CPU tensors.
+
+    Same rules as the IPC decoder: only tensor rebuilds, dtypes, ``OrderedDict`` and storage data
+    from the archive itself resolve; every view is checked inside its storage before it is built.
+    """
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        names = archive.namelist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise WeightUpdateError(f"not a torch.save archive (zip): {exc}") from exc
+    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise WeightUpdateError("a torch.save archive holds exactly one data.pkl")
+    prefix = pkl[0][: -len("data.pkl")]
+    storages: dict[str, InlineStorage] = {}
+
+    class ArchiveUnpickler(RestrictedUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+                return _rebuild_tensor_v2
+            if module == "torch" and allowed_dtype(_LEGACY_STORAGES.get(name)):
+                return _LegacyStorage(_LEGACY_STORAGES[name])
+            return super().find_class(module, name)
+
+        def persistent_load(self, pid: Any) -> Any:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise _refuse("unknown persistent id in the archive")
+            _, cls, key, _location, numel = pid
+            if not isinstance(key, str) or (key not in storages and len(storages) >= max_tensors):
+                raise _refuse("too many storages in the archive")
+            if key not in storages:
+                if not isinstance(cls, _LegacyStorage):
+                    raise _refuse("unknown storage class in the archive")
+                dtype = cls.dtype
+                try:
+                    raw = archive.read(f"{prefix}data/{key}")
+                except KeyError as exc:
+                    raise _refuse(f"storage {key!r} missing from the archive") from exc
+                if len(raw) != _int(numel, "storage numel") * dtype.itemsize:
+                    raise _refuse(f"storage {key!r} holds {len(raw)} bytes, not {numel} x {dtype}")
+                storages[key] = InlineStorage(raw, dtype)
+            return storages[key]
+
+    try:
+        structure = loads_recipes(archive.read(pkl[0]), ArchiveUnpickler)
+    finally:
+        archive.close()
+    return materialize(structure, FdPolicy())
