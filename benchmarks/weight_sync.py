@@ -424,7 +424,9 @@ def run(
     deadline=None,
     phases: tuple[str, ...] = ("h2d", "http", "disk", "ipc", "lora", "lora_ipc"),
 ) -> dict[str, Any]:
-    srv = model.server()
+    # A CPU run's trainer process shares tensors by descriptor (it is given this process's authkey),
+    # which the server accepts only when told to; a GPU run sends CUDA IPC handles.
+    srv = model.server(allow_cpu_ipc=True)
     transformer = model.pipe.transformer
     total_bytes = sum(nbytes(p) for p in transformer.parameters())
     rows: list[dict[str, Any]] = []
