@@ -73,6 +73,11 @@ class ServerConfig(BaseModel):
     max_outputs_per_request: int = Field(64, ge=1, description="most num_outputs_per_prompt")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest JSON request body")
     max_upload_bytes: int = Field(8 * 2**30, ge=1024, description="largest weight-upload part")
+    upload_buffer_keep_bytes: int = Field(
+        64 * 2**30,
+        ge=0,
+        description="receive buffers kept between weight uploads (pinned on CUDA); 0 frees them",
+    )
     request_timeout_s: float = Field(900.0, gt=0, description="longest a rollout may wait and run")
     max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_admin_key
+from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.weights import get_weight_manager
 
@@ -120,7 +121,7 @@ async def lora_load(request: Request) -> dict:
             except json.JSONDecodeError as exc:
                 raise WeightUpdateError(f"peft_config is not JSON: {exc}", field="peft_config") from exc
         body = _validated(LoraLoadRequest, query)
-        data = await request.body()
+        data = await receive_body(request, manager.receive_buffers)
         return await manager.load_lora(
             target_module=body.target_module,
             name=body.name,

@@ -17,7 +17,9 @@ failed, 404 for an unknown module or group, 500 after a rolled-back copy.
 - ``flush_cache`` (default true): also clear the prompt-encoding cache.
 
 A large update sends ``final=false`` parts, then the last one with ``final=true``; parts may target
-different modules, and everything is validated and applied together, or nothing is.
+different modules, and everything is validated and applied together, or nothing is. Non-final parts
+of one upload may arrive concurrently (each is checked while the next is received); the final part
+must come last. The body is read straight into a reused buffer (``upload_stream.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_admin_key
+from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.weights import get_weight_manager
 
@@ -129,8 +132,9 @@ async def update_weights(
                 for k in unknown
             ]
         )
-    body = await request.body()
-    return await _manager(request).upload_part(
+    manager = _manager(request)
+    body = await receive_body(request, manager.receive_buffers)
+    return await manager.upload_part(
         body,
         target_module=target_module,
         weight_version=weight_version,

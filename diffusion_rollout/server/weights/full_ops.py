@@ -11,6 +11,10 @@ Design decisions:
   happen before, in threads, so rollouts keep running meanwhile; only the copies run exclusively.
 - **Uploads all or nothing.** A failing part (numbering included) drops its whole upload from the
   staging area; nothing of it is applied. Tensor specs of a module are read once and cached.
+- **Uploads without copies.** A part arrives in a pooled receive buffer (``receive.py``); its
+  tensors are views into it, checked (finiteness after the cast) when the part arrives, while the
+  next part is being received, and staged as views. The final part applies the staged tensors
+  without checking finiteness again; its buffers go back to the pool afterwards.
 - **Broadcasts are received first**, whatever the announcement says: a trainer blocked in a
   broadcast nobody posts would hang; validation follows once every byte is here.
 - **Checks see updates.** Whole-module checksums and the per-tensor checker run on the worker, so a
@@ -32,6 +36,8 @@ import torch
 from diffusion_rollout.checksums import ALGORITHMS, module_checksum, tensor_sha256
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
+from diffusion_rollout.server.weights.receive import Lease, unpooled
+from diffusion_rollout.server.weights.receive import parse_safetensors as parse_received
 from diffusion_rollout.server.weights.updater import (
     Problems,
     TensorSpec,
@@ -79,17 +85,8 @@ def read_disk_update(model_path: str, targets: Sequence[str]) -> dict[str, list[
 
 def parse_safetensors(body: bytes) -> dict[str, torch.Tensor]:
     """A safetensors file in memory -> CPU tensors; a truncated or garbled body is a 400."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    if not body:
-        raise WeightUpdateError("the request body is empty; send safetensors bytes")
-    try:
-        return load(body)
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise WeightUpdateError(
-            f"the body ({len(body)} bytes) is not a valid safetensors file (truncated?): {exc}"
-        ) from exc
+    tensors, _ = parse_received(unpooled(body))
+    return tensors
 
 
 class FullWeightOps(ManagerCore):
@@ -97,12 +94,16 @@ class FullWeightOps(ManagerCore):
 
     # ------------------------------------------------------------------ full updates
     def _apply_full(
-        self, payload: Mapping[str, Sequence[tuple[str, Any]]], weight_version: Version, flush_cache: bool
+        self,
+        payload: Mapping[str, Sequence[tuple[str, Any]]],
+        weight_version: Version,
+        flush_cache: bool,
+        finite_checked: bool = False,
     ) -> str:
         """Worker side: validate all, copy all (base weights exact under merged LoRA), bump."""
         t0 = time.perf_counter()
         pipe = self.engine.pipe
-        plan = plan_update(pipe, payload)
+        plan = plan_update(pipe, payload, check_finite=not finite_checked)
         with contextlib.ExitStack() as stack:
             for name in plan.modules:
                 stack.enter_context(self.lora.merge_suspended(name, get_module(pipe, name)))
@@ -119,10 +120,16 @@ class FullWeightOps(ManagerCore):
         *,
         weight_version: Version = None,
         flush_cache: bool = True,
+        finite_checked: bool = False,
     ) -> dict[str, Any]:
-        """Apply ``{module: [(name, tensor)]}`` atomically (the core every transport ends in)."""
+        """Apply ``{module: [(name, tensor)]}`` atomically (the core every transport ends in).
+
+        ``finite_checked``: every tensor was already checked finite in its target dtype (staged parts).
+        """
         self.targets(list(payload))
-        message = await self._exclusive(lambda: self._apply_full(payload, weight_version, flush_cache))
+        message = await self._exclusive(
+            lambda: self._apply_full(payload, weight_version, flush_cache, finite_checked)
+        )
         return self.result(message)
 
     async def update_from_disk(
@@ -147,7 +154,7 @@ class FullWeightOps(ManagerCore):
 
     async def upload_part(
         self,
-        body: bytes,
+        body: bytes | Lease,
         *,
         target_module: str,
         weight_version: Version = None,
@@ -156,31 +163,42 @@ class FullWeightOps(ManagerCore):
         part: int | None = None,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
-        [module] = self.targets([target_module])
-        uid = upload_id or (str(weight_version) if weight_version is not None else "default")
-        spec = await self._spec(module)
+        """Stage one safetensors part (``body``: bytes, or a receive buffer this call then owns)."""
+        lease = body if isinstance(body, Lease) else unpooled(body)
+        kept = False
         try:
-            # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
-            upload = self.staging.begin_part(uid, part)
+            [module] = self.targets([target_module])
+            uid = upload_id or (str(weight_version) if weight_version is not None else "default")
+            spec = await self._spec(module)
+            try:
+                # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
+                upload = self.staging.begin_part(uid, part)
 
-            def parse() -> dict[str, torch.Tensor]:
-                problems = Problems()
-                tensors = check_and_convert(
-                    module, parse_safetensors(body).items(), spec, problems, seen=upload.seen_names(module)
-                )
-                problems.raise_if_any()
-                return tensors
+                def parse() -> dict[str, torch.Tensor]:
+                    problems = Problems()
+                    parsed, _ = parse_received(lease)
+                    tensors = check_and_convert(
+                        module, parsed.items(), spec, problems, seen=upload.seen_names(module)
+                    )
+                    problems.raise_if_any()
+                    return tensors
 
-            tensors = await asyncio.to_thread(parse)
-            upload = self.staging.add_part(uid, part, module, tensors)
-        except Exception as exc:
-            dropped = self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
-            if dropped and isinstance(exc, WeightUpdateError):
-                raise WeightUpdateError(
-                    f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
-                    field=exc.field,
-                ) from exc
-            raise
+                tensors = await asyncio.to_thread(parse)
+                # Same-dtype tensors stay views into the receive buffer, which the upload then keeps.
+                keep = any(lease.shares_storage(t) for t in tensors.values())
+                upload = self.staging.add_part(uid, part, module, tensors, lease if keep else None)
+                kept = keep
+            except Exception as exc:
+                dropped = self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
+                if dropped and isinstance(exc, WeightUpdateError):
+                    raise WeightUpdateError(
+                        f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
+                        field=exc.field,
+                    ) from exc
+                raise
+        finally:
+            if not kept:
+                lease.release()
         if not final:
             return self.result(
                 f"staged part {part if part is not None else upload.num_parts - 1} of upload {uid!r} "
@@ -188,9 +206,17 @@ class FullWeightOps(ManagerCore):
                 upload_id=uid,
                 staged_tensors=upload.num_tensors,
             )
+        del tensors
         complete = self.staging.take_complete(uid, part)
-        payload = {m: list(t.items()) for m, t in complete.tensors.items()}
-        out = await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+        try:
+            payload = {m: list(t.items()) for m, t in complete.tensors.items()}
+            # Every staged tensor was checked finite after its cast when its part arrived.
+            out = await self.apply_named_tensors(
+                payload, weight_version=weight_version, flush_cache=flush_cache, finite_checked=True
+            )
+        finally:
+            payload = None
+            complete.release()
         out["upload_id"] = uid
         return out
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.receive import Lease, parse_safetensors, unpooled
 from diffusion_rollout.server.weights.updater import describe_names
 
 _KEY = re.compile(r"^(?P<layer>.+?)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
@@ -163,22 +164,16 @@ def _config_from_metadata(metadata: Mapping[str, str] | None, target: str) -> di
     return prefixed or cfg
 
 
-def read_lora_bytes(data: bytes, target: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any] | None]:
-    """An uploaded safetensors body -> tensors and the config from its metadata (if any)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+def read_lora_bytes(
+    data: bytes | Lease, target: str
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any] | None]:
+    """An uploaded safetensors body -> tensors and the config from its metadata (if any).
 
-    if not data:
-        raise WeightUpdateError("the request body is empty; send safetensors bytes")
-    try:
-        tensors = load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_len])
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise WeightUpdateError(
-            f"the body ({len(data)} bytes) is not a valid safetensors file: {exc}"
-        ) from exc
-    return list(tensors.items()), _config_from_metadata(header.get("__metadata__"), target)
+    ``data`` may be a receive buffer (``receive.py``): the tensors are then views into it.
+    """
+    lease = data if isinstance(data, Lease) else unpooled(data)
+    tensors, metadata = parse_safetensors(lease)
+    return list(tensors.items()), _config_from_metadata(metadata or None, target)
 
 
 def read_lora_path(path: str, target: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any] | None]:

@@ -32,6 +32,7 @@ from diffusion_rollout.server.weights.lora_io import (
     read_lora_path,
 )
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
+from diffusion_rollout.server.weights.receive import Lease
 from diffusion_rollout.server.weights.updater import describe_names, get_module
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class LoraOps(ManagerCore):
         target_module: str,
         name: str,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | Lease | None = None,
         peft_config: Mapping[str, Any] | None = None,
         lora_alpha: float | None = None,
         weight_version: Version = None,
@@ -129,30 +130,37 @@ class LoraOps(ManagerCore):
         mode: str | None = None,
         strength: float | None = None,
     ) -> dict[str, Any]:
-        [target] = self.targets([target_module])
-        if (path is None) == (data is None):
-            raise WeightUpdateError("send either a path or safetensors bytes", field="path")
-        if path is not None:
-            tensors, file_config = await asyncio.to_thread(read_lora_path, path, target)
-            source = path
-        else:
-            tensors, file_config = await asyncio.to_thread(read_lora_bytes, data, target)
-            source = "upload"
-        cfg = peft_config if peft_config is not None else file_config
-        config = lora_config_from_dict(cfg) if cfg is not None else None
-        payload = parse_lora_tensors(tensors, target)
-        return await self._load_lora(
-            target,
-            name,
-            payload,
-            config=config,
-            lora_alpha=lora_alpha,
-            source=source,
-            weight_version=weight_version,
-            activate=activate,
-            mode=mode,
-            strength=strength,
-        )
+        """Load an adapter from ``path`` or ``data`` (bytes, or a receive buffer this call then owns)."""
+        try:
+            [target] = self.targets([target_module])
+            if (path is None) == (data is None):
+                raise WeightUpdateError("send either a path or safetensors bytes", field="path")
+            if path is not None:
+                tensors, file_config = await asyncio.to_thread(read_lora_path, path, target)
+                source = path
+            else:
+                tensors, file_config = await asyncio.to_thread(read_lora_bytes, data, target)
+                source = "upload"
+            cfg = peft_config if peft_config is not None else file_config
+            config = lora_config_from_dict(cfg) if cfg is not None else None
+            payload = parse_lora_tensors(tensors, target)
+            return await self._load_lora(
+                target,
+                name,
+                payload,
+                config=config,
+                lora_alpha=lora_alpha,
+                source=source,
+                weight_version=weight_version,
+                activate=activate,
+                mode=mode,
+                strength=strength,
+            )
+        finally:
+            payload = tensors = None
+            if isinstance(data, Lease):
+                # Back to the pool unless the adapter kept views of it (then it is simply not reused).
+                data.release()
 
     async def activate_lora(
         self,

@@ -5,8 +5,8 @@ Design decisions:
 - The engine knows nothing of weights management: the manager keeps its own state here (LoRA
   adapters, staged uploads, update groups, released memory, the pause flag, cached tensor specs)
   and reaches the engine only through ``engine.pipe``, ``engine.run_exclusive``,
-  ``engine.weight_version``, ``engine.prompt_cache``, ``engine.worker``, ``engine.device`` and
-  ``engine.status``.
+  ``engine.weight_version``, ``engine.prompt_cache``, ``engine.worker``, ``engine.device``,
+  ``engine.status`` and ``engine.config`` (for the upload buffers' bound).
 - Every mutation of the pipeline runs through :meth:`ManagerCore._exclusive` (``engine.run_exclusive``,
   i.e. on the engine's worker thread between generation batches): no output ever mixes two weight
   versions, and an update sent while a rollout runs lands after it.
@@ -31,6 +31,7 @@ from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.weights.distributed import UpdateGroups
 from diffusion_rollout.server.weights.lora import LoraManager
 from diffusion_rollout.server.weights.memory import MemoryOccupation
+from diffusion_rollout.server.weights.receive import BufferPool
 from diffusion_rollout.server.weights.staging import StagingArea
 from diffusion_rollout.server.weights.updater import (
     BeforeCopy,
@@ -58,6 +59,10 @@ class ManagerCore:
         self.user_paused = False
         self.before_copy: BeforeCopy | None = None
         self._specs: dict[str, dict[str, TensorSpec]] = {}
+        # Upload bodies are received into these (pinned when the model is on a GPU: see receive.py).
+        self.receive_buffers = BufferPool(
+            pin=str(engine.device).startswith("cuda"), keep_bytes=engine.config.upload_buffer_keep_bytes
+        )
 
     # ------------------------------------------------------------------ plumbing
     async def _exclusive(self, fn: Callable[[], T]) -> T:

@@ -16,6 +16,9 @@ Design decisions:
   most one copy of its target modules in the parameter dtype; at most ``max_uploads`` uploads are
   staged (a new one evicts the least recently touched), and an upload idle for ``ttl_s`` seconds is
   dropped (a trainer that died mid-upload leaves nothing behind for long).
+- Staged tensors are usually views into the buffer their part was received in (``receive.py``);
+  the upload holds those buffers' leases and gives them back when it is applied, dropped, evicted
+  or expired (an upload lost another way frees its buffers with its last reference instead).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.receive import Lease
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ class Upload:
     in_flight: int = 0  # parts begun but not yet recorded
     numbered: bool | None = None  # set by the first part: all parts numbered, or none
     parts_begun: set[int] = field(default_factory=set)
+    leases: list[Lease] = field(default_factory=list)  # receive buffers the staged tensors view
 
     @property
     def num_parts(self) -> int:
@@ -59,6 +64,13 @@ class Upload:
 
     def seen_names(self, module: str) -> set[str]:
         return set(self.tensors.get(module, {}))
+
+    def release(self) -> None:
+        """Drop the staged tensors and give their receive buffers back (after apply or on drop)."""
+        self.tensors = {}
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
 
 
 class StagingArea:
@@ -127,9 +139,18 @@ class StagingArea:
             return upload
 
     def add_part(
-        self, upload_id: str, part: int | None, module: str, tensors: dict[str, torch.Tensor]
+        self,
+        upload_id: str,
+        part: int | None,
+        module: str,
+        tensors: dict[str, torch.Tensor],
+        lease: Lease | None = None,
     ) -> Upload:
-        """Record a validated part (tensors already cast to the parameter dtype)."""
+        """Record a validated part (tensors already cast to the parameter dtype).
+
+        ``lease``: the receive buffer the tensors are views of; the upload releases it when it ends
+        (on a refusal here the caller still owns it).
+        """
         with self._lock:
             upload = self._uploads.get(upload_id)
             if upload is None:
@@ -142,6 +163,8 @@ class StagingArea:
             if twice:
                 raise WeightUpdateError(f"tensors sent twice in upload {upload_id!r}: {', '.join(twice[:5])}")
             staged.update(tensors)
+            if lease is not None:
+                upload.leases.append(lease)
             upload.in_flight -= 1
             upload.num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             if part is None:
@@ -183,6 +206,7 @@ class StagingArea:
             upload = self._uploads.pop(upload_id, None)
         if upload is not None:
             logger.warning("dropped staged upload %r (%d tensors): %s", upload_id, upload.num_tensors, reason)
+            upload.release()
         return upload is not None
 
     # ------------------------------------------------------------------ bounds
@@ -197,6 +221,7 @@ class StagingArea:
                     now - upload.touched_at,
                     upload.num_tensors,
                 )
+                upload.release()
 
     def _make_room_locked(self) -> None:
         while len(self._uploads) >= self.max_uploads:
@@ -207,3 +232,4 @@ class StagingArea:
                 oldest.upload_id,
                 self.max_uploads,
             )
+            oldest.release()
