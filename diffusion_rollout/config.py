@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ENV_PREFIX = "DIFFUSION_ROLLOUT_"
 
@@ -85,11 +85,28 @@ class ServerConfig(BaseModel):
     # Speed (opt-in; the eager path is the bit-exact one)
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
     attention_backend: str | None = Field(None, description="diffusers attention backend name, e.g. flash")
+    cuda_graphs: bool = Field(
+        False, description="replay the eager denoiser as CUDA graphs per shape bucket (CUDA only; bit-exact)"
+    )
+    cuda_graph_max_buckets: int = Field(
+        8, ge=1, description="most captured CUDA-graph shape buckets; other shapes run eager"
+    )
 
     # Demo model
     cache_dir: str = Field(
         default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
     )
+
+    @model_validator(mode="after")
+    def _speed_options_fit_the_device(self) -> ServerConfig:
+        # A clear start-up error rather than a server that loads and then fails every request.
+        if self.cuda_graphs:
+            device = self.resolved_device()
+            if not device.startswith("cuda"):
+                raise ValueError(f"cuda_graphs needs a CUDA device; this server runs on {device!r}")
+            if self.compile:
+                raise ValueError("cuda_graphs replays the eager denoiser; it cannot be combined with compile")
+        return self
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
+from diffusion_rollout import lean
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 
@@ -116,6 +117,9 @@ def _admin_switch_call(path: str) -> _Call:
 # ---------------------------------------------------------------------------- rollouts
 def _generate_call(prompt: str, fields: Mapping[str, Any], timeout) -> tuple[_Call, ReplaySettings]:
     body = {"prompt": prompt, **{k: _jsonable(v) for k, v in _drop_none(fields).items()}}
+    if body.get("rollout_return_denoising_env") and "lean_response" not in body:
+        # This client understands the lean form (lean.py): the shared conditioning travels once.
+        body["lean_response"] = True
     call = _Call("POST", "/rollout/generate", "api", "refused", json=body, timeout=timeout, decode="wire")
     return call, ReplaySettings.from_request(body)
 
@@ -123,6 +127,10 @@ def _generate_call(prompt: str, fields: Mapping[str, Any], timeout) -> tuple[_Ca
 def _outputs(decoded: Any, settings: ReplaySettings) -> list[RolloutOutput]:
     if not isinstance(decoded, list):
         raise RolloutConnectionError(f"unexpected /rollout/generate answer: {type(decoded).__name__}")
+    try:
+        decoded = lean.from_lean(decoded)
+    except ValueError as exc:
+        raise RolloutConnectionError(f"malformed lean /rollout/generate answer: {exc}") from None
     return [RolloutOutput.from_dict(d, settings) for d in decoded]
 
 

@@ -20,10 +20,26 @@ from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import RolloutSettings
 from diffusion_rollout.server.params import GenerateParams
+from diffusion_rollout.server.speed import CACHE_KINDS, FeatureCacheSettings
 
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
 NoiseKey = Annotated[str, Field(max_length=1024)] | int
+
+
+class FeatureCacheRequest(BaseModel):
+    """``feature_cache`` (ext): a diffusers cache hook for this request's denoising (server/speed.py)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    kind: Literal[CACHE_KINDS]  # type: ignore[valid-type]
+    threshold: float | None = Field(None, gt=0, le=10)
+    interval: int = Field(2, ge=1, le=64)
+    warmup_steps: int = Field(1, ge=0, le=1000)
+    max_order: int = Field(1, ge=1, le=4)
+
+    def to_settings(self) -> FeatureCacheSettings:
+        return FeatureCacheSettings(**self.model_dump())
 
 
 class GenerateRequest(BaseModel):
@@ -73,6 +89,9 @@ class GenerateRequest(BaseModel):
     denoise_seeds: list[NoiseKey] | None = None
     # SGLang's client-set request id: names the request for POST /abort_request and the response.
     rid: str | None = Field(None, min_length=1, max_length=256)
+    feature_cache: FeatureCacheRequest | None = None
+    allow_inexact: bool = False
+    lean_response: bool = False
 
     # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
@@ -163,6 +182,8 @@ class GenerateRequest(BaseModel):
             timesteps=self.timesteps,
             sigmas_are_shifted=self.sigmas_are_shifted,
             flow_shift=self.flow_shift,
+            feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
+            allow_inexact=self.allow_inexact,
             request_id=request_id,
         )
 

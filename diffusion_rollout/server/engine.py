@@ -33,6 +33,8 @@ Reliability (quality.md):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import gc
 import logging
 import time
@@ -42,6 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from diffusion_rollout import lean
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
@@ -50,6 +53,7 @@ from diffusion_rollout.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.scheduler_mixins import (
     RolloutSettings,
     RolloutState,
@@ -63,6 +67,8 @@ from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.server.planner import Plan, RequestPlanner
 from diffusion_rollout.server.prompt_cache import PromptCache
 from diffusion_rollout.server.recorder import TransformerCallRecorder
+from diffusion_rollout.server.result_copy import HostCopier
+from diffusion_rollout.server.speed import feature_cache_applied
 from diffusion_rollout.server.worker import Job, Worker
 
 logger = logging.getLogger(__name__)
@@ -92,6 +98,9 @@ class Engine:
         self.last_generate_ok_at: float | None = None
         self._shutdown_deadline: float | None = None
         self.planner: RequestPlanner | None = None
+        # Results of a batch are finished here (host copies landed, futures set) while the worker
+        # already runs the next batch (server/result_copy.py).
+        self._results = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-results")
 
     @property
     def weight_version(self) -> Any:
@@ -103,6 +112,12 @@ class Engine:
         # which makes the setter the one place that counts weight updates for /metrics.
         self._weight_version = value
         self.metrics.weight_updated()
+        self.invalidate_captures()
+
+    def invalidate_captures(self) -> None:
+        """Weights replaced or memory moved: captured CUDA graphs may point at stale memory."""
+        if self.loaded is not None:
+            self.loaded.speed.invalidate()
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> None:
@@ -115,6 +130,8 @@ class Engine:
                 device=self.device,
                 compile=self.config.compile,
                 attention_backend=self.config.attention_backend,
+                cuda_graphs=self.config.cuda_graphs,
+                cuda_graph_max_buckets=self.config.cuda_graph_max_buckets,
             )
         self.adapter = adapter_for(self.loaded.pipe)
         self.adapter.setup_schedulers(self.loaded)
@@ -151,6 +168,7 @@ class Engine:
         """Refuse new work, drain until the shutdown deadline, fail what is left with 503."""
         deadline = self.begin_shutdown(grace_s)
         self.worker.stop(max(0.0, deadline - time.monotonic()))
+        self._results.shutdown(wait=True)
         logger.info("engine stopped")
 
     @property
@@ -173,6 +191,10 @@ class Engine:
             "weight_version": self.weight_version,
             "status": self.status,
         }
+
+    def speed_info(self) -> dict[str, Any]:
+        """The speed options in force and whether they are exact (``/server_info``)."""
+        return self.loaded.speed.report() if self.loaded is not None else {}
 
     # ------------------------------------------------------------------ public API
     async def generate(self, params: GenerateParams) -> list[SampleResult]:
@@ -342,8 +364,15 @@ class Engine:
             )
             if watch and state is None:
                 kwargs["callback_on_step_end"] = recorder.on_step_end
+            cache = p0.feature_cache
+            speed = self.loaded.speed
             try:
-                with a.scheduler_for(need_state), rollout_context(state):
+                with (
+                    a.scheduler_for(need_state),
+                    rollout_context(state),
+                    feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
+                    speed.bypass_graphs() if cache is not None else contextlib.nullcontext(),
+                ):
                     if watch:
                         with recorder.attach(a.transformers()):
                             output = pipe(**kwargs)
@@ -362,7 +391,44 @@ class Engine:
         peak = (
             torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.startswith("cuda") else None
         )
-        results = self._split(plans, state, recorder, images, call, version, elapsed, peak)
+        copier = HostCopier(self.device)
+        exact = speed.exact and cache is None
+        results, flags = self._split(
+            plans, state, recorder, images, call, version, elapsed, peak, copier, exact
+        )
+        copier.finish()
+        self._results.submit(self._deliver, jobs, plans, results, flags, copier, call, version, elapsed)
+
+    def _deliver(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
+        """On the results thread: wait for the host copies, check them, answer the requests."""
+        token = request_id_var.set(",".join(j.request_id for j in jobs))  # log lines name the batch
+        try:
+            self._finish(jobs, plans, results, flags, copier, call, version, elapsed)
+        finally:
+            request_id_var.reset(token)
+
+    def _finish(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
+        try:
+            copier.wait()
+            nonfinite = flags.tolist()
+            row = 0
+            for pl in plans:
+                n = len(pl.seeds)
+                # Outputs of one request share their conditioning when it is the same bits, so the lean
+                # form sends it once (lean.py); the per-output form is unchanged.
+                mine = results[row : row + n]
+                for r, env in zip(mine, lean.share_equal([r.denoising_env for r in mine]), strict=True):
+                    r.denoising_env = env
+                row += n
+            for r, bad_row in zip(results, nonfinite, strict=True):
+                r.nonfinite_output = bool(bad_row)
+        except Exception as exc:
+            logger.exception("finishing a batch's results failed")
+            err = GenerationError(f"copying the results failed: {type(exc).__name__}: {exc}")
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(err)
+            return
         self.last_generate_ok_at = time.time()
         bad = [r for r in results if r.nonfinite_output]
         for r in bad:
@@ -380,7 +446,11 @@ class Engine:
                 job.future.set_result(results[row : row + n])
             row += n
 
-    def _split(self, plans, state, recorder, images, call, version, elapsed, peak) -> list[SampleResult]:
+    def _split(
+        self, plans, state, recorder, images, call, version, elapsed, peak, copier, exact
+    ) -> tuple[list[SampleResult], torch.Tensor]:
+        """The batch's outputs, their tensors being copied to the host by ``copier``, and a ``[B]``
+        bool tensor (host, valid after ``copier.wait()``) flagging NaN/Inf per output."""
         a = self.adapter
         batch = sum(len(pl.seeds) for pl in plans)
         T = call.num_inference_steps
@@ -393,46 +463,54 @@ class Engine:
         timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
         experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
         out: list[SampleResult] = []
+        flags: list[torch.Tensor] = []
         batch_id = uuid.uuid4().hex
+        flag_device = images.device if images is not None else torch.device(self.device)
+        schedule = None
+        if state is not None and state.sigmas is not None:
+            schedule = (
+                timesteps if timesteps is not None else copier.copy(state.timesteps),
+                copier.copy(state.sigmas.float()),
+            )
         row = 0
         for pl in plans:
             p = pl.params
             for seed in pl.seeds:
                 img = images[row] if images is not None else None
-                nonfinite = False
+                # NaN/Inf checks stay on the device (no sync here); the flags travel with the copies.
+                bad = torch.zeros((), dtype=torch.bool, device=flag_device)
                 if img is not None:
-                    img = (
-                        img.detach().float().cpu()
-                        if p.output_dtype == "float32" or not p.return_generated_output
-                        else img
-                    )
-                    nonfinite = not bool(torch.isfinite(img.float()).all())
+                    img = img.detach()
+                    bad = ~torch.isfinite(img).all().to(flag_device)
                     if p.output_dtype == "uint8" and p.return_generated_output:
                         img = a.to_uint8(img)
+                    img = copier.copy(img.float() if img.dtype != torch.uint8 else img)
                 log_probs = debug = env = traj = None
                 sde_steps = None
                 if p.rollout and state is not None:
                     view = state.per_sample(row)
-                    log_probs = view["log_probs"].detach().float().cpu()
+                    log_probs = copier.copy(view["log_probs"].float())
                     # A NaN log-prob poisons a policy-gradient loss as surely as a NaN image.
-                    nonfinite = nonfinite or not bool(torch.isfinite(log_probs).all())
+                    bad = bad | ~torch.isfinite(view["log_probs"]).all().to(flag_device)
                     sde_steps = list(state.sde_step_indices)
                     if p.settings.debug:
                         debug = {
-                            "rollout_variance_noises": view["variance_noises"].cpu(),
-                            "rollout_prev_sample_means": view["prev_sample_means"].cpu(),
-                            "rollout_noise_std_devs": view["noise_std_devs"].cpu(),
-                            "rollout_model_outputs": view["model_outputs"].cpu(),
+                            "rollout_variance_noises": copier.copy(view["variance_noises"]),
+                            "rollout_prev_sample_means": copier.copy(view["prev_sample_means"]),
+                            "rollout_noise_std_devs": copier.copy(view["noise_std_devs"]),
+                            "rollout_model_outputs": copier.copy(view["model_outputs"]),
                         }
                     if p.return_dit_trajectory:
+                        # The trajectory keeps the dtype the pipeline stored its latents in (bf16 for a
+                        # bf16 model, float32 where the pipeline keeps float32 latents): lossless.
                         traj = {
-                            "latents": view["trajectory_latents"].cpu(),
-                            "timesteps": timesteps if timesteps is not None else state.timesteps.cpu(),
-                            "sigmas": state.sigmas.detach().float().cpu(),
+                            "latents": copier.copy(view["trajectory_latents"]),
+                            "timesteps": schedule[0],
+                            "sigmas": schedule[1],
                             "latent_step_indices": list(state.latent_step_indices),
                         }
                     if p.return_denoising_env and env_rows is not None:
-                        env = _to_cpu(env_rows[row])
+                        env = copier.copy_tree(env_rows[row])
                         if experts is not None:
                             env["expert_per_step"] = experts
                 out.append(
@@ -450,21 +528,12 @@ class Engine:
                         expert_per_step=experts,
                         inference_time_s=elapsed,
                         peak_memory_mb=peak,
-                        nonfinite_output=nonfinite,
                         batch_id=batch_id,
                         batch_index=row,
                         batch_size=batch,
+                        exact=exact,
                     )
                 )
+                flags.append(bad)
                 row += 1
-        return out
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_cpu(v) for v in obj]
-    return obj
+        return out, copier.copy(torch.stack(flags))

@@ -23,6 +23,12 @@ Speed options (``ServerConfig.compile`` / ``attention_backend``), both off by de
   ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. Compilation
   happens lazily on the first call of each new shape (batch size, resolution), so the first request
   of each shape is slow.
+- ``cuda_graphs``: the eager denoiser replayed from CUDA graphs captured per input-shape bucket
+  (``server/cuda_graphs.py``); bit-identical to eager, CUDA only, not combinable with ``compile``
+  (the graph must record the eager kernels).
+
+Whether the result is exact is decided in one place, ``server/speed.py``; the options applied are
+returned as its ``SpeedOptions`` and reported by ``/server_info``.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
+from diffusion_rollout.server.speed import SpeedOptions
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class LoadedPipeline:
     stock_scheduler: Any
     rollout_scheduler: Any
     load_time_s: float
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
 
 
 def load_pipeline(
@@ -58,6 +66,8 @@ def load_pipeline(
     device: str,
     compile: bool = False,
     attention_backend: str | None = None,
+    cuda_graphs: bool = False,
+    cuda_graph_max_buckets: int = 8,
 ) -> LoadedPipeline:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from diffusers import DiffusionPipeline
@@ -67,7 +77,13 @@ def load_pipeline(
     pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     _log_components(pipe, path, time.perf_counter() - t0, device)
     return prepare_pipeline(
-        pipe, device=device, compile=compile, attention_backend=attention_backend, started_at=t0
+        pipe,
+        device=device,
+        compile=compile,
+        attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        cuda_graph_max_buckets=cuda_graph_max_buckets,
+        started_at=t0,
     )
 
 
@@ -88,6 +104,8 @@ def prepare_pipeline(
     device: str,
     compile: bool = False,
     attention_backend: str | None = None,
+    cuda_graphs: bool = False,
+    cuda_graph_max_buckets: int = 8,
     started_at: float | None = None,
 ) -> LoadedPipeline:
     """Fit an in-memory pipeline for serving: device, rollout scheduler, optional speed options."""
@@ -104,10 +122,19 @@ def prepare_pipeline(
         # Families whose stock scheduler has no transition density (Wan's UniPC) run rollouts on a
         # flow-match Euler scheduler at the model's shift; the family adapter builds it.
         rollout = None
-    apply_speed_options(pipe, compile=compile, attention_backend=attention_backend)
+    speed = apply_speed_options(
+        pipe,
+        compile=compile,
+        attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        cuda_graph_max_buckets=cuda_graph_max_buckets,
+        device=device,
+    )
     dt = time.perf_counter() - t0
     logger.info("loaded %s in %.1f s", type(pipe).__name__, dt)
-    return LoadedPipeline(pipe=pipe, stock_scheduler=stock, rollout_scheduler=rollout, load_time_s=dt)
+    return LoadedPipeline(
+        pipe=pipe, stock_scheduler=stock, rollout_scheduler=rollout, load_time_s=dt, speed=speed
+    )
 
 
 def denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
@@ -134,8 +161,22 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def apply_speed_options(pipe: Any, *, compile: bool = False, attention_backend: str | None = None) -> None:
-    """Attention backend and regional compile on every denoiser (both are opt-in; see the module doc)."""
+def apply_speed_options(
+    pipe: Any,
+    *,
+    compile: bool = False,
+    attention_backend: str | None = None,
+    cuda_graphs: bool = False,
+    cuda_graph_max_buckets: int = 8,
+    device: str | None = None,
+) -> SpeedOptions:
+    """Attention backend, regional compile and CUDA graphs on every denoiser (all opt-in; see the module doc)."""
+    if cuda_graphs:
+        where = device or str(next(iter(denoisers(pipe).values())).device)
+        if not where.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device; this pipeline runs on {where}")
+        if compile:
+            raise ValueError("cuda_graphs replays the eager denoiser; it cannot be combined with compile")
     for name, model in denoisers(pipe).items():
         if attention_backend:
             if not hasattr(model, "set_attention_backend"):
@@ -155,3 +196,10 @@ def apply_speed_options(pipe: Any, *, compile: bool = False, attention_backend: 
                 len(blocks),
                 ", ".join(kinds),
             )
+    graphs = None
+    if cuda_graphs:
+        from diffusion_rollout.server.cuda_graphs import CudaGraphRunner
+
+        graphs = CudaGraphRunner(denoisers(pipe), max_buckets=cuda_graph_max_buckets)
+        logger.info("cuda graphs: on, at most %d bucket(s), captured on first use", cuda_graph_max_buckets)
+    return SpeedOptions(compile=compile, attention_backend=attention_backend, graphs=graphs)

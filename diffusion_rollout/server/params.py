@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.scheduler_mixins import RolloutSettings
+from diffusion_rollout.server.speed import FeatureCacheSettings
 
 
 @dataclass
@@ -47,6 +48,8 @@ class GenerateParams:
     timesteps: list[float] | None = None
     sigmas_are_shifted: bool = True
     flow_shift: float | None = None
+    feature_cache: FeatureCacheSettings | None = None
+    allow_inexact: bool = False
     request_id: str = "-"
 
 
@@ -73,6 +76,9 @@ class SampleResult:
     batch_id: str = ""
     batch_index: int = 0
     batch_size: int = 1
+    # False when an option that changes numerics was active (server/speed.py): compile, a non-exact
+    # attention backend, a feature cache. True: bit-identical to the stock eager pipeline.
+    exact: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -20,6 +20,7 @@ from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigma
 from diffusion_rollout.server import initial_noise
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.params import GenerateParams
+from diffusion_rollout.server.speed import check_feature_cache
 
 
 class Plan:
@@ -41,6 +42,7 @@ class Plan:
             p.generator_device,
             p.return_generated_output,
             p.rollout and p.return_denoising_env,
+            p.feature_cache,
         )
 
 
@@ -146,6 +148,13 @@ class RequestPlanner:
             has_negative_prompt=p.negative_prompt is not None,
         )
         a.validate(call)
+        check_feature_cache(
+            p.feature_cache,
+            family=a.name,
+            rollout=p.rollout,
+            stochastic_steps=bool(p.rollout and p.settings.stochastic_steps(steps)),
+            allow_inexact=p.allow_inexact,
+        )
 
         if p.rollout:
             p.settings.validate(steps)

@@ -71,6 +71,7 @@ async def server_info(request: Request) -> dict:
         **engine.model_info(),
         "versions": _versions(),
         "limits": cfg.limits(),
+        "speed": engine.speed_info(),
         "queue_depth": engine.worker.depth,
         "paused": engine.worker.paused,
         "host": cfg.host,

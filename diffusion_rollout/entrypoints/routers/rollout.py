@@ -22,6 +22,7 @@ import logging
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from diffusion_rollout import lean
 from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key, wire_response
@@ -66,4 +67,6 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     outputs = [r.to_dict() for r in results]
     if ignored:  # fields of another dialect that changed nothing here (entrypoints/dialects.py)
         outputs = [{**o, "ignored_fields": ignored} for o in outputs]
+    if body.lean_response:  # shared conditioning once, referenced by the other outputs (lean.py)
+        outputs = lean.to_lean(outputs)
     return await wire_response(request, outputs)

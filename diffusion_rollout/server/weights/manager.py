@@ -97,6 +97,7 @@ class WeightManager(FullWeightOps, LoraOps):
         def run() -> str:
             if self.memory.released:
                 return "memory already released"
+            self.engine.invalidate_captures()  # graphs hold device memory and the old weights' addresses
             moved = self.memory.release(self.modules().values(), self.lora.kept_tensors())
             self.engine.prompt_cache.clear()
             self.engine.status = "released"
