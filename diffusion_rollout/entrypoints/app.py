@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from diffusion_rollout import __version__
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.auth_gate import AuthGateMiddleware, route_key_levels
 from diffusion_rollout.entrypoints.body_limit import BodyLimitMiddleware
 from diffusion_rollout.entrypoints.http_errors import error_body, install_error_handlers
 from diffusion_rollout.entrypoints.routers import ROUTERS
@@ -28,7 +29,7 @@ from diffusion_rollout.server.engine import Engine
 logger = logging.getLogger(__name__)
 
 # Paths whose bodies are weight payloads and get the larger upload limit.
-UPLOAD_PATHS = ("/update_weights", "/update_weights_from_tensor", "/lora/load")
+UPLOAD_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor", "/lora/load"})
 
 
 def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> FastAPI:
@@ -62,6 +63,9 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     app.state.config = config
     app.state.engine = engine
     install_error_handlers(app)
+    # Keys before bodies (inside request_context, so refusals carry request ids and are counted).
+    key_levels: dict[str, str] = {}
+    app.add_middleware(AuthGateMiddleware, config=config, levels=key_levels)
 
     @app.middleware("http")
     async def request_context(request: Request, call_next):
@@ -93,7 +97,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
             request_id_var.reset(token)
 
     def body_limit(path: str) -> tuple[int, str]:
-        if path.startswith(UPLOAD_PATHS):
+        if path in UPLOAD_PATHS:  # exact: /update_weights_from_disk is a small JSON body
             return config.max_upload_bytes, "max_upload_bytes"
         return config.max_body_bytes, "max_body_bytes"
 
@@ -101,4 +105,5 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
     for router in ROUTERS:
         app.include_router(router)
+    key_levels.update(route_key_levels(app))
     return app

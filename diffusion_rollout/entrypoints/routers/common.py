@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from diffusion_rollout import wire
-from diffusion_rollout.errors import AuthenticationError, PermissionDeniedError
+from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
 from diffusion_rollout.server.engine import Engine
 
 
@@ -25,36 +25,51 @@ async def wire_response(request: Request, payload: Any) -> Response:
     return Response(content=body, media_type=media)
 
 
-def _bearer_token(request: Request) -> str | None:
+def bearer_token(authorization: str | None) -> str | None:
     """The token of ``Authorization: Bearer <token>``, or None (no header, another scheme, empty)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _check_key(request: Request, expected: str | None, what: str) -> None:
-    # Messages never echo the token or the key: error bodies and log lines may be shared.
-    if expected is None:
-        return
-    token = _bearer_token(request)
-    if token is None:
-        raise AuthenticationError(f"missing {what} key: send 'Authorization: Bearer <key>'")
+def _matches(token: str | None, key: str | None) -> bool:
     # Constant-time comparison so the key cannot be guessed byte by byte from response timing.
-    if not hmac.compare_digest(token.encode(), expected.encode()):
-        raise PermissionDeniedError(f"wrong {what} key")
+    return key is not None and token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+def key_error(authorization: str | None, config, level: str) -> DiffusionRolloutError | None:
+    """Why a caller with this ``Authorization`` header may not use a ``level`` route, or None.
+
+    ``level`` is ``"api"`` (generation: the API key or the admin key) or ``"admin"``. Messages
+    never echo the token or the key: error bodies and log lines may be shared.
+    """
+    expected, what = (config.admin_key, "admin") if level == "admin" else (config.api_key, "API")
+    if expected is None:
+        return None
+    token = bearer_token(authorization)
+    if level == "api" and _matches(token, config.admin_key):
+        return None
+    if token is None:
+        return AuthenticationError(f"missing {what} key: send 'Authorization: Bearer <key>'")
+    if not _matches(token, expected):
+        return PermissionDeniedError(f"wrong {what} key")
+    return None
+
+
+def is_admin(request: Request) -> bool:
+    """Whether the caller may see what only admins see (everyone, when no admin key is set)."""
+    return key_error(request.headers.get("authorization"), request.app.state.config, "admin") is None
 
 
 def require_api_key(request: Request) -> None:
     """Dependency for generation endpoints (the admin key is accepted too)."""
-    cfg = request.app.state.config
-    if cfg.api_key is None:
-        return
-    token = _bearer_token(request)
-    if cfg.admin_key is not None and token and hmac.compare_digest(token.encode(), cfg.admin_key.encode()):
-        return
-    _check_key(request, cfg.api_key, "API")
+    error = key_error(request.headers.get("authorization"), request.app.state.config, "api")
+    if error is not None:
+        raise error
 
 
 def require_admin_key(request: Request) -> None:
     """Dependency for weight, LoRA, memory and pause endpoints."""
-    _check_key(request, request.app.state.config.admin_key, "admin")
+    error = key_error(request.headers.get("authorization"), request.app.state.config, "admin")
+    if error is not None:
+        raise error
