@@ -14,6 +14,14 @@ Guidance rules (``env["guidance"]["rule"]``):
   with ``s`` the ``true_cfg_scale`` when the env carries one (FLUX), else ``guidance_scale`` (Wan).
 - ``norm_rescale`` (Qwen-Image): ``true_cfg``, then rescaled to the conditional branch's norm over
   the last dim.
+- ``cfg_batched_cond_first`` (Z-Image): one call on ``[x; x]`` with ``[pos; neg]`` kwargs, combined
+  in float32 as ``pos + s * (pos - neg)``.
+
+How the model is called (``env["model_call"]``, absent for the transformers that take
+``hidden_states=`` and ``timestep=`` tensors): ``latent_arg`` and ``timestep_arg`` name the two
+inputs, ``latent_layout="frame_list"`` means the model takes a list of per-sample ``[C, 1, H, W]``
+tensors and returns one (replay stacks the outputs in float32 and drops the frame axis, as the
+pipeline does), and ``negate=true`` means the pipeline hands the scheduler the negated prediction.
 
 Two experts (Wan 2.2): ``env["expert_per_step"][step]`` names the module that ran the step; steps of
 ``transformer_2`` use ``guidance["guidance_scale_2"]``.
@@ -67,6 +75,13 @@ def stack_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return stacked
 
 
+def _concat(first: Any, second: Any) -> Any:
+    """Two per-sample batches as one: tensors along dim 0, lists of per-sample tensors joined."""
+    if isinstance(first, list):
+        return [*first, *second]
+    return torch.cat([first, second], dim=0)
+
+
 def _expert_for(env: Mapping[str, Any], step: int | None, transformers: Mapping[str, torch.nn.Module]):
     experts = env.get("expert_per_step")
     if experts and step is not None:
@@ -113,23 +128,38 @@ def replay_model_output(
     # Per-token timesteps (Wan 2.2 TI2V's expand_timesteps): the pipeline passed [B, tokens].
     tokens = env.get("timestep_tokens")
     if env.get("model_input_dtype"):
-        # Pipelines that keep float32 latents (Wan) cast the model input; same cast here.
+        # Pipelines that keep float32 latents (Wan, Z-Image) cast the model input; same cast here.
         latents = latents.to(_dtype(env["model_input_dtype"]))
+    conv = env.get("model_call") or {}
+    latent_arg = conv.get("latent_arg", "hidden_states")
+    timestep_arg = conv.get("timestep_arg", "timestep")
+    frame_list = conv.get("latent_layout") == "frame_list"
 
     def call(x: torch.Tensor, kwargs: Mapping[str, Any]) -> torch.Tensor:
         t = t_value.to(device=device, dtype=t_dtype).reshape(())
         t = t.expand(x.shape[0]) if tokens is None else t.expand(x.shape[0], int(tokens))
-        return module(hidden_states=x, timestep=t, **image, **kwargs, return_dict=False)[0]
+        inputs = {latent_arg: list(x.unsqueeze(2).unbind(0)) if frame_list else x, timestep_arg: t}
+        out = module(**inputs, **image, **kwargs, return_dict=False)[0]
+        return torch.stack([o.float() for o in out]).squeeze(2) if frame_list else out
+
+    def finish(v: torch.Tensor) -> torch.Tensor:
+        return -v if conv.get("negate") else v
 
     if rule == "none" or neg is None:
-        return call(latents, pos)
+        return finish(call(latents, pos))
     scale = _scale_for(guidance, expert)
+    if rule == "cfg_batched_cond_first":
+        keys = set(env.get("batch_kwargs", ()))
+        both = {k: (_concat(v, neg[k]) if k in keys else v) for k, v in pos.items()}
+        out = call(torch.cat([latents, latents], dim=0), both).float()
+        cond, uncond = out[:b], out[b:]
+        return finish(cond + scale * (cond - uncond))
     if rule == "cfg_batched":
         keys = set(env.get("batch_kwargs", ()))
         both = {k: (torch.cat([neg[k], v], dim=0) if k in keys else v) for k, v in pos.items()}
         out = call(torch.cat([latents, latents], dim=0), both)
         uncond, cond = out[:b], out[b:]
-        return uncond + scale * (cond - uncond)
+        return finish(uncond + scale * (cond - uncond))
     if rule in ("true_cfg", "norm_rescale"):
         cond = call(latents, pos)
         uncond = call(latents, neg)
@@ -138,7 +168,7 @@ def replay_model_output(
             cond_norm = torch.norm(cond, dim=-1, keepdim=True)
             comb_norm = torch.norm(comb, dim=-1, keepdim=True)
             comb = comb * (cond_norm / comb_norm)
-        return comb
+        return finish(comb)
     raise ValueError(f"unknown guidance rule {rule!r}")
 
 

@@ -325,7 +325,8 @@ class Engine:
             for pl, enc in zip(plans, encodings, strict=True):
                 encs.extend([enc] * len(pl.seeds))
             embeds = a.stack_encodings(encs)
-            dtype = next(iter(embeds.values())).dtype
+            # From one sample's encoding: a family may stack encodings into a list (Z-Image).
+            dtype = next(v for v in encs[0].values() if isinstance(v, torch.Tensor)).dtype
             generators: list[torch.Generator] = []
             step_generators: list = []
             latents = []

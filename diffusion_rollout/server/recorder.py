@@ -2,8 +2,11 @@
 
 Forward pre-hooks (which return nothing, so the call is untouched and the ODE path stays
 bit-identical) record, per loop step, the timestep the pipeline handed to the model and which
-expert ran it, and keep the keyword arguments of the first step's calls: these are the
-conditioning a trainer needs to replay any step (``denoising_env``).
+expert ran it, and keep the arguments of the first step's calls by parameter name: these are the
+conditioning a trainer needs to replay any step (``denoising_env``). Pipelines that pass the
+transformer's inputs positionally (Z-Image calls ``transformer(x, t, cap_feats, ...)``) are recorded
+under the names of the module's ``forward`` parameters, so every family's calls look alike to the
+adapters.
 
 The loop step comes from the rollout state when there is one. Plain generation has none, so the
 engine then hands :meth:`TransformerCallRecorder.on_step_end` to the pipeline as its
@@ -14,6 +17,7 @@ change): that is how a two-expert model names the expert of every step even with
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,7 +33,20 @@ class TransformerCallRecorder:
         self.experts: dict[int, str] = {}
         self.timestep_dtype: torch.dtype | None = None
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, module: torch.nn.Module):
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a forward without an inspectable signature: keywords only
+            signature = None
+
+        def named(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if not args or signature is None:
+                return dict(kwargs)
+            try:
+                return dict(signature.bind_partial(*args, **kwargs).arguments)
+            except TypeError:
+                return dict(kwargs)
+
         def pre_hook(module, args, kwargs):
             step = self._step_index()
             if step not in self.timesteps:
@@ -41,7 +58,7 @@ class TransformerCallRecorder:
                     self.timestep_dtype = t.dtype
                 self.experts[step] = name
             if step == 0 and name == self.experts.get(0):
-                self.first_step_calls.append(dict(kwargs))
+                self.first_step_calls.append(named(args, kwargs))
             return None
 
         return pre_hook
@@ -53,7 +70,9 @@ class TransformerCallRecorder:
 
     @contextlib.contextmanager
     def attach(self, modules: dict[str, torch.nn.Module]) -> Iterator[TransformerCallRecorder]:
-        handles = [m.register_forward_pre_hook(self._hook(n), with_kwargs=True) for n, m in modules.items()]
+        handles = [
+            m.register_forward_pre_hook(self._hook(n, m), with_kwargs=True) for n, m in modules.items()
+        ]
         try:
             yield self
         finally:
