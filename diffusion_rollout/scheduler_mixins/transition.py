@@ -91,9 +91,12 @@ def _per_sample_mean(values: torch.Tensor) -> torch.Tensor:
     # One full reduction per sample rather than values.mean(dim=non-batch dims): the kernel a batched
     # reduction picks (its summation order) depends on the batch size, on CPU as on CUDA, so a sample
     # scored alone or in a replay micro-batch would differ in the last bits from the server's batch.
+    # Each sample is reduced in its logical (contiguous) order: a full reduction sums in memory
+    # order, and a pipeline's latents can be a permuted view (FLUX.2's packing) where the trainer's
+    # trajectory tensors are contiguous, which moved the log-prob by one ulp.
     if values.shape[0] == 0:
         return values.new_zeros(0)
-    return torch.stack([values[index].mean() for index in range(values.shape[0])])
+    return torch.stack([values[index].contiguous().mean() for index in range(values.shape[0])])
 
 
 def _log_prob(stored_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, form: str) -> torch.Tensor:
