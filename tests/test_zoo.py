@@ -18,11 +18,13 @@ import torch
 from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
     WanPipeline,
+    ZImagePipeline,
 )
 
 from diffusion_rollout.models import (
@@ -44,6 +46,8 @@ PIPELINE_CLASSES = {
     "qwenimage": QwenImagePipeline,
     "wan": WanPipeline,
     "wan2.2": WanPipeline,
+    "flux2-klein": Flux2KleinPipeline,
+    "zimage": ZImagePipeline,
 }
 
 # Latents as the pipelines return them with output_type="latent" at the default call settings:
@@ -55,6 +59,9 @@ LATENT_SHAPES = {
     "qwenimage": (1, 16, 64),
     "wan": (1, 16, 2, 4, 4),
     "wan2.2": (1, 16, 2, 4, 4),
+    # FLUX.2 returns its latents un-packed, de-normalised and un-patchified; Z-Image's are plain.
+    "flux2-klein": (1, 16, 8, 8),
+    "zimage": (1, 16, 8, 8),
 }
 DECODED_SHAPES = {
     "sd3": (1, 3, 32, 32),
@@ -62,6 +69,8 @@ DECODED_SHAPES = {
     "qwenimage": (1, 3, 32, 32),
     "wan": (1, 5, 3, 32, 32),
     "wan2.2": (1, 5, 3, 32, 32),
+    "flux2-klein": (1, 3, 32, 32),
+    "zimage": (1, 3, 32, 32),
 }
 
 
@@ -86,7 +95,7 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_families_and_call_defaults_cover_the_same_names():
-    assert FAMILIES == ("sd3", "flux", "qwenimage", "wan", "wan2.2")
+    assert FAMILIES == ("sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage")
     assert set(TINY_CALL_DEFAULTS) == set(FAMILIES) == set(REAL_SCHEDULER_CONFIGS)
     with pytest.raises(TypeError):
         TINY_CALL_DEFAULTS["sd3"]["height"] = 64  # shared by every test: read-only
@@ -222,11 +231,36 @@ def test_saved_tokenizers_reload_and_encode_like_the_built_ones(family, tiny_mod
     assert names
     for name in names:
         # tokenizer.json only: no spiece.model, so no protobuf/sentencepiece is needed to load it
-        assert _files(folder / name) == ["tokenizer.json", "tokenizer_config.json"]
         ours, theirs = built.components[name], loaded.components[name]
+        chat = ["chat_template.jinja"] if ours.chat_template else []
+        assert _files(folder / name) == [*chat, "tokenizer.json", "tokenizer_config.json"]
         assert type(theirs) is type(ours)
         assert theirs(PROMPT).input_ids == ours(PROMPT).input_ids
         assert theirs.decode(theirs(PROMPT).input_ids, skip_special_tokens=True) == PROMPT  # nothing lost
+
+
+@pytest.mark.parametrize("family", ["flux2-klein", "zimage"])
+def test_qwen3_chat_template_renders_the_qwen3_layout_after_reload(family, tiny_model_path):
+    tok = _load(tiny_model_path(family)).tokenizer
+    msgs = [{"role": "user", "content": PROMPT}]
+    head = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+
+    def render(thinking: bool) -> str:
+        return tok.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+
+    assert render(True) == head  # Z-Image's call
+    assert render(False) == head + "<think>\n\n</think>\n\n"  # klein's call: an empty think block
+    assert tok.convert_tokens_to_ids("</think>") == len(tok) - 1 and tok.pad_token == "<|endoftext|>"
+
+
+def test_klein_text_encoder_has_the_layers_the_pipeline_stacks(tiny_model_path):
+    pipe = _load(tiny_model_path("flux2-klein"))
+    assert pipe.text_encoder.config.num_hidden_layers >= 27  # hidden states 9, 18 and 27 exist
+    embeds, _ = pipe.encode_prompt(PROMPT, max_sequence_length=16)
+    assert embeds.shape == (1, 16, pipe.transformer.config.joint_attention_dim)
+    assert not torch.equal(pipe.vae.bn.running_mean, torch.zeros_like(pipe.vae.bn.running_mean))
 
 
 def test_qwen_tokenizer_gives_the_template_prefix_the_length_the_pipeline_drops(tiny_model_path):
@@ -268,7 +302,10 @@ def test_build_leaves_the_callers_global_rng_alone():
 
 
 def test_unknown_family_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2, flux2-klein, zimage",
+    ):
         build_tiny_pipeline("sdxl")
 
 

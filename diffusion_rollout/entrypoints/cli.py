@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the rollout server")
     add_config_arguments(serve)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random pipeline folder (tests, demos)")
-    tiny.add_argument("--family", required=True, choices=["sd3", "flux", "qwenimage", "wan", "wan2.2"])
+    tiny.add_argument(
+        "--family",
+        required=True,
+        choices=["sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage"],
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("out_dir")
     return parser

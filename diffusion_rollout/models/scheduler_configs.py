@@ -23,6 +23,10 @@ the files; the hub itself is not reachable from here):
   ``boundary_ratio`` 0.875 in ``model_index.json`` (Wan2.2's ``wan_t2v_A14B.py``: boundary 0.875).
   The original Wan2.2 code samples with shift 12.0; the diffusers folder ships 3.0, and that is what
   ``from_pretrained`` users get.
+- ``flux2-klein``: black-forest-labs/FLUX.2-klein-4B (as mirrored by projects that fetch its
+  ``scheduler_config.json``): flow-match Euler with dynamic shifting; ``Flux2KleinPipeline`` passes
+  its own empirical ``mu``.
+- ``zimage``: Tongyi-MAI/Z-Image-Turbo: flow-match Euler, ``shift`` 3.0, no dynamic shifting.
 """
 
 from __future__ import annotations
@@ -91,6 +95,21 @@ _WAN_UNIPC = {
     "use_karras_sigmas": False,
 }
 
+# FLUX.2's diffusers folders: flow-match Euler with dynamic shifting; the klein pipeline computes
+# its own ``mu`` (an empirical fit of image tokens and steps), so only the switch matters.
+_FLUX2 = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
+# Tongyi-MAI/Z-Image-Turbo: a static shift of 3.0, no dynamic shifting (the pipeline's mu is ignored).
+_ZIMAGE = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+
 #: family -> (scheduler class, its real config). Read-only; copy before changing.
 REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], MappingProxyType[str, Any]]] = (
     MappingProxyType(
@@ -100,6 +119,8 @@ REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], Mappin
             "qwenimage": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_QWEN_IMAGE)),
             "wan": (UniPCMultistepScheduler, MappingProxyType(_WAN_UNIPC)),
             "wan2.2": (UniPCMultistepScheduler, MappingProxyType(_WAN_UNIPC)),
+            "flux2-klein": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_FLUX2)),
+            "zimage": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_ZIMAGE)),
         }
     )
 )

@@ -18,6 +18,10 @@ Design decisions:
   SD3 uses SD3.5-medium's qk RMS-norm and an MMDiT-X dual-attention block, SD3's two CLIP widths
   differ so the pipeline's zero-padding to the T5 width is exercised, and Qwen-Image's tokenizer
   makes the prompt template prefix exactly as long as the pipeline expects.
+- FLUX.2 [klein] and Z-Image use a Qwen3 text encoder built from the offline Qwen3 tokenizer
+  (with its chat template); klein's has 27 layers so the pipeline's default
+  ``text_encoder_out_layers`` (9, 18, 27) exist, and its VAE's batch-norm statistics are not the
+  identity, so the pipeline's latent de-normalisation is exercised.
 - Image VAEs downsample by 4 (not 8) so a 32x32 image still has 16 latent tokens; the Wan VAE keeps
   the real 8x spatial / 4x temporal factors because ``WanPipeline`` reads them from its config.
 """
@@ -38,9 +42,12 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -49,6 +56,8 @@ from diffusers import (
     StableDiffusion3Pipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from transformers import (
     CLIPTextConfig,
@@ -57,6 +66,9 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     UMT5Config,
@@ -64,7 +76,13 @@ from transformers import (
 )
 
 from .scheduler_configs import WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
-from .tokenizers import QWEN_SPECIAL_TOKENS, make_clip_tokenizer, make_qwen2_tokenizer, make_t5_tokenizer
+from .tokenizers import (
+    QWEN_SPECIAL_TOKENS,
+    make_clip_tokenizer,
+    make_qwen2_tokenizer,
+    make_qwen3_tokenizer,
+    make_t5_tokenizer,
+)
 
 __all__ = [
     "FAMILIES",
@@ -76,7 +94,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage", "wan", "wan2.2")
+FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage")
 
 _TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
 _LATENT_CHANNELS = 16
@@ -385,6 +403,110 @@ def _wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
     }
 
 
+def _qwen3_config(tokenizer: PreTrainedTokenizerBase, num_layers: int) -> Qwen3Config:
+    head_dim = 16
+    return Qwen3Config(
+        vocab_size=_padded_vocab(tokenizer),
+        hidden_size=_TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=_TEXT_DIM // head_dim,
+        num_key_value_heads=1,  # grouped-query attention, as in Qwen3
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+# FLUX.2 [klein] stacks the text encoder's hidden states after layers 9, 18 and 27 (the pipeline's
+# default ``text_encoder_out_layers``): the tiny Qwen3 needs 27 layers so the real indices exist.
+_KLEIN_TEXT_LAYERS = 27
+_KLEIN_OUT_LAYERS = 3
+
+
+def _flux2_vae() -> AutoencoderKLFlux2:
+    vae = AutoencoderKLFlux2(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    # The pipeline de-normalises latents with the VAE's batch-norm statistics; give them real values
+    # (the defaults 0 and 1 would make that step an identity no test could catch).
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.1)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def _flux2_klein_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_qwen3_tokenizer()
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: Flux2Transformer2DModel(
+                patch_size=1,
+                in_channels=4 * _LATENT_CHANNELS,  # 2x2 patchified latents
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=_KLEIN_OUT_LAYERS * _TEXT_DIM,
+                timestep_guidance_channels=32,
+                axes_dims_rope=(4, 4, 4, 4),  # (t, h, w, l); sums to attention_head_dim
+                guidance_embeds=False,  # klein has no distilled guidance embedding
+            ),
+        ),
+        "text_encoder": _seeded(
+            seed, "text_encoder", lambda: Qwen3ForCausalLM(_qwen3_config(tokenizer, _KLEIN_TEXT_LAYERS))
+        ),
+        "vae": _seeded(seed, "vae", _flux2_vae),
+        "scheduler": make_real_scheduler("flux2-klein"),
+        "tokenizer": tokenizer,
+        # The base (undistilled) variant, so true CFG runs; the distilled 4B sets is_distilled=True.
+        "is_distilled": False,
+    }
+
+
+def _zimage_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_qwen3_tokenizer()
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: ZImageTransformer2DModel(
+                all_patch_size=(2,),
+                all_f_patch_size=(1,),
+                in_channels=_LATENT_CHANNELS,
+                dim=32,
+                n_layers=2,
+                n_refiner_layers=1,
+                n_heads=2,
+                n_kv_heads=2,
+                qk_norm=True,
+                cap_feat_dim=_TEXT_DIM,
+                axes_dims=[4, 6, 6],  # (t, h, w); sums to dim / n_heads
+                axes_lens=[64, 32, 32],
+            ),
+        ),
+        # Z-Image reads the text encoder's second-to-last hidden state.
+        "text_encoder": _seeded(seed, "text_encoder", lambda: Qwen3Model(_qwen3_config(tokenizer, 2))),
+        # Z-Image decodes with the FLUX.1 VAE (16 channels, its shift and scale).
+        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
+        "scheduler": make_real_scheduler("zimage"),
+        "tokenizer": tokenizer,
+    }
+
+
 @dataclass(frozen=True)
 class _FamilySpec:
     pipeline_class: type[DiffusionPipeline]
@@ -455,6 +577,30 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
                 "num_inference_steps": 4,
                 "guidance_scale": 4.0,
                 "guidance_scale_2": 3.0,
+                "max_sequence_length": 16,
+            },
+        ),
+        "flux2-klein": _FamilySpec(
+            Flux2KleinPipeline,
+            _flux2_klein_components,
+            # The base variant's CFG: a second call on the empty prompt, guidance_scale > 1.
+            {
+                "height": 32,
+                "width": 32,
+                "num_inference_steps": 4,
+                "guidance_scale": 4.0,
+                "max_sequence_length": 16,
+            },
+        ),
+        "zimage": _FamilySpec(
+            ZImagePipeline,
+            _zimage_components,
+            # Z-Image's CFG (guidance_scale > 0) batches [cond; uncond]; Z-Image-Turbo sends 0.
+            {
+                "height": 32,
+                "width": 32,
+                "num_inference_steps": 4,
+                "guidance_scale": 4.0,
                 "max_sequence_length": 16,
             },
         ),

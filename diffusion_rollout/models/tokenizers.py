@@ -10,6 +10,10 @@ No tokenizer is downloaded: each one is built from a vocabulary made here and ha
 - T5 / UMT5 (SD3, FLUX, Wan): a SentencePiece unigram model trained in memory on a generated corpus.
   Its ``(piece, score)`` list goes straight into ``T5Tokenizer``; the ``spiece.model`` file is never
   written because converting it needs ``protobuf`` in transformers 5.
+- Qwen3 (FLUX.2 [klein], Z-Image): the same byte-level BPE with Qwen3's chat special tokens
+  (``<think>``/``</think>`` included) and a chat template written here that renders a user turn and
+  the generation prompt in Qwen3's layout, honouring ``enable_thinking`` (klein encodes with it off,
+  which appends an empty think block; Z-Image with it on).
 - Qwen2 (Qwen-Image): byte-level BPE whose merges spell out every word of the Qwen-Image prompt
   template, so the template's system prefix is exactly ``prompt_template_encode_start_idx`` (34)
   tokens long, as with the real Qwen2.5 tokenizer; the chat and vision special tokens follow the base
@@ -33,6 +37,7 @@ __all__ = [
     "QWEN_SPECIAL_TOKENS",
     "make_clip_tokenizer",
     "make_qwen2_tokenizer",
+    "make_qwen3_tokenizer",
     "make_t5_tokenizer",
 ]
 
@@ -103,6 +108,38 @@ QWEN_SPECIAL_TOKENS = (
     "<|vision_pad|>",
     "<|image_pad|>",
     "<|video_pad|>",
+)
+
+
+#: Qwen3's chat special tokens in their real order (after the Qwen2.5 ones, ids 151643..).
+QWEN3_SPECIAL_TOKENS = (
+    *QWEN_SPECIAL_TOKENS,
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+
+# Renders each message as ``<|im_start|>ROLE\nCONTENT<|im_end|>\n``, then the assistant header, and
+# with ``enable_thinking=false`` an empty think block (Qwen3's layout for non-thinking generation).
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}"
+    "{% endif %}"
 )
 
 
@@ -211,6 +248,28 @@ def make_qwen2_tokenizer(model_max_length: int = 32768) -> Qwen2Tokenizer:
         model_max_length=model_max_length,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    return tokenizer
+
+
+def make_qwen3_tokenizer(model_max_length: int = 131072) -> Qwen2Tokenizer:
+    """Byte-level BPE Qwen3 tokenizer (Qwen3 ships ``Qwen2Tokenizer``) with its chat template."""
+    symbols = _byte_symbols()
+    vocab = {s: i for i, s in enumerate(symbols)}
+    words = _qwen_pretokens("user assistant " + " ".join(_PROMPT_WORDS))
+    merges = _chain_merges([w for w in words if len(w) > 1])
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    for special in QWEN3_SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",  # Qwen3 pads with <|endoftext|>
+        model_max_length=model_max_length,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3_SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
     return tokenizer
 
 
