@@ -7,11 +7,20 @@ from typing import Any
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 from diffusion_rollout.server.families.flux import FluxAdapter
+from diffusion_rollout.server.families.flux2_klein import Flux2KleinAdapter
 from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
 from diffusion_rollout.server.families.wan import WanAdapter
+from diffusion_rollout.server.families.zimage import ZImageAdapter
 
-ADAPTERS: list[type[FamilyAdapter]] = [SD3Adapter, FluxAdapter, QwenImageAdapter, WanAdapter]
+ADAPTERS: list[type[FamilyAdapter]] = [
+    SD3Adapter,
+    FluxAdapter,
+    QwenImageAdapter,
+    WanAdapter,
+    Flux2KleinAdapter,
+    ZImageAdapter,
+]
 
 
 def register(adapter: type[FamilyAdapter]) -> None:
