@@ -43,7 +43,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-REAL_MODELS = ("sd3.5-medium", "flux.1-dev", "wan2.1-1.3b")
+REAL_MODELS = ("sd3.5-medium", "flux.1-dev", "wan2.1-1.3b", "flux.2-klein-4b", "z-image-turbo")
 
 # Transformer configs, as in each checkpoint's transformer/config.json.
 SD35_MEDIUM_TRANSFORMER = {
@@ -90,6 +90,46 @@ WAN21_1_3B_TRANSFORMER = {
     "rope_max_seq_len": 1024,
     "text_dim": 4096,
 }
+# black-forest-labs/FLUX.2-klein-4B transformer/config.json (5 double + 20 single blocks, 24 x 128
+# heads, no guidance embedding; the text width is three stacked Qwen3-4B layers, 3 x 2560).
+FLUX2_KLEIN_4B_TRANSFORMER = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": (32, 32, 32, 32),
+    "eps": 1e-6,
+    "guidance_embeds": False,
+    "in_channels": 128,
+    "joint_attention_dim": 7680,
+    "mlp_ratio": 3.0,
+    "num_attention_heads": 24,
+    "num_layers": 5,
+    "num_single_layers": 20,
+    "patch_size": 1,
+    "rope_theta": 2000,
+    "timestep_guidance_channels": 256,
+}
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json (30 layers of width 3840, 30 heads, 2 refiner
+# layers, Qwen3-4B caption features of width 2560, 3-axis RoPE 32/48/48 at theta 256).
+ZIMAGE_TURBO_TRANSFORMER = {
+    "all_f_patch_size": (1,),
+    "all_patch_size": (2,),
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+    "cap_feat_dim": 2560,
+    "dim": 3840,
+    "in_channels": 16,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "norm_eps": 1e-5,
+    "qk_norm": True,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+}
+# Qwen3-4B's hidden width (the text encoder of both); klein stacks hidden layers 9, 18 and 27.
+QWEN3_4B_HIDDEN = 2560
+KLEIN_TEXT_LAYERS = 27
+
 # SD3.5 and FLUX.1 share the 16-channel KL VAE architecture; shift and scale differ.
 _KL_VAE = {
     "in_channels": 3,
@@ -109,6 +149,8 @@ _KL_VAE = {
 }
 SD35_VAE = {**_KL_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 FLUX1_VAE = {**_KL_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
+# AutoencoderKLFlux2's defaults are FLUX.2's VAE (32 channels, batch-norm latent statistics).
+FLUX2_VAE: dict[str, Any] = {}
 # AutoencoderKLWan's defaults are the Wan 2.1 VAE (base_dim 96, dim_mult 1/2/4/4, 4x temporal).
 WAN21_VAE: dict[str, Any] = {}
 
@@ -123,6 +165,10 @@ REAL_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_inference_steps": 4,
         "guidance_scale": 5.0,
     },
+    # The distilled klein and Z-Image-Turbo as their model cards run them: 4 steps without CFG, and
+    # 9 steps with guidance 0.
+    "flux.2-klein-4b": {"height": 1024, "width": 1024, "num_inference_steps": 4, "guidance_scale": 1.0},
+    "z-image-turbo": {"height": 1024, "width": 1024, "num_inference_steps": 9, "guidance_scale": 0.0},
 }
 
 
@@ -224,6 +270,27 @@ def _t5(tokenizer, *, umt5: bool, seed: int, device: str, dtype) -> nn.Module:
     return build_module(lambda: T5EncoderModel(T5Config(**kw)), device, dtype, seed)
 
 
+def _qwen3(tokenizer, *, layers: int, causal_lm: bool, seed: int, device: str, dtype) -> nn.Module:
+    """Qwen3 of Qwen3-4B's width with a small MLP and few heads (the output width is what matters)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    cfg = Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=QWEN3_4B_HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    cls = Qwen3ForCausalLM if causal_lm else Qwen3Model
+    return build_module(lambda: cls(cfg), device, dtype, seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # Real pipelines
 # ---------------------------------------------------------------------------------------------
@@ -287,15 +354,70 @@ def _wan21_1_3b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any
     )
 
 
+def _flux2_klein_4b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_qwen3_tokenizer
+
+    tok = make_qwen3_tokenizer()
+    tcfg = {**FLUX2_KLEIN_4B_TRANSFORMER, **overrides}
+    vae = build_module(lambda: AutoencoderKLFlux2(**FLUX2_VAE), device, dtype, seed + 1)
+    with torch.no_grad():  # materialize leaves buffers at their defaults: real-looking statistics
+        vae.bn.running_var.fill_(2.0)
+    return Flux2KleinPipeline(
+        transformer=build_module(lambda: Flux2Transformer2DModel(**tcfg), device, dtype, seed),
+        vae=vae,
+        text_encoder=_qwen3(
+            tok, layers=KLEIN_TEXT_LAYERS, causal_lm=True, seed=seed + 2, device=device, dtype=dtype
+        ),
+        tokenizer=tok,
+        scheduler=make_real_scheduler("flux2-klein"),
+        is_distilled=True,  # FLUX.2-klein-4B is the step-distilled checkpoint
+    )
+
+
+def _zimage_turbo(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_qwen3_tokenizer
+
+    tok = make_qwen3_tokenizer()
+    tcfg = {**ZIMAGE_TURBO_TRANSFORMER, **overrides}
+    return ZImagePipeline(
+        transformer=build_module(lambda: ZImageTransformer2DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKL(**FLUX1_VAE), device, dtype, seed + 1),  # FLUX.1's VAE
+        # Z-Image reads the second-to-last hidden state: two layers are enough for the real width.
+        text_encoder=_qwen3(tok, layers=2, causal_lm=False, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        scheduler=make_real_scheduler("zimage"),
+    )
+
+
 _TINY_PIPELINE_CLASS = {
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
     "qwenimage": "QwenImagePipeline",
     "wan": "WanPipeline",
     "wan2.2": "WanPipeline",
+    "flux2-klein": "Flux2KleinPipeline",
+    "zimage": "ZImagePipeline",
 }
-_REAL_BUILDERS = {"sd3.5-medium": _sd35_medium, "flux.1-dev": _flux1_dev, "wan2.1-1.3b": _wan21_1_3b}
-_REAL_FAMILY = {"sd3.5-medium": "sd3", "flux.1-dev": "flux", "wan2.1-1.3b": "wan"}
+_REAL_BUILDERS = {
+    "sd3.5-medium": _sd35_medium,
+    "flux.1-dev": _flux1_dev,
+    "wan2.1-1.3b": _wan21_1_3b,
+    "flux.2-klein-4b": _flux2_klein_4b,
+    "z-image-turbo": _zimage_turbo,
+}
+_REAL_FAMILY = {
+    "sd3.5-medium": "sd3",
+    "flux.1-dev": "flux",
+    "wan2.1-1.3b": "wan",
+    "flux.2-klein-4b": "flux2-klein",
+    "z-image-turbo": "zimage",
+}
 
 
 def build_real_pipeline(

@@ -66,11 +66,12 @@ COLUMNS = [
 
 def stock_runner(model: BenchModel, body: dict[str, Any], output_type: str = "pt"):
     """A closure running the stock pipeline with precomputed embeddings (what is timed)."""
+    from diffusion_rollout.server.families import adapter_for
+
     n = body.get("num_outputs_per_prompt", 1)
-    # Embeddings handed to a pipeline are used as given: one row per output, as the server stacks them.
-    embeds = {
-        k: v.repeat(n, *([1] * (v.ndim - 1))) for k, v in model.encode_for_stock(body["prompt"], body).items()
-    }
+    # Embeddings handed to a pipeline are used as given: one per output, stacked as the server stacks
+    # them (rows of a tensor, or a list for Z-Image).
+    embeds = adapter_for(model.stock).stack_encodings([model.encode_for_stock(body["prompt"], body)] * n)
     kwargs = model.stock_kwargs(model.stock, {**body, "prompt": None, "negative_prompt": None})
     kwargs.pop("generator")
     for key in ("num_images_per_prompt", "num_videos_per_prompt"):

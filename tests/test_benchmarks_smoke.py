@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import gpu_suite, ode_regression, rollout_overhead, throughput, weight_sync
+from benchmarks import family_gate, gpu_suite, ode_regression, rollout_overhead, throughput, weight_sync
 from benchmarks.model_builders import default_models
 
 
@@ -93,3 +93,34 @@ def test_gpu_suite_dry_run_on_tiny_models(tmp_path):
     for name in ("ode_regression", "rollout_overhead", "throughput", "weight_sync"):
         _doc(tmp_path, name)
     assert summary["targets"]["ode_regression.exact"]["met"]
+
+
+def test_family_gate_dry_run_on_tiny_models(tmp_path):
+    """The one-command GPU check of FLUX.2 klein and Z-Image, on their tiny zoo models."""
+    assert family_gate.main(["--device", "cpu", "--tiny", "--reps", "1", "--out", str(tmp_path)]) == 0
+    doc = _doc(tmp_path, "family_gate")
+    assert doc["ok"] and not doc["failures"]
+    gate = doc["ode_gate"]
+    assert {r["family"] for r in gate} == {"flux2-klein", "zimage"}
+    assert {(r["mode"], r["output"]) for r in gate} == {
+        (m, o) for m in ("rollout_false", "ode_rollout") for o in ("latents", "images")
+    }
+    assert all(r["exact"] and r["max_abs_diff"] == 0.0 for r in gate)
+    variants = {(r["model"], r["variant"]) for r in doc["speed"]}
+    assert ("tiny-zimage", "server_rollout") in variants and ("tiny-flux2-klein", "stock") in variants
+    assert all(r["ms_per_step"] > 0 for r in doc["speed"])
+    assert [r["model"] for r in doc["memory"]] == ["tiny-flux2-klein", "tiny-zimage"]
+
+
+def test_new_family_builders_have_the_public_sizes():
+    """FLUX.2-klein-4B and Z-Image-Turbo transformers from their configs (on meta: no memory)."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel, ZImageTransformer2DModel
+
+    from benchmarks.model_builders import FLUX2_KLEIN_4B_TRANSFORMER, ZIMAGE_TURBO_TRANSFORMER
+
+    with init_empty_weights():
+        klein = Flux2Transformer2DModel(**FLUX2_KLEIN_4B_TRANSFORMER)
+        zimage = ZImageTransformer2DModel(**ZIMAGE_TURBO_TRANSFORMER)
+    billions = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (klein, zimage)]
+    assert 3.8 < billions[0] < 4.0 and 6.1 < billions[1] < 6.2, billions
