@@ -416,7 +416,7 @@ def _clients_main(url: str) -> int:
     """The client process of :class:`RemoteClients`."""
     import httpx
 
-    from diffusion_rollout import wire
+    from diffusion_rollout import lean, wire
 
     pool: list[httpx.Client] = []
 
@@ -428,7 +428,8 @@ def _clients_main(url: str) -> int:
         r = client.post("/rollout/generate", json=body, headers={"Accept": wire.MSGPACK})
         if r.status_code != 200:
             raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:1000]}")
-        wire.decode(r.content, r.headers["content-type"])
+        # The trainer's whole decode: tensors, then lean references back to per-output dicts.
+        lean.from_lean(wire.decode(r.content, r.headers["content-type"]))
         return time.perf_counter() - t0, len(r.content)
 
     reply({"ready": True})

@@ -509,6 +509,8 @@ class BenchModel:
                 device=self.device,
                 compile=config.compile,
                 attention_backend=config.attention_backend,
+                cuda_graphs=config.cuda_graphs,
+                cuda_graph_max_buckets=config.cuda_graph_max_buckets,
             )
             engine = Engine(config, loaded=loaded)
             engine.model_path = self.name

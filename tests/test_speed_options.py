@@ -206,7 +206,10 @@ def test_feature_cache_field_errors(served, cache, status, needle):
     assert needle in r.text
 
 
-def test_first_block_cache_on_flux(served):
+@pytest.mark.parametrize(
+    "cache", [{"kind": "first_block", "threshold": 0.5}, {"kind": "mag", "threshold": 1.0}]
+)
+def test_block_caches_on_flux(served, cache):
     server = served("flux")
     base = {
         **sd3_body(rollout=False, num_outputs_per_prompt=1, return_generated_output=False),
@@ -214,6 +217,6 @@ def test_first_block_cache_on_flux(served):
         "num_inference_steps": 6,
     }
     eager = server.generate(base)[0]["generated_output"]
-    cached = server.generate({**base, "feature_cache": {"kind": "first_block", "threshold": 0.5}})[0]
+    cached = server.generate({**base, "feature_cache": cache})[0]
     assert cached["exact"] is False
     assert not torch.equal(eager, cached["generated_output"])

@@ -12,7 +12,7 @@ Design decisions:
   ratio test (``tests/test_cuda_graphs.py``, GPU only) check this with ``torch.equal``.
 - **One bucket per call signature.** The key is the shape, dtype, stride and device of every tensor
   argument plus the value of every other argument (a scale baked into the graph must be part of its
-  key). The first call of a new key runs eager (on a side stream, which also warms up cuBLAS before
+  key). The first call of a new key runs eager (which also creates the cuBLAS handles before any
   capture) and returns that eager result; the graph is captured right after and replayed from the
   second call on. An argument of a type the key cannot describe, or a forward that cannot be
   captured (a host sync inside it), runs eager: correctness never depends on capture succeeding.
@@ -24,8 +24,10 @@ Design decisions:
   by the next replay, but anything that replaces parameters or adds modules (LoRA, memory release and
   resume) would leave a graph pointing at stale memory: the engine calls ``invalidate()`` whenever
   the weight version changes or memory is resumed, and the next call captures afresh.
-- **Off while a feature cache is active** (``bypass()``): caches branch on values at run time, which
-  a graph would freeze.
+- **Only inside the engine's pipeline calls** (``engaged()``, a per-thread switch): any other call of
+  the same module (a stock pipeline sharing it, a trainer's in-process replay, autograd) runs eager.
+  The engine does not engage graphs for a call with a feature cache: caches branch on values at run
+  time, which a graph would freeze.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class CudaGraphRunner:
         self._buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
         self._stats = _Stats()
         self._pool = torch.cuda.graph_pool_handle()
-        self._bypass = threading.local()
+        self._engaged = threading.local()
         self._originals: dict[str, Any] = {}
         for name, module in modules.items():
             self._install(name, module)
@@ -158,14 +160,14 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ control
     @contextlib.contextmanager
-    def bypass(self) -> Iterator[None]:
-        """Run every forward eager inside this block (feature caches, debugging)."""
-        previous = getattr(self._bypass, "on", False)
-        self._bypass.on = True
+    def engaged(self) -> Iterator[None]:
+        """Replay graphs for this thread's forwards inside this block (eager everywhere else)."""
+        previous = getattr(self._engaged, "on", False)
+        self._engaged.on = True
         try:
             yield
         finally:
-            self._bypass.on = previous
+            self._engaged.on = previous
 
     def invalidate(self) -> None:
         """Drop every captured graph (weights replaced, modules changed, memory moved)."""
@@ -200,7 +202,7 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ the call
     def _call(self, name: str, module: torch.nn.Module, eager, args: tuple, kwargs: dict) -> Any:
-        if getattr(self._bypass, "on", False) or torch.is_grad_enabled():
+        if not getattr(self._engaged, "on", False) or torch.is_grad_enabled():
             # Training-mode calls (autograd) are never graphed: the graph holds no autograd tape.
             self._stats.eager_calls += 1
             return eager(*args, **kwargs)
@@ -231,19 +233,16 @@ class CudaGraphRunner:
         return _clone_structure(bucket.static_output)
 
     def _capture(self, key: tuple, name: str, eager, args: tuple, kwargs: dict) -> Any:
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            # This call's own result, computed eagerly; it also initialises cuBLAS/cuDNN workspaces
-            # on this stream, which must not happen inside a capture.
-            out = eager(*args, **kwargs)
-        current.wait_stream(side)
+        # This call's own result, computed eagerly on the usual stream (exactly what eager would
+        # return); it also creates the cuBLAS/cuDNN handles, which must not happen inside a capture.
+        out = eager(*args, **kwargs)
         static_args, static_kwargs = _clone_structure(args), _clone_structure(kwargs)
         reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: other threads (HTTP uploads into pinned buffers, the results thread) may
+            # keep making CUDA calls while this thread captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 static_out = eager(*static_args, **static_kwargs)
         except Exception as exc:  # a host sync or unsupported op inside forward: stay eager
             self._stats.capture_failures += 1

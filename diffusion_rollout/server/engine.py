@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import gc
 import logging
 import time
@@ -372,7 +371,7 @@ class Engine:
                     a.scheduler_for(need_state),
                     rollout_context(state),
                     feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
-                    speed.bypass_graphs() if cache is not None else contextlib.nullcontext(),
+                    speed.graphs_for_call(cache),
                 ):
                     if watch:
                         with recorder.attach(a.transformers()):
