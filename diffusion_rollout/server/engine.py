@@ -58,6 +58,7 @@ from diffusion_rollout.scheduler_mixins import (
     RolloutState,
     rollout_context,
 )
+from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.initial_noise import sample_noise
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
@@ -194,6 +195,31 @@ class Engine:
     def speed_info(self) -> dict[str, Any]:
         """The speed options in force and whether they are exact (``/server_info``)."""
         return self.loaded.speed.report() if self.loaded is not None else {}
+
+    # ------------------------------------------------------------------ router interface (engine_api)
+    def queue_stats(self) -> QueueStats:
+        return QueueStats(depth=self.worker.depth, busy=self.worker.busy, paused=self.worker.paused)
+
+    async def metrics_text(self) -> str:
+        stats = self.queue_stats()
+        return self.metrics.render(
+            queue_depth=stats.depth,
+            busy=stats.busy,
+            paused=stats.paused,
+            status=self.status,
+            weight_version=self.weight_version,
+        )
+
+    async def replica_info(self) -> None:
+        """A single process has no replicas (the cluster engine lists its own)."""
+        return None
+
+    def weights(self):
+        """The weight-manager facade of the weight, LoRA, memory and pause routes (weights.md)."""
+        # Imported here: the manager attaches itself to an engine, the engine holds no reference.
+        from diffusion_rollout.server.weights import get_weight_manager
+
+        return get_weight_manager(self)
 
     # ------------------------------------------------------------------ public API
     async def generate(self, params: GenerateParams) -> list[SampleResult]:

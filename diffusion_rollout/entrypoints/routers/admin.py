@@ -20,8 +20,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from diffusion_rollout.entrypoints.routers.common import get_engine, require_admin_key
-from diffusion_rollout.server.weights import get_weight_manager
+from diffusion_rollout.entrypoints.routers.common import get_weights, require_admin_key
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 
@@ -37,7 +36,7 @@ class MemoryRequest(BaseModel):
 
 
 def _manager(request: Request):
-    return get_weight_manager(get_engine(request))
+    return get_weights(request)
 
 
 @router.post("/pause_generation")

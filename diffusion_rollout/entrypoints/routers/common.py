@@ -11,11 +11,16 @@ from fastapi.responses import Response
 
 from diffusion_rollout import wire
 from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
-from diffusion_rollout.server.engine import Engine
+from diffusion_rollout.server.engine_api import RolloutEngine, WeightOps
 
 
-def get_engine(request: Request) -> Engine:
+def get_engine(request: Request) -> RolloutEngine:
     return request.app.state.engine
+
+
+def get_weights(request: Request) -> WeightOps:
+    """The engine's weight-manager facade (a cluster's fans out to every replica)."""
+    return get_engine(request).weights()
 
 
 async def wire_response(request: Request, payload: Any) -> Response:

@@ -48,7 +48,7 @@ async def health_generate(request: Request) -> dict:
     engine = get_engine(request)
     if engine.status != "ready":
         raise ServiceUnavailableError(f"not ready: {engine.status}")
-    if engine.worker.paused:
+    if engine.queue_stats().paused:
         raise ServiceUnavailableError("generation is paused")
     fresh = engine.last_generate_ok_at and time.time() - engine.last_generate_ok_at < READY_FRESH_S
     if not fresh:
@@ -67,13 +67,16 @@ async def model_info(request: Request) -> dict:
 async def server_info(request: Request) -> dict:
     engine = get_engine(request)
     cfg = engine.config
+    stats = engine.queue_stats()
+    replicas = await engine.replica_info()
     return {
         **engine.model_info(),
+        **({"replicas": replicas} if replicas is not None else {}),
         "versions": _versions(),
         "limits": cfg.limits(),
         "speed": engine.speed_info(),
-        "queue_depth": engine.worker.depth,
-        "paused": engine.worker.paused,
+        "queue_depth": stats.depth,
+        "paused": stats.paused,
         "host": cfg.host,
         "port": cfg.port,
         "api_key_required": cfg.api_key is not None,

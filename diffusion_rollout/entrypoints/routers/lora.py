@@ -29,10 +29,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from diffusion_rollout.entrypoints.routers.common import get_engine, require_admin_key
+from diffusion_rollout.entrypoints.routers.common import get_weights, require_admin_key
 from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.weights import get_weight_manager
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 
@@ -88,7 +87,7 @@ class UnmergeLoraRequest(_Body):
 
 
 def _manager(request: Request):
-    return get_weight_manager(get_engine(request))
+    return get_weights(request)
 
 
 def _validated(model: type[BaseModel], data: Any) -> Any:
@@ -183,14 +182,14 @@ async def lora_unload(body: LoraUnloadRequest, request: Request) -> dict:
 @router.get("/lora")
 async def lora_list(request: Request) -> dict:
     manager = _manager(request)
-    return {"weight_version": manager.engine.weight_version, "modules": await manager.describe_lora()}
+    return {"weight_version": manager.weight_version, "modules": await manager.describe_lora()}
 
 
 # ---------------------------------------------------------------------------- SGLang compatibility
 def _sglang_targets(manager, target: str) -> list[str]:
     """SGLang's ``target``: ``all`` (every transformer), or a module name."""
     if target == "all":
-        names = [n for n in manager.modules() if n.startswith("transformer")]
+        names = [n for n in manager.module_names() if n.startswith("transformer")]
         if not names:
             raise WeightUpdateError("this pipeline has no transformer module", field="target")
         return names
@@ -236,15 +235,16 @@ async def set_lora(body: SetLoraRequest, request: Request) -> dict:
 async def merge_lora_weights(request: Request, body: MergeLoraRequest | None = None) -> dict:
     body = body or MergeLoraRequest()
     manager = _manager(request)
+    described = await manager.describe_lora()
     out: dict = {}
     for module in _sglang_targets(manager, body.target):
-        state = manager.lora.targets.get(module)
-        if state is None or state.active is None:
+        active = described.get(module, {}).get("active")
+        if active is None:
             if body.target == "all":
                 continue
             raise WeightUpdateError(f"{module} has no active LoRA adapter to merge", field="target")
         out = await manager.activate_lora(
-            target_module=module, name=state.active, mode="merged", strength=body.strength
+            target_module=module, name=active, mode="merged", strength=body.strength
         )
     if not out:
         raise WeightUpdateError("no module has an active LoRA adapter to merge", field="target")
@@ -255,9 +255,10 @@ async def merge_lora_weights(request: Request, body: MergeLoraRequest | None = N
 async def unmerge_lora_weights(request: Request, body: UnmergeLoraRequest | None = None) -> dict:
     body = body or UnmergeLoraRequest()
     manager = _manager(request)
+    described = await manager.describe_lora()
     out = manager.result("nothing was merged")
     for module in _sglang_targets(manager, body.target):
-        if module in manager.lora.targets:
+        if module in described:
             out = await manager.set_lora_mode(target_module=module, mode="dynamic")
     return out
 
@@ -281,4 +282,4 @@ async def list_loras(request: Request) -> dict:
                     "strength": info["strength"],
                 }
             ]
-    return {"loaded_adapters": loaded, "active": active, "weight_version": manager.engine.weight_version}
+    return {"loaded_adapters": loaded, "active": active, "weight_version": manager.weight_version}

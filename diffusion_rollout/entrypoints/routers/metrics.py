@@ -17,12 +17,4 @@ router = APIRouter()
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    engine = get_engine(request)
-    text = engine.metrics.render(
-        queue_depth=engine.worker.depth,
-        busy=engine.worker.busy,
-        paused=engine.worker.paused,
-        status=engine.status,
-        weight_version=engine.weight_version,
-    )
-    return Response(content=text, media_type=CONTENT_TYPE)
+    return Response(content=await get_engine(request).metrics_text(), media_type=CONTENT_TYPE)

@@ -31,10 +31,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from diffusion_rollout.entrypoints.routers.common import get_engine, require_admin_key
+from diffusion_rollout.entrypoints.routers.common import get_weights, require_admin_key
 from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.weights import get_weight_manager
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 
@@ -100,7 +99,7 @@ class TensorCheckerRequest(_Body):
 
 
 def _manager(request: Request):
-    return get_weight_manager(get_engine(request))
+    return get_weights(request)
 
 
 @router.post("/update_weights_from_disk")
@@ -181,7 +180,7 @@ async def get_weights_checksum(request: Request, body: ChecksumRequest | None = 
     body = body or ChecksumRequest()
     manager = _manager(request)
     sums = await manager.checksums(body.module_names, body.algorithm)
-    return JSONResponse(sums, headers={"X-Weight-Version": str(manager.engine.weight_version)})
+    return JSONResponse(sums, headers={"X-Weight-Version": str(manager.weight_version)})
 
 
 @router.post("/update_weights_from_tensor_checker")

@@ -22,7 +22,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from torch import nn
@@ -44,6 +44,23 @@ T = TypeVar("T")
 
 DEFAULT_TARGETS = ("transformer",)
 Version = str | int | None
+
+
+def validate_targets(target_modules: Sequence[str] | None, available: Iterable[str]) -> list[str]:
+    """``target_modules`` (default ``transformer``) checked against the pipeline's module names."""
+    if target_modules is not None and not target_modules:
+        raise WeightUpdateError(
+            "target_modules is empty; leave it out for the default", field="target_modules"
+        )
+    names = list(dict.fromkeys(target_modules or DEFAULT_TARGETS))
+    modules = set(available)
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise WeightUpdateError(
+            f"unknown target module(s) {', '.join(unknown)}; this pipeline has: {', '.join(sorted(modules))}",
+            field="target_modules",
+        )
+    return names
 
 
 class ManagerCore:
@@ -71,20 +88,16 @@ class ManagerCore:
     def modules(self) -> dict[str, nn.Module]:
         return pipeline_modules(self.engine.pipe)
 
+    def module_names(self) -> list[str]:
+        """What ``target_modules`` can name (the routers' view; they never touch the modules)."""
+        return list(self.modules())
+
+    @property
+    def weight_version(self) -> Any:
+        return self.engine.weight_version
+
     def targets(self, target_modules: Sequence[str] | None) -> list[str]:
-        if target_modules is not None and not target_modules:
-            raise WeightUpdateError(
-                "target_modules is empty; leave it out for the default", field="target_modules"
-            )
-        names = list(dict.fromkeys(target_modules or DEFAULT_TARGETS))
-        modules = self.modules()
-        unknown = [n for n in names if n not in modules]
-        if unknown:
-            raise WeightUpdateError(
-                f"unknown target module(s) {', '.join(unknown)}; this pipeline has: {', '.join(sorted(modules))}",
-                field="target_modules",
-            )
-        return names
+        return validate_targets(target_modules, self.modules())
 
     def _bump(self, weight_version: Version, modules: Sequence[str], flush_cache: bool = False) -> Any:
         """On the worker, after a successful change: new version, prompt cache cleared if needed."""
