@@ -2,6 +2,9 @@
 
 Design decisions:
 
+- **Read, then apply.** Each transport has a reader that only gathers and routes the tensors
+  (``disk_payload``, ``stage_upload_part``, ``receive_distributed``; ``WeightManager
+  .tensor_payload``), so a cluster can validate on every replica before any applies.
 - **One core, four transports.** Disk (``update_weights_from_disk``), multi-part HTTP uploads,
   SGLang tensor payloads (dispatched by ``WeightManager.update_from_tensor``) and torch.distributed
   broadcasts all end in :meth:`FullWeightOps.apply_named_tensors`: validate every tensor, then copy
@@ -27,7 +30,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,27 @@ def parse_safetensors(body: bytes) -> dict[str, torch.Tensor]:
     return tensors
 
 
+Payload = dict[str, list[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class StagedPart:
+    """One upload part staged: ``payload`` is the whole upload after its final part, else None and
+    ``result`` is the answer for the staged part."""
+
+    upload_id: str
+    payload: Payload | None
+    result: dict[str, Any] | None
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """Give the receive buffers back once the payload is applied (or dropped)."""
+        self.payload = None  # the views into the buffers go first, so the pool can take them back
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
 class FullWeightOps(ManagerCore):
     """Apply, upload, receive and verify full weights (mixed into ``WeightManager``)."""
 
@@ -140,9 +165,13 @@ class FullWeightOps(ManagerCore):
         flush_cache: bool = True,
         weight_version: Version = None,
     ) -> dict[str, Any]:
-        targets = self.targets(target_modules)
-        payload = await asyncio.to_thread(read_disk_update, model_path, targets)
+        payload = await self.disk_payload(model_path, target_modules)
         return await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+
+    async def disk_payload(self, model_path: str, target_modules: Sequence[str] | None) -> Payload:
+        """Read ``<model_path>/<module>/*.safetensors`` (off the worker); nothing is applied."""
+        targets = self.targets(target_modules)
+        return await asyncio.to_thread(read_disk_update, model_path, targets)
 
     # ------------------------------------------------------------------ multi-part HTTP upload
     async def _spec(self, module: str) -> dict[str, TensorSpec]:
@@ -164,6 +193,34 @@ class FullWeightOps(ManagerCore):
         flush_cache: bool = True,
     ) -> dict[str, Any]:
         """Stage one safetensors part (``body``: bytes, or a receive buffer this call then owns)."""
+        staged = await self.stage_upload_part(
+            body, target_module=target_module, weight_version=weight_version, final=final,
+            upload_id=upload_id, part=part,
+        )  # fmt: skip
+        if staged.payload is None:
+            return staged.result
+        try:
+            # Every staged tensor was checked finite after its cast when its part arrived.
+            out = await self.apply_named_tensors(
+                staged.payload, weight_version=weight_version, flush_cache=flush_cache, finite_checked=True
+            )
+        finally:
+            staged.release()
+        out["upload_id"] = staged.upload_id
+        return out
+
+    async def stage_upload_part(
+        self,
+        body: bytes | Lease,
+        *,
+        target_module: str,
+        weight_version: Version = None,
+        final: bool = True,
+        upload_id: str | None = None,
+        part: int | None = None,
+    ) -> StagedPart:
+        """Validate and stage one part; after the final part the whole upload comes back, not applied
+        (its tensors already cast and checked finite; call ``release()`` once they are applied)."""
         lease = body if isinstance(body, Lease) else unpooled(body)
         kept = False
         try:
@@ -200,25 +257,21 @@ class FullWeightOps(ManagerCore):
             if not kept:
                 lease.release()
         if not final:
-            return self.result(
-                f"staged part {part if part is not None else upload.num_parts - 1} of upload {uid!r} "
-                f"({len(tensors)} tensors; {upload.num_tensors} staged, {upload.num_bytes / 2**20:.1f} MiB)",
-                upload_id=uid,
-                staged_tensors=upload.num_tensors,
+            return StagedPart(
+                uid,
+                None,
+                self.result(
+                    f"staged part {part if part is not None else upload.num_parts - 1} of upload {uid!r} "
+                    f"({len(tensors)} tensors; {upload.num_tensors} staged, {upload.num_bytes / 2**20:.1f} MiB)",
+                    upload_id=uid,
+                    staged_tensors=upload.num_tensors,
+                ),
             )
         del tensors
         complete = self.staging.take_complete(uid, part)
-        try:
-            payload = {m: list(t.items()) for m, t in complete.tensors.items()}
-            # Every staged tensor was checked finite after its cast when its part arrived.
-            out = await self.apply_named_tensors(
-                payload, weight_version=weight_version, flush_cache=flush_cache, finite_checked=True
-            )
-        finally:
-            payload = None
-            complete.release()
-        out["upload_id"] = uid
-        return out
+        return StagedPart(
+            uid, {m: list(t.items()) for m, t in complete.tensors.items()}, None, complete.release
+        )
 
     # ------------------------------------------------------------------ torch.distributed
     async def init_group(self, **kwargs: Any) -> dict[str, Any]:
@@ -239,6 +292,21 @@ class FullWeightOps(ManagerCore):
         weight_version: Version = None,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
+        payload = await self.receive_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, target_modules=target_modules
+        )
+        return await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+
+    async def receive_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        target_modules: Sequence[str] | None = None,
+    ) -> Payload:
+        """Receive one announced broadcast and route its names to modules; nothing is applied."""
         # Receive first, whatever the announcement says: a trainer blocked in a broadcast nobody
         # posts would hang; validation follows once every byte is here.
         received = await asyncio.to_thread(
@@ -263,7 +331,7 @@ class FullWeightOps(ManagerCore):
                     field="names",
                 )
             payload = {t: pairs for t, pairs in payload.items() if pairs}
-        return await self.apply_named_tensors(payload, weight_version=weight_version, flush_cache=flush_cache)
+        return payload
 
     async def destroy_group(self, group_name: str) -> dict[str, Any]:
         await asyncio.to_thread(self.groups.destroy, group_name)

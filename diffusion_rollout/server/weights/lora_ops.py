@@ -185,7 +185,7 @@ class LoraOps(ManagerCore):
         return self.result(await self._exclusive(run))
 
     async def set_lora_mode(
-        self, *, target_module: str, mode: str, merge_dtype: str | None = None
+        self, *, target_module: str, mode: str, merge_dtype: str | None = None, weight_version: Version = None
     ) -> dict[str, Any]:
         [target] = self.targets([target_module])
         dtype = _dtype(merge_dtype)
@@ -193,7 +193,7 @@ class LoraOps(ManagerCore):
         def run() -> str:
             module = get_module(self.engine.pipe, target)
             self.lora.set_mode(target, module, mode, merge_dtype=dtype)
-            self._bump(None, [target])
+            self._bump(weight_version, [target])
             state = self.lora.state(target)
             return f"{target}: {state.mode} (active {state.active!r}{', merged' if state.merged else ''})"
 

@@ -61,9 +61,12 @@ class WeightManager(FullWeightOps, LoraOps):
         flush_cache: bool = True,
     ) -> dict[str, Any]:
         targets = self.targets(target_modules)
-        entry = ipc.select_entry(serialized_named_tensors, payload_gpu_uuids, self.engine.device)
-        decoded = await self._payload_decoder().decode(entry)
-        payload = ipc.module_payloads(decoded, load_format, targets)
+        payload = await self.tensor_payload(
+            serialized_named_tensors,
+            load_format=load_format,
+            target_modules=targets,
+            payload_gpu_uuids=payload_gpu_uuids,
+        )
         if weight_update_mode is None:
             return await self.apply_named_tensors(
                 payload, weight_version=weight_version, flush_cache=flush_cache
@@ -85,6 +88,20 @@ class WeightManager(FullWeightOps, LoraOps):
             lora_rank=lora_rank,
             weight_version=weight_version,
         )
+
+    async def tensor_payload(
+        self,
+        serialized_named_tensors: Sequence[str | bytes],
+        *,
+        load_format: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        payload_gpu_uuids: Sequence[str] | None = None,
+    ) -> dict[str, list[tuple[str, Any]]]:
+        """Decode this server's entry into ``{module: [(name, tensor)]}``; nothing is applied."""
+        targets = self.targets(target_modules)
+        entry = ipc.select_entry(serialized_named_tensors, payload_gpu_uuids, self.engine.device)
+        decoded = await self._payload_decoder().decode(entry)
+        return ipc.module_payloads(decoded, load_format, targets)
 
     # ------------------------------------------------------------------ memory and pause
     def _sync_pause(self) -> None:

@@ -272,8 +272,11 @@ def _backup(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", copy=True)
 
 
-def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = None) -> None:
-    """Copy every planned tensor in place; on any failure restore all of them, then raise."""
+def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = None) -> list[torch.Tensor]:
+    """Copy every planned tensor in place; on any failure restore all of them, then raise.
+
+    Returns the backups (previous values, in ``copies`` order): a caller that must be able to undo
+    a successful update (a cluster replica, until every replica has applied) keeps them."""
     with torch.no_grad():
         try:
             backups = [_backup(c.target) for c in copies]
@@ -305,6 +308,7 @@ def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = 
                 f"copy failed at {failed.module}.{failed.name} after {done} of {len(copies)} tensors: "
                 f"{type(exc).__name__}: {exc}; the previous weights were restored"
             ) from exc
+    return backups
 
 
 def encoder_modules_touched(modules: Iterable[str]) -> bool:
