@@ -92,6 +92,18 @@ class ServerConfig(BaseModel):
         8, ge=1, description="most captured CUDA-graph shape buckets; other shapes run eager"
     )
 
+    # Replicas on Ray (diffusion_rollout.cluster); unset replicas = one process, Ray never imported
+    replicas: int | None = Field(
+        None, ge=1, description="engine replicas as Ray actors behind this front; unset = one process"
+    )
+    gpus_per_replica: float | None = Field(
+        None, ge=0, description="GPUs per replica (fractions share a GPU); unset = 1 on CUDA, 0 on CPU"
+    )
+    cpus_per_replica: float = Field(1.0, ge=0, description="CPU cores Ray reserves per replica")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join ('auto' = the local `ray start` one); unset = start Ray here"
+    )
+
     # Demo model
     cache_dir: str = Field(
         default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
@@ -134,6 +146,12 @@ class ServerConfig(BaseModel):
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().startswith("cuda") else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolved_gpus_per_replica(self) -> float:
+        """GPUs each replica asks Ray for: the set value, else 1 when the front sees CUDA, else 0."""
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        return 1.0 if self.resolved_device().startswith("cuda") else 0.0
 
     def limits(self) -> dict[str, object]:
         """The limits reported by ``/server_info``."""

@@ -104,3 +104,10 @@ class WeightApplyError(DiffusionRolloutError):
 
     status_code = 500
     error_type = "weight_update_failed"
+
+
+class ReplicasDivergedError(WeightApplyError):
+    """Replicas of a cluster no longer hold the same weights (a change failed on only some of them),
+    or their checksums differ. The message names the replicas."""
+
+    error_type = "replicas_diverged"

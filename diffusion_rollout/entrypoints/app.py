@@ -25,6 +25,7 @@ from diffusion_rollout.entrypoints.http_errors import error_body, install_error_
 from diffusion_rollout.entrypoints.routers import ROUTERS
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.server.engine import Engine
+from diffusion_rollout.server.engine_api import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,20 @@ logger = logging.getLogger(__name__)
 UPLOAD_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor", "/lora/load"})
 
 
-def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> FastAPI:
+def make_engine(config: ServerConfig) -> RolloutEngine:
+    """One process (the default), or replicas on Ray when ``config.replicas`` is set."""
+    if config.replicas is None:
+        return Engine(config)
+    # Imported only here: the single-process server never imports Ray.
+    from diffusion_rollout.cluster import ClusterEngine
+
+    return ClusterEngine(config)
+
+
+def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None = None) -> FastAPI:
     config = config or ServerConfig()
     owns_engine = engine is None
-    engine = engine or Engine(config)
+    engine = engine or make_engine(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -34,7 +34,9 @@ __all__ = ["WeightBroadcaster"]
 class WeightBroadcaster:
     """Trainer rank 0 of a weight-update process group joined by every server of ``client``.
 
-    ``init()`` makes server ``i`` join as rank ``1 + i`` of ``1 + len(client.urls)``; ``broadcast()``
+    ``init()`` makes server ``i`` join from rank ``1 + (ranks of the servers before it)``, where a
+    server has ``weight_update_ranks`` ranks (``/server_info``; one per replica behind a cluster
+    front, else 1), so every replica receives the one broadcast; ``broadcast()``
     announces the tensors to every server and broadcasts each one in order; ``destroy()`` leaves.
     ``backend="nccl"`` needs the tensors on this rank's GPU; ``"gloo"`` works on CPU tensors.
     Use as a context manager to destroy the group on exit.
@@ -58,8 +60,19 @@ class WeightBroadcaster:
         self.backend = backend
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else None
-        self.world_size = 1 + len(client.urls)
+        self.world_size = 1 + len(client.urls)  # until init() asks how many ranks each server has
+        self.rank_offsets = [1 + i for i in range(len(client.urls))]
         self.group: Any = None
+
+    def _layout(self) -> None:
+        """Ranks per server from ``/server_info`` (``weight_update_ranks``: a cluster front joins
+        with one rank per replica; a single server, or one that does not say, with one)."""
+        ranks = [
+            int(self.client.server_info(server=i).get("weight_update_ranks", 1))
+            for i in range(len(self.client.urls))
+        ]
+        self.rank_offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        self.world_size = 1 + sum(ranks)
 
     def _on_servers(
         self, fn
@@ -79,11 +92,12 @@ class WeightBroadcaster:
 
         if self.group is not None:
             raise RuntimeError("the group is already initialised")
+        self._layout()
         pool, futures = self._on_servers(
             lambda index: self.client.init_weights_update_group(
                 master_address=self.master_address,
                 master_port=self.master_port,
-                rank_offset=1 + index,
+                rank_offset=self.rank_offsets[index],
                 world_size=self.world_size,
                 group_name=self.group_name,
                 backend=self.backend,

@@ -1,0 +1,344 @@
+"""``ClusterEngine``: the single engine's interface (``server/engine_api.py``) over replicas on Ray.
+
+The FastAPI app and its routers are the single server's; only the engine behind them changes
+(``create_app`` builds this one when ``config.replicas`` is set).
+
+Design decisions:
+
+- **Ray only here.** ``ray`` is imported when a ``ClusterEngine`` starts, never by the
+  single-process server. ``start()`` joins ``config.ray_address`` (``auto`` = a cluster started
+  with ``ray start``), else starts a local Ray instance, unless the process already runs Ray
+  (tests, trainers), which it then leaves running on ``stop()``.
+- **Replicas.** ``config.replicas`` actors of :class:`~diffusion_rollout.cluster.replica.ReplicaServer`,
+  each with ``gpus_per_replica`` GPUs (default 1 on a CUDA machine, 0 on a CPU one) and
+  ``cpus_per_replica`` cores. Ray places them on any node of the cluster; the model path must be
+  readable on every node.
+- **Rollouts.** Each request goes whole to the replica with the least outstanding work
+  (``routing.LeastOutstanding``) and its results come back as the actor call's return value,
+  through Ray's object store. A client that leaves cancels the actor call, which drops its queued
+  work on the replica.
+- **Updates.** See ``cluster/weights.py``: fan-out to every replica, full weights in two phases,
+  the dispatch gate below held while replicas switch versions.
+- **Dispatch gate.** While a fan-out update commits, new rollouts wait at the front before being
+  sent anywhere (the single engine's queue barrier, lifted to the front): a request sent after an
+  update was accepted runs on the new weights whichever replica takes it, one sent before runs
+  entirely on the old ones (each replica's worker finishes its batch before applying).
+- **State the front owns.** ``weight_version`` (set after every update to the version all replicas
+  reported), ``status``, its own ``Metrics`` (HTTP responses, disconnects); ``metrics_text`` adds
+  every replica's series (``cluster/metrics_merge.py``) and ``replica_info`` lists the replicas.
+- **Faults (hooks).** A replica call that finds its actor dead answers 503 and marks the replica not
+  serving; restarting, re-syncing weights and retrying are left to ``Replica.state`` transitions
+  (see ``replica_died``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_work
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.errors import DiffusionRolloutError, ServiceUnavailableError
+from diffusion_rollout.server.engine_api import QueueStats
+from diffusion_rollout.server.metrics import Metrics
+from diffusion_rollout.server.params import GenerateParams, SampleResult
+
+logger = logging.getLogger(__name__)
+
+RAY_MISSING = "replicas need Ray: pip install 'diffusion-rollout[ray]'"
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the [ray] extra is not installed
+        raise RuntimeError(RAY_MISSING) from exc
+    return ray
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The project's exception a replica raised, out of Ray's wrapper; else ``exc``."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, DiffusionRolloutError):
+        return cause
+    if isinstance(exc, DiffusionRolloutError):
+        return exc
+    ray = import_ray()
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return ServiceUnavailableError(f"a replica died: {type(exc).__name__}")
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        return cause
+    return exc
+
+
+class DispatchGate:
+    """Open: rollouts are dispatched. Closed while a fan-out update switches the replicas' weights."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+
+    async def wait(self) -> None:
+        await self._open.wait()
+
+    @contextlib.asynccontextmanager
+    async def closed(self):
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+
+@dataclass
+class Replica:
+    """The front's handle on one replica actor."""
+
+    replica_id: int
+    actor: Any
+    load: Load
+    info: dict[str, Any] = field(default_factory=dict)
+    state: str = "serving"  # serving | dead (restart and re-sync are the fault-handling hooks)
+
+
+class ClusterEngine:
+    """Replicas of ``Engine`` as Ray actors behind one front; see the module docstring."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        if not config.replicas:
+            raise ValueError("ClusterEngine needs config.replicas >= 1")
+        self.config = config
+        self.status = "loading"
+        self.metrics = Metrics()
+        self.model_path: str | None = config.model
+        self.started_at = time.time()
+        self.last_generate_ok_at: float | None = None
+        self.replicas: list[Replica] = []
+        self.router = LeastOutstanding([])
+        self.gate = DispatchGate()
+        self.module_names: list[str] = []
+        self.updates_applied = 0
+        self.user_paused = False
+        self._weight_version: Any = 0
+        self._owns_ray = False
+        self._shutdown_deadline: float | None = None
+        self._admin_lock: asyncio.Lock | None = None
+        self._model_info: dict[str, Any] = {}
+        from diffusion_rollout.cluster.weights import ClusterWeights
+
+        self._weights = ClusterWeights(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    def replica_config(self) -> ServerConfig:
+        """What each replica's engine is configured with: the front's config on its own device."""
+        gpus = self.config.resolved_gpus_per_replica()
+        device = "cuda" if gpus > 0 else "cpu"
+        return self.config.model_copy(update={"replicas": None, "device": device, "ray_address": None})
+
+    def start(self) -> None:
+        """Blocking: start or join Ray, create the replicas, load the model on each."""
+        from diffusion_rollout.cluster.replica import replica_actor_class
+
+        ray = import_ray()
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False}
+            if self.config.ray_address:
+                kwargs["address"] = self.config.ray_address
+            ray.init(**kwargs)
+            self._owns_ray = True
+        gpus = self.config.resolved_gpus_per_replica()
+        if gpus > 1:
+            logger.warning("gpus_per_replica=%g: each engine runs on its first GPU only", gpus)
+        actor_cls = replica_actor_class(num_gpus=gpus, num_cpus=self.config.cpus_per_replica)
+        rcfg = self.replica_config()
+        n = self.config.replicas
+        logger.info(
+            "starting %d replicas (%g GPU, %g CPU each) on Ray", n, gpus, self.config.cpus_per_replica
+        )
+        actors = [actor_cls.remote(rcfg, i) for i in range(n)]
+        infos = ray.get([a.start.remote() for a in actors])
+        self.replicas = [
+            Replica(i, actor, Load(i), info)
+            for i, (actor, info) in enumerate(zip(actors, infos, strict=True))
+        ]
+        self.router = LeastOutstanding([r.load for r in self.replicas])
+        self.module_names = list(infos[0]["module_names"])
+        self._model_info = dict(infos[0]["model_info"])
+        self.status = "ready"
+        for info in infos:
+            logger.info(
+                "replica %d ready on %s (%s, pid %d)",
+                info["replica_id"],
+                info["node"],
+                info["device"],
+                info["pid"],
+            )
+
+    def begin_shutdown(self, grace_s: float | None = None) -> float:
+        if self._shutdown_deadline is None:
+            grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+            self._shutdown_deadline = time.monotonic() + grace
+            self.status = "stopping"
+        return self._shutdown_deadline
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain every replica until the shutdown deadline, end the actors (and Ray, if started here)."""
+        deadline = self.begin_shutdown(grace_s)
+        if not self.replicas:
+            return
+        ray = import_ray()
+        left = max(0.0, deadline - time.monotonic())
+        refs = [r.actor.stop.remote(left) for r in self.replicas if r.state != "dead"]
+        with contextlib.suppress(Exception):
+            ray.get(refs, timeout=left + 10)
+        for r in self.replicas:
+            with contextlib.suppress(Exception):
+                ray.kill(r.actor)
+        self.replicas = []
+        if self._owns_ray:
+            ray.shutdown()
+        logger.info("cluster stopped")
+
+    # ------------------------------------------------------------------ state
+    @property
+    def weight_version(self) -> Any:
+        return self._weight_version
+
+    def set_weight_version(self, version: Any) -> None:
+        """After an update every replica applied: the front's version is theirs."""
+        self._weight_version = version
+        self.updates_applied += 1
+        self.metrics.weight_updated()
+
+    @property
+    def admin_lock(self) -> asyncio.Lock:
+        # Created on first use, inside the serving event loop.
+        if self._admin_lock is None:
+            self._admin_lock = asyncio.Lock()
+        return self._admin_lock
+
+    def serving(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == "serving"]
+
+    def replica_died(self, replica: Replica, exc: BaseException) -> None:
+        """Hook: a call found the actor dead. It takes no rollouts until restarted and re-synced."""
+        if replica.state != "dead":
+            logger.error("replica %d died: %s", replica.replica_id, exc)
+        replica.state = "dead"
+        replica.load.serving = False
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            **self._model_info,
+            "devices": [r.info.get("device") for r in self.replicas],
+            "weight_version": self.weight_version,
+            "status": self.status,
+            "num_replicas": len(self.replicas),
+            # Ranks this front takes in a weight-update group (one per replica; WeightBroadcaster).
+            "weight_update_ranks": len(self.replicas),
+        }
+
+    def queue_stats(self) -> QueueStats:
+        # The front's view: requests dispatched and not answered (waiting or running on a replica).
+        outstanding = sum(r.load.requests for r in self.replicas)
+        return QueueStats(depth=outstanding, busy=outstanding > 0, paused=self.user_paused)
+
+    async def _each(self, replicas: list[Replica], call) -> list[Any]:
+        """``call(replica)`` (an ObjectRef) on each replica at once; results or exceptions, in order."""
+        refs = [call(r) for r in replicas]
+        return await asyncio.gather(*refs, return_exceptions=True)
+
+    async def replica_info(self) -> list[dict[str, Any]]:
+        live = [r for r in self.replicas if r.state != "dead"]
+        answers = await self._each(live, lambda r: r.actor.info.remote())
+        for r, a in zip(live, answers, strict=True):
+            if isinstance(a, BaseException):
+                self.replica_died(r, a)
+            else:
+                r.info = a
+        return [
+            {
+                "replica_id": r.replica_id,
+                "state": r.state,
+                "node": r.info.get("node"),
+                "node_id": r.info.get("node_id"),
+                "pid": r.info.get("pid"),
+                "device": r.info.get("device"),
+                "gpu_uuids": r.info.get("gpu_uuids", []),
+                "weight_version": r.info.get("weight_version"),
+                "status": r.info.get("status") if r.state != "dead" else "dead",
+                "queue_depth": r.info.get("queue_depth"),
+                "outstanding_requests": r.load.requests,
+                "served_requests": r.load.served,
+            }
+            for r in self.replicas
+        ]
+
+    async def metrics_text(self) -> str:
+        from diffusion_rollout.cluster.metrics_merge import merge
+
+        stats = self.queue_stats()
+        front = self.metrics.render(
+            queue_depth=stats.depth,
+            busy=stats.busy,
+            paused=stats.paused,
+            status=self.status,
+            weight_version=self.weight_version,
+        )
+        live = [r for r in self.replicas if r.state != "dead"]
+        texts = await self._each(live, lambda r: r.actor.metrics_text.remote())
+        pairs = [(str(r.replica_id), t) for r, t in zip(live, texts, strict=True) if isinstance(t, str)]
+        return merge(front, pairs)
+
+    def weights(self):
+        return self._weights
+
+    # ------------------------------------------------------------------ rollouts
+    def _check_ready(self) -> None:
+        if self.status == "loading":
+            raise ServiceUnavailableError("replicas are still loading")
+        if self.status == "released":
+            raise ServiceUnavailableError("model memory is released; POST /resume_memory_occupation first")
+        if self.status == "stopping":
+            raise ServiceUnavailableError("server is shutting down")
+        if self.status != "ready":
+            raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
+
+    async def _on_replica(self, work: int, call) -> Any:
+        """Dispatch ``call(replica)`` to the least loaded serving replica once the gate is open."""
+        await self.gate.wait()
+        replica = self.replicas[self.router.pick(work).replica_id]
+        ref = call(replica)
+        ok = False
+        try:
+            result = await ref
+            ok = True
+            return result
+        except asyncio.CancelledError:
+            # The client left: cancelling the actor call cancels the replica's wait, which drops
+            # its queued work (a running batch finishes, as in one process).
+            import_ray().cancel(ref)
+            raise
+        except Exception as exc:
+            err = unwrap(exc)
+            if isinstance(exc, import_ray().exceptions.RayActorError):
+                self.replica_died(replica, exc)
+            raise err from None
+        finally:
+            self.router.done(replica.load, work, ok)
+
+    async def generate(self, params: GenerateParams) -> list[SampleResult]:
+        self._check_ready()
+        work = request_work(params.num_outputs_per_prompt, params.seeds)
+        results = await self._on_replica(work, lambda r: r.actor.generate.remote(params))
+        self.last_generate_ok_at = time.time()
+        return results
+
+    async def readiness_probe(self) -> None:
+        self._check_ready()
+        await self._on_replica(1, lambda r: r.actor.readiness_probe.remote())
+        self.last_generate_ok_at = time.time()

@@ -1,0 +1,182 @@
+"""One replica: an ``Engine`` and its ``WeightManager`` inside a Ray actor.
+
+Design decisions:
+
+- :class:`ReplicaServer` is a plain class (no Ray import): the actor is made from it by
+  :func:`replica_actor_class`, which sets the resources (``num_gpus``, ``num_cpus``). Ray gives the
+  actor its GPU(s) through ``CUDA_VISIBLE_DEVICES``, so the engine's device is plain ``cuda``.
+  Trainers that place actors themselves (placement groups, colocated with training ranks) can use
+  the same class with their own ``.options(...)``.
+- It is an async actor: ``generate`` awaits the engine in the actor's event loop, so many rollouts
+  are in flight on one replica at once and the engine batches them exactly as in one process.
+  Blocking work (model load, shutdown) runs in threads so the loop keeps answering.
+- Results travel back as the method's return value, i.e. through Ray's object store; tensors are
+  returned as they are (CPU tensors), so the front's HTTP encoding is the single server's.
+- Weight operations: everything but full-weight updates is a plain call on the manager
+  (:meth:`ReplicaServer.manager_call`, a fixed list of names); full-weight updates go through
+  :class:`~diffusion_rollout.cluster.transactions.FullUpdateTransactions` (prepare / commit /
+  rollback / finish) so the front can apply them on all replicas or on none. Bytes the front put in
+  the object store once (HTTP uploads) arrive as the ``data`` argument: Ray resolves a top-level
+  ``ObjectRef`` argument to its value in this process.
+- Errors are the project's exceptions; Ray carries them to the front wrapped in ``RayTaskError``
+  and the front re-raises the original (``cluster.engine.unwrap``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any
+
+from diffusion_rollout.cluster.transactions import FullUpdateTransactions
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.engine import Engine
+from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.weights import get_weight_manager
+
+logger = logging.getLogger(__name__)
+
+# Manager methods the front may call on every replica as they are (no two-phase needed).
+MANAGER_CALLS = frozenset(
+    {
+        "upload_part",  # non-final parts only: they stage, they do not apply
+        "update_from_tensor",  # lora_merge payloads only (full weights go through prepare/commit)
+        "init_group",
+        "destroy_group",
+        "checksums",
+        "check_tensors",
+        "load_lora",
+        "activate_lora",
+        "set_lora_mode",
+        "unload_lora",
+        "describe_lora",
+        "pause_generation",
+        "continue_generation",
+        "release_memory",
+        "resume_memory",
+    }
+)
+# Which keyword a ``data`` argument fills, per method.
+DATA_KEYWORD = {"upload_part": "body", "load_lora": "data"}
+# Full-weight sources of ``prepare``.
+SOURCES = ("disk", "upload", "tensor", "distributed")
+
+
+def _gpu_uuids() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # not inside Ray (a plain ReplicaServer in a test)
+        return None
+
+
+class ReplicaServer:
+    """The body of a replica actor: one engine, its weight manager, two-phase full updates."""
+
+    def __init__(self, config: ServerConfig, replica_id: int) -> None:
+        self.replica_id = replica_id
+        self.config = config
+        self.engine = Engine(config)
+        self.manager = get_weight_manager(self.engine)
+        self.transactions = FullUpdateTransactions(self.manager)
+
+    # ------------------------------------------------------------------ lifecycle and state
+    async def start(self) -> dict[str, Any]:
+        """Load the model and start the worker; returns :meth:`info`."""
+        if self.engine.status == "loading":
+            await asyncio.to_thread(self.engine.start)
+        return self.info()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await asyncio.to_thread(self.engine.stop, grace_s)
+
+    def info(self) -> dict[str, Any]:
+        stats = self.engine.queue_stats()
+        ready = self.engine.adapter is not None
+        return {
+            "replica_id": self.replica_id,
+            "node": socket.gethostname(),
+            "node_id": _node_id(),
+            "pid": os.getpid(),
+            "device": self.engine.device,
+            "gpu_uuids": _gpu_uuids() if self.engine.device.startswith("cuda") else [],
+            "weight_version": self.engine.weight_version,
+            "status": self.engine.status,
+            "queue_depth": stats.depth,
+            "busy": stats.busy,
+            "paused": stats.paused,
+            "model_info": self.engine.model_info(),
+            "module_names": self.manager.module_names() if ready else [],
+        }
+
+    async def metrics_text(self) -> str:
+        return await self.engine.metrics_text()
+
+    # ------------------------------------------------------------------ rollouts
+    async def generate(self, params: GenerateParams) -> list[SampleResult]:
+        return await self.engine.generate(params)
+
+    async def readiness_probe(self) -> None:
+        await self.engine.readiness_probe()
+
+    # ------------------------------------------------------------------ weights
+    async def manager_call(self, method: str, kwargs: dict[str, Any], data: Any = None) -> Any:
+        if method not in MANAGER_CALLS:
+            raise WeightUpdateError(f"replica method {method!r} is not a fan-out operation")
+        if data is not None:
+            kwargs = {**kwargs, DATA_KEYWORD[method]: data}
+        return await getattr(self.manager, method)(**kwargs)
+
+    async def prepare(self, txn: str, source: str, kwargs: dict[str, Any], data: Any = None) -> str:
+        """Read a full-weight update from ``source`` and validate it; nothing is applied."""
+        m = self.manager
+        flush_cache = kwargs.pop("flush_cache", True)
+        if source == "disk":
+            payload = await m.disk_payload(kwargs["model_path"], kwargs.get("target_modules"))
+        elif source == "upload":
+            staged = await m.stage_upload_part(data, final=True, **kwargs)
+            payload = staged.payload
+        elif source == "tensor":
+            payload = await m.tensor_payload(**kwargs)
+        elif source == "distributed":
+            payload = await m.receive_distributed(**kwargs)
+        else:
+            raise WeightUpdateError(f"unknown update source {source!r}; one of {SOURCES}")
+        return await self.transactions.prepare(txn, payload, flush_cache=flush_cache)
+
+    async def commit(self, txn: str, weight_version: Any) -> Any:
+        return await self.transactions.commit(txn, weight_version)
+
+    async def rollback(self, txn: str) -> bool:
+        return await self.transactions.rollback(txn)
+
+    def finish(self, txn: str) -> None:
+        self.transactions.finish(txn)
+
+    def inject_copy_fault(self) -> None:
+        """Fault injection for tests: the next in-place weight copy on this replica raises once."""
+
+        def fail_once(module: str, name: str) -> None:
+            self.manager.before_copy = None
+            raise RuntimeError(f"injected copy fault at {module}.{name}")
+
+        self.manager.before_copy = fail_once
+
+
+def replica_actor_class(*, num_gpus: float, num_cpus: float, max_restarts: int = 0):
+    """``ReplicaServer`` as a Ray actor class with these resources (``.remote(config, replica_id)``)."""
+    import ray
+
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts)(ReplicaServer)

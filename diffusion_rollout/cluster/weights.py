@@ -1,0 +1,421 @@
+"""``ClusterWeights``: the weight-manager facade of a cluster; every operation reaches every replica.
+
+Design decisions:
+
+- **One at a time.** Operations are serialized by the front's admin lock (the single engine
+  serializes them on its worker), so a two-phase update never interleaves with another change.
+- **Versions chosen by the front.** Every changing operation carries an explicit
+  ``weight_version`` to the replicas: the trainer's, else the front's count of updates + 1. All
+  replicas therefore report the same version, which becomes the front's after the update.
+- **Full weights: all or nothing.** Disk, HTTP upload (final part), IPC tensors and broadcasts run
+  in two phases (``cluster/transactions.py``): every replica reads and validates (rollouts keep
+  running); if any refuses, none applies and the first refusal is the answer (400). Then, with the
+  dispatch gate closed, every replica applies; if one fails, the replicas that applied roll back
+  to the exact previous bytes and version, and the failure is the answer.
+- **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
+- **Other operations** (LoRA, pause, memory, groups, checks) fan out at once. They validate before
+  changing anything on each replica, and replicas hold the same model, so a refusal is the same
+  everywhere and nothing changes. A failure on only some replicas after others changed (a device
+  fault) leaves them apart: the answer is 500 naming the replicas, and ``/get_weights_checksum``
+  says which differ. Undoing LoRA changes across replicas is not implemented.
+- **Checksums** are read from every replica; if they differ the answer is 500 naming the replicas
+  and modules that disagree with replica 0.
+- **Update groups.** Replica ``i`` joins as ``rank_offset + i`` (``routing.replica_ranks``), all at
+  once since joining is collective; a broadcast is received by all replicas concurrently (prepare),
+  then applied in the commit phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from diffusion_rollout.cluster.routing import ipc_entry_for, replica_ranks
+from diffusion_rollout.errors import (
+    DiffusionRolloutError,
+    ReplicasDivergedError,
+    ServiceUnavailableError,
+    WeightApplyError,
+)
+from diffusion_rollout.server.weights.manager_core import validate_targets
+
+logger = logging.getLogger(__name__)
+
+Version = str | int | None
+
+
+def _first_error(results: Sequence[Any]) -> BaseException | None:
+    return next((r for r in results if isinstance(r, BaseException)), None)
+
+
+class ClusterWeights:
+    """Fan-out of every ``WeightOps`` call to the replicas of a ``ClusterEngine``."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def weight_version(self) -> Any:
+        return self.cluster.weight_version
+
+    def module_names(self) -> list[str]:
+        return list(self.cluster.module_names)
+
+    def targets(self, target_modules: Sequence[str] | None) -> list[str]:
+        return validate_targets(target_modules, self.cluster.module_names)
+
+    def result(self, message: str, **extra: Any) -> dict[str, Any]:
+        return {"success": True, "message": message, "weight_version": self.weight_version, **extra}
+
+    def _next_version(self, weight_version: Version) -> Any:
+        return weight_version if weight_version is not None else self.cluster.updates_applied + 1
+
+    def _replicas(self):
+        replicas = self.cluster.serving()
+        if not replicas or len(replicas) != len(self.cluster.replicas):
+            down = [r.replica_id for r in self.cluster.replicas if r.state != "serving"]
+            raise ServiceUnavailableError(
+                f"replica(s) {down} are not serving; weight operations need every replica"
+            )
+        return replicas
+
+    async def _gather(self, replicas, call) -> list[Any]:
+        from diffusion_rollout.cluster.engine import import_ray, unwrap
+
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        ray = import_ray()
+        out = []
+        for r, res in zip(replicas, results, strict=True):
+            if isinstance(res, ray.exceptions.RayActorError):
+                self.cluster.replica_died(r, res)
+            out.append(unwrap(res) if isinstance(res, BaseException) else res)
+        return out
+
+    @staticmethod
+    def _put(data: bytes | None):
+        if data is None:
+            return None
+        from diffusion_rollout.cluster.engine import import_ray
+
+        return import_ray().put(data)
+
+    async def _fanout(
+        self,
+        method: str,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        per_replica: Sequence[Mapping[str, Any]] | None = None,
+        data: bytes | None = None,
+        changes: bool = False,
+    ) -> list[Any]:
+        """``method(**kwargs)`` on every replica's manager; raises unless every replica succeeded."""
+        replicas = self._replicas()
+        ref = self._put(data)
+        args = per_replica or [kwargs or {}] * len(replicas)
+
+        async def run():
+            return await self._gather(
+                replicas, lambda r: r.actor.manager_call.remote(method, dict(args[r.replica_id]), ref)
+            )
+
+        if changes:
+            async with self.cluster.gate.closed():
+                results = await run()
+        else:
+            results = await run()
+        failed = [
+            (r.replica_id, res)
+            for r, res in zip(replicas, results, strict=True)
+            if isinstance(res, BaseException)
+        ]
+        if failed:
+            if len(failed) == len(replicas) or not changes:
+                raise failed[0][1]
+            ok = [
+                r.replica_id
+                for r, res in zip(replicas, results, strict=True)
+                if not isinstance(res, BaseException)
+            ]
+            raise ReplicasDivergedError(
+                f"{method} failed on replica(s) {[i for i, _ in failed]} ({failed[0][1]}) but succeeded on "
+                f"{ok}: the replicas now differ; repeat the operation or reload the weights"
+            )
+        return results
+
+    async def _changing(self, method: str, kwargs: dict[str, Any], *, data: bytes | None = None) -> dict:
+        """A version-bumping fan-out (LoRA changes): explicit version, front version set after."""
+        async with self.cluster.admin_lock:
+            version = self._next_version(kwargs.get("weight_version"))
+            results = await self._fanout(
+                method, {**kwargs, "weight_version": version}, data=data, changes=True
+            )
+            self.cluster.set_weight_version(version)
+        out = dict(results[0])
+        out["weight_version"] = self.weight_version
+        return out
+
+    async def _full(
+        self,
+        source: str,
+        per_replica: Sequence[dict[str, Any]],
+        *,
+        weight_version: Version,
+        flush_cache: bool,
+        data: bytes | None = None,
+    ) -> dict[str, Any]:
+        """Two-phase full-weight update on every replica (see the module docstring)."""
+        async with self.cluster.admin_lock:
+            replicas = self._replicas()
+            ref = self._put(data)
+            txn = uuid.uuid4().hex
+            try:
+                prepared = await self._gather(
+                    replicas,
+                    lambda r: r.actor.prepare.remote(
+                        txn, source, {**per_replica[r.replica_id], "flush_cache": flush_cache}, ref
+                    ),
+                )
+                refused = _first_error(prepared)
+                if refused is not None:
+                    raise refused
+                version = self._next_version(weight_version)
+                async with self.cluster.gate.closed():
+                    committed = await self._gather(replicas, lambda r: r.actor.commit.remote(txn, version))
+                    failed = [
+                        (r.replica_id, c)
+                        for r, c in zip(replicas, committed, strict=True)
+                        if isinstance(c, BaseException)
+                    ]
+                    if failed:
+                        await self._gather(replicas, lambda r: r.actor.rollback.remote(txn))
+                        rid, exc = failed[0]
+                        msg = getattr(exc, "message", str(exc))
+                        raise WeightApplyError(
+                            f"replica {rid} failed to apply the update ({msg}); every replica was rolled "
+                            f"back to version {self.weight_version}"
+                        ) from exc
+                    self.cluster.set_weight_version(version)
+            finally:
+                await self._gather(replicas, lambda r: r.actor.finish.remote(txn))
+        return self.result(f"{prepared[0]} on {len(replicas)} replicas")
+
+    # ------------------------------------------------------------------ full weights
+    async def update_from_disk(
+        self,
+        model_path: str,
+        target_modules: Sequence[str] | None,
+        *,
+        flush_cache: bool = True,
+        weight_version: Version = None,
+    ) -> dict[str, Any]:
+        targets = self.targets(target_modules)
+        kwargs = {"model_path": model_path, "target_modules": targets}
+        return await self._full(
+            "disk",
+            [kwargs] * len(self.cluster.replicas),
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+        )
+
+    async def upload_part(
+        self,
+        body: bytes,
+        *,
+        target_module: str,
+        weight_version: Version = None,
+        final: bool = True,
+        upload_id: str | None = None,
+        part: int | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        [target] = self.targets([target_module])
+        kwargs = {
+            "target_module": target,
+            "weight_version": weight_version,
+            "upload_id": upload_id,
+            "part": part,
+        }
+        if not final:
+            results = await self._fanout("upload_part", {**kwargs, "final": False}, data=body)
+            return results[0]
+        out = await self._full(
+            "upload",
+            [kwargs] * len(self.cluster.replicas),
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            data=body,
+        )
+        out["upload_id"] = upload_id or (str(weight_version) if weight_version is not None else "default")
+        return out
+
+    async def update_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        weight_update_mode: str | None = None,
+        lora_alpha: float | None = None,
+        lora_rank: int | None = None,
+        weight_version: Version = None,
+        payload_gpu_uuids: Sequence[str] | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        targets = self.targets(target_modules)
+        per_replica = []
+        for r in self.cluster.replicas:
+            entries, uuids = ipc_entry_for(
+                serialized_named_tensors, payload_gpu_uuids, r.info.get("gpu_uuids", [])
+            )
+            per_replica.append(
+                {
+                    "serialized_named_tensors": entries,
+                    "payload_gpu_uuids": uuids,
+                    "load_format": load_format,
+                    "target_modules": targets,
+                }
+            )
+        if weight_update_mode is None:
+            return await self._full(
+                "tensor", per_replica, weight_version=weight_version, flush_cache=flush_cache
+            )
+        async with self.cluster.admin_lock:
+            version = self._next_version(weight_version)
+            extra = {
+                "weight_update_mode": weight_update_mode,
+                "lora_alpha": lora_alpha,
+                "lora_rank": lora_rank,
+                "weight_version": version,
+                "flush_cache": flush_cache,
+            }
+            results = await self._fanout(
+                "update_from_tensor", per_replica=[{**p, **extra} for p in per_replica], changes=True
+            )
+            self.cluster.set_weight_version(version)
+        out = dict(results[0])
+        out["weight_version"] = self.weight_version
+        return out
+
+    # ------------------------------------------------------------------ update groups
+    async def init_group(self, **kwargs: Any) -> dict[str, Any]:
+        ranks = replica_ranks(kwargs["rank_offset"], kwargs["world_size"], len(self.cluster.replicas))
+        per_replica = [{**kwargs, "rank_offset": rank} for rank in ranks]
+        async with self.cluster.admin_lock:
+            await self._fanout("init_group", per_replica=per_replica)
+        return self.result(
+            f"replicas joined weight update group {kwargs['group_name']!r} as ranks {ranks[0]}..{ranks[-1]} "
+            f"of {kwargs['world_size']} ({kwargs['backend']})",
+            ranks=ranks,
+        )
+
+    async def update_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        target_modules: Sequence[str] | None = None,
+        weight_version: Version = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        kwargs = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "target_modules": target_modules,
+        }
+        return await self._full(
+            "distributed",
+            [kwargs] * len(self.cluster.replicas),
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+        )
+
+    async def destroy_group(self, group_name: str) -> dict[str, Any]:
+        async with self.cluster.admin_lock:
+            await self._fanout("destroy_group", {"group_name": group_name})
+        return self.result(f"replicas left weight update group {group_name!r}")
+
+    # ------------------------------------------------------------------ checks
+    async def checksums(
+        self, module_names: Sequence[str] | None, algorithm: str = "sglang"
+    ) -> dict[str, str]:
+        async with self.cluster.admin_lock:
+            sums = await self._fanout("checksums", {"module_names": module_names, "algorithm": algorithm})
+        reference = sums[0]
+        differ = {
+            r.replica_id: sorted(m for m in reference if s.get(m) != reference[m])
+            for r, s in zip(self.cluster.replicas, sums, strict=True)
+            if s != reference
+        }
+        if differ:
+            detail = "; ".join(f"replica {rid}: {', '.join(mods)}" for rid, mods in differ.items())
+            raise ReplicasDivergedError(f"replicas hold different weights than replica 0: {detail}")
+        return reference
+
+    async def check_tensors(self, target_module: str, expected: Mapping[str, str]) -> dict[str, Any]:
+        replicas = self._replicas()
+        results = await self._gather(
+            replicas,
+            lambda r: r.actor.manager_call.remote(
+                "check_tensors", {"target_module": target_module, "expected": dict(expected)}
+            ),
+        )
+        for r, res in zip(replicas, results, strict=True):
+            if isinstance(res, DiffusionRolloutError):
+                raise type(res)(f"replica {r.replica_id}: {res.message}", field=res.field)
+            if isinstance(res, BaseException):
+                raise res
+        return self.result(f"{results[0]['message']} on {len(replicas)} replicas")
+
+    # ------------------------------------------------------------------ LoRA
+    async def load_lora(self, *, data: bytes | None = None, **kwargs: Any) -> dict[str, Any]:
+        return await self._changing("load_lora", kwargs, data=data)
+
+    async def activate_lora(self, **kwargs: Any) -> dict[str, Any]:
+        return await self._changing("activate_lora", kwargs)
+
+    async def set_lora_mode(self, **kwargs: Any) -> dict[str, Any]:
+        return await self._changing("set_lora_mode", kwargs)
+
+    async def unload_lora(self, **kwargs: Any) -> dict[str, Any]:
+        return await self._changing("unload_lora", kwargs)
+
+    async def describe_lora(self) -> dict[str, Any]:
+        # Replicas apply the same changes in the same order; replica 0 speaks for all.
+        replica = self._replicas()[0]
+        [described] = await self._gather(
+            [replica], lambda r: r.actor.manager_call.remote("describe_lora", {})
+        )
+        if isinstance(described, BaseException):
+            raise described
+        return described
+
+    # ------------------------------------------------------------------ pause and memory
+    async def pause_generation(self) -> dict[str, Any]:
+        self.cluster.user_paused = True
+        await self._fanout("pause_generation")
+        return self.result("generation paused on every replica; queued requests wait")
+
+    async def continue_generation(self) -> dict[str, Any]:
+        self.cluster.user_paused = False
+        await self._fanout("continue_generation")
+        return self.result("generation continues on every replica")
+
+    async def release_memory(self) -> dict[str, Any]:
+        async with self.cluster.admin_lock:
+            results = await self._fanout("release_memory")
+            self.cluster.status = "released"
+        return self.result(f"replica 0: {results[0]['message']} (every replica released)")
+
+    async def resume_memory(self) -> dict[str, Any]:
+        async with self.cluster.admin_lock:
+            results = await self._fanout("resume_memory")
+            self.cluster.status = "ready"
+        return self.result(f"replica 0: {results[0]['message']} (every replica resumed)")

@@ -1,0 +1,294 @@
+"""Replicas on Ray behind the same FastAPI app: a local Ray instance, two tiny CPU replicas.
+
+Ray starts once for the module (2 CPUs, a small object store) and is always shut down. The
+single-process server of ``conftest.served`` is the reference for bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from diffusion_rollout import wire
+from diffusion_rollout.checksums import trainer_weights_checksum
+from tests.test_lora import adapter
+
+REPO = Path(__file__).resolve().parents[1]
+
+BODY = {
+    "prompt": "a red square",
+    "seed": 11,
+    "width": 32,
+    "height": 32,
+    "max_sequence_length": 16,
+    "num_inference_steps": 3,
+    "rollout_debug_mode": False,
+    "rollout_return_dit_trajectory": True,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path):
+    import ray
+    from fastapi.testclient import TestClient
+
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.app import create_app
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    engine = None
+    try:
+        config = ServerConfig(
+            model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=2, gpus_per_replica=0
+        )
+        engine = ClusterEngine(config)
+        engine.start()
+        app = create_app(config, engine=engine)
+        with TestClient(app) as client:
+            yield SimpleNamespace(engine=engine, client=client, ray=ray)
+    finally:
+        if engine is not None:
+            engine.stop(grace_s=5)
+        ray.shutdown()
+
+
+def generate(client, body: dict) -> list[dict]:
+    r = client.post("/rollout/generate", json=body, headers={"Accept": "application/msgpack"})
+    assert r.status_code == 200, r.text[:2000]
+    return wire.decode(r.content, r.headers["content-type"])
+
+
+def replicas(client) -> list[dict]:
+    info = client.get("/server_info").json()
+    return info["replicas"]
+
+
+def checksum(client) -> str:
+    r = client.post("/get_weights_checksum", json={"module_names": ["transformer"]})
+    assert r.status_code == 200, r.text
+    return r.json()["transformer"]
+
+
+def assert_same_output(a: dict, b: dict) -> None:
+    assert torch.equal(a["generated_output"], b["generated_output"])
+    assert torch.equal(a["rollout_log_probs"], b["rollout_log_probs"])
+    assert torch.equal(a["dit_trajectory"]["latents"], b["dit_trajectory"]["latents"])
+
+
+def assert_versions_agree(client) -> object:
+    info = client.get("/server_info").json()
+    versions = {r["weight_version"] for r in info["replicas"]}
+    assert versions == {info["weight_version"]}, info["replicas"]
+    return info["weight_version"]
+
+
+def test_single_process_app_does_not_import_ray(tiny_model_path):
+    code = (
+        "import sys\n"
+        "from diffusion_rollout.config import ServerConfig\n"
+        "from diffusion_rollout.entrypoints.app import create_app\n"
+        f"create_app(ServerConfig(model={str(tiny_model_path('sd3'))!r}, device='cpu'))\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+        "print('no ray')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "no ray" in out.stdout, out.stderr[-2000:]
+
+
+def test_server_info_lists_replicas(cluster):
+    info = cluster.client.get("/server_info").json()
+    assert info["weight_update_ranks"] == 2 and info["num_replicas"] == 2
+    assert [r["replica_id"] for r in info["replicas"]] == [0, 1]
+    assert len({r["pid"] for r in info["replicas"]}) == 2  # two processes
+    for r in info["replicas"]:
+        assert r["state"] == "serving" and r["status"] == "ready" and r["device"] == "cpu"
+        assert r["node"]
+    assert cluster.client.get("/health_generate").status_code == 200
+
+
+def test_outputs_are_bit_identical_to_the_single_process_server(cluster, served):
+    [reference] = served("sd3").generate(BODY)
+    before = [r["served_requests"] for r in replicas(cluster.client)]
+    # Two requests in a row: equal load, so the router alternates and each replica serves one.
+    outs = [generate(cluster.client, BODY)[0] for _ in range(2)]
+    after = [r["served_requests"] for r in replicas(cluster.client)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    for out in outs:
+        assert_same_output(out, reference)
+        assert out["weight_version"] == reference["weight_version"]
+
+
+def test_concurrent_rollouts_spread_over_both_replicas(cluster):
+    before = [r["served_requests"] for r in replicas(cluster.client)]
+    bodies = [{**BODY, "seed": 100 + i, "num_outputs_per_prompt": 2} for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda b: generate(cluster.client, b), bodies))
+    assert all(len(r) == 2 for r in results)
+    assert [o["seed"] for r in results for o in r] == [100 + i + k for i in range(8) for k in range(2)]
+    after = [r["served_requests"] for r in replicas(cluster.client)]
+    served_now = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served_now) == 8 and all(n > 0 for n in served_now), served_now
+    text = cluster.client.get("/metrics").text
+    assert 'diffusion_rollout_images_total{replica="0"}' in text
+    assert 'diffusion_rollout_images_total{replica="1"}' in text
+    total = next(line for line in text.splitlines() if line.startswith("diffusion_rollout_images_total "))
+    per = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("diffusion_rollout_images_total{replica=")
+    ]
+    assert float(total.split()[-1]) == sum(per) >= 16
+
+
+def test_full_update_fans_out_all_or_nothing(cluster, served):
+    client, engine = cluster.client, cluster.engine
+    reference = served("sd3").engine.pipe.transformer  # read only: names and shapes
+    params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    start_sum, start_version = checksum(client), assert_versions_agree(client)
+
+    # Refused by validation (a wrong shape): no replica changes.
+    name = next(iter(params))
+    bad = {name: torch.zeros(3, 3)}
+    r = client.post(
+        "/update_weights", content=save(bad), headers={"Content-Type": "application/octet-stream"}
+    )
+    assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+    assert checksum(client) == start_sum and assert_versions_agree(client) == start_version
+
+    # Valid everywhere, but replica 1 fails while copying: replica 0 rolls back too.
+    new = {
+        n: p + 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5))
+        for n, p in params.items()
+    }
+    cluster.ray.get(engine.replicas[1].actor.inject_copy_fault.remote())
+    r = client.post(
+        "/update_weights",
+        content=save(new),
+        params={"weight_version": "v-fail"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 500 and "replica 1" in r.json()["error"]["message"], r.text
+    assert checksum(client) == start_sum and assert_versions_agree(client) == start_version
+
+    # Applied on every replica: same bytes everywhere (checksum agreement), same version, and
+    # rollouts report it.
+    r = client.post(
+        "/update_weights",
+        content=save(new),
+        params={"weight_version": "v-new"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200 and r.json()["weight_version"] == "v-new", r.text
+    assert assert_versions_agree(client) == "v-new"
+    assert checksum(client) == trainer_weights_checksum(new.items(), torch.float32)
+    outs = [generate(client, BODY)[0] for _ in range(2)]
+    assert {o["weight_version"] for o in outs} == {"v-new"}
+    assert_same_output(outs[0], outs[1])
+
+    # Back to the original weights for the other tests.
+    r = client.post(
+        "/update_weights", content=save(params), headers={"Content-Type": "application/octet-stream"}
+    )
+    assert r.status_code == 200, r.text
+    assert checksum(client) == start_sum
+
+
+def test_lora_load_and_activate_fan_out(cluster):
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    import json
+
+    [base] = generate(client, BODY)
+    cfg, tensors = adapter("default", seed=4)
+
+    def described() -> list[dict]:
+        return ray.get([r.actor.manager_call.remote("describe_lora", {}) for r in engine.replicas])
+
+    # A payload that matches no layer is refused on every replica; nothing changes anywhere.
+    version = assert_versions_agree(client)
+    ghost = {"nowhere.lora_A.weight": torch.zeros(4, 8), "nowhere.lora_B.weight": torch.zeros(8, 4)}
+    r = client.post(
+        "/lora/load",
+        content=save(ghost, metadata={"peft_config": json.dumps(cfg)}),
+        params={"name": "ghost"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 400, r.text
+    assert assert_versions_agree(client) == version
+    assert all("ghost" not in d.get("transformer", {}).get("adapters", {}) for d in described())
+
+    r = client.post(
+        "/lora/load",
+        content=save(tensors, metadata={"peft_config": json.dumps(cfg)}),
+        params={"name": "default", "activate": "true", "weight_version": "lora-1"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200 and r.json()["weight_version"] == "lora-1", r.text
+    assert assert_versions_agree(client) == "lora-1"
+    d0, d1 = described()
+    assert d0 == d1 and d0["transformer"]["active"] == "default"
+    outs = [generate(client, BODY)[0] for _ in range(2)]  # one on each replica
+    assert_same_output(outs[0], outs[1])
+    assert not torch.equal(outs[0]["generated_output"], base["generated_output"])
+
+    r = client.post("/lora/unload", json={"name": "default", "weight_version": "lora-off"})
+    assert r.status_code == 200, r.text
+    assert assert_versions_agree(client) == "lora-off"
+    assert_same_output(generate(client, BODY)[0], base)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_gloo_update_group_reaches_both_replicas(cluster, served):
+    """The project's WeightBroadcaster as trainer rank 0 (this process); each replica joins."""
+    from diffusion_rollout.client import RolloutClient, WeightBroadcaster
+
+    client = cluster.client
+    reference = served("sd3").engine.pipe.transformer
+    params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    g = torch.Generator().manual_seed(21)
+    new = {n: p + 0.01 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    rc = RolloutClient("http://testserver", http_client=client)
+    errors: list[BaseException] = []
+    result = {}
+
+    def trainer() -> None:
+        try:
+            with WeightBroadcaster(
+                rc, master_address="127.0.0.1", master_port=_free_port(), backend="gloo", timeout_s=60
+            ) as b:
+                assert b.world_size == 3 and b.rank_offsets == [1]
+                result["out"] = b.broadcast(new, weight_version="bcast")
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "broadcast hung"
+    if errors:
+        raise errors[0]
+    assert result["out"].weight_version == "bcast"
+    assert assert_versions_agree(client) == "bcast"
+    assert checksum(client) == trainer_weights_checksum(new.items(), torch.float32)
+    # Restore for any later test.
+    r = client.post(
+        "/update_weights", content=save(params), headers={"Content-Type": "application/octet-stream"}
+    )
+    assert r.status_code == 200, r.text
