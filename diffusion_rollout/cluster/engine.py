@@ -242,6 +242,10 @@ class ClusterEngine:
             "weight_update_ranks": len(self.replicas),
         }
 
+    def speed_info(self) -> dict[str, Any]:
+        """The speed options in force on the replicas (all run the same config; replica 0's report)."""
+        return dict(self.replicas[0].info.get("speed", {})) if self.replicas else {}
+
     def queue_stats(self) -> QueueStats:
         # The front's view: requests dispatched and not answered (waiting or running on a replica).
         outstanding = sum(r.load.requests for r in self.replicas)

@@ -36,6 +36,7 @@ from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.engine import Engine
 from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.server.weights import get_weight_manager
+from diffusion_rollout.server.weights.receive import Lease, unpooled
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class ReplicaServer:
             "busy": stats.busy,
             "paused": stats.paused,
             "model_info": self.engine.model_info(),
+            "speed": self.engine.speed_info(),
             "module_names": self.manager.module_names() if ready else [],
         }
 
@@ -132,11 +134,20 @@ class ReplicaServer:
         await self.engine.readiness_probe()
 
     # ------------------------------------------------------------------ weights
+    def _lease(self, data: Any) -> Lease:
+        """Object-store bytes copied once into this replica's receive pool (pinned on CUDA)."""
+        view = memoryview(data).cast("B")
+        if not view.nbytes:
+            return unpooled(b"")
+        lease = self.manager.receive_buffers.lease(view.nbytes)
+        lease.writable()[:] = view
+        return lease
+
     async def manager_call(self, method: str, kwargs: dict[str, Any], data: Any = None) -> Any:
         if method not in MANAGER_CALLS:
             raise WeightUpdateError(f"replica method {method!r} is not a fan-out operation")
         if data is not None:
-            kwargs = {**kwargs, DATA_KEYWORD[method]: data}
+            kwargs = {**kwargs, DATA_KEYWORD[method]: self._lease(data)}
         return await getattr(self.manager, method)(**kwargs)
 
     async def prepare(self, txn: str, source: str, kwargs: dict[str, Any], data: Any = None) -> str:
@@ -146,8 +157,11 @@ class ReplicaServer:
         if source == "disk":
             payload = await m.disk_payload(kwargs["model_path"], kwargs.get("target_modules"))
         elif source == "upload":
-            staged = await m.stage_upload_part(data, final=True, **kwargs)
-            payload = staged.payload
+            staged = await m.stage_upload_part(self._lease(data), final=True, **kwargs)
+            # Staged parts were cast and checked finite on arrival; their buffers go back at finish.
+            return await self.transactions.prepare(
+                txn, staged.payload, flush_cache=flush_cache, finite_checked=True, on_finish=staged.release
+            )
         elif source == "tensor":
             payload = await m.tensor_payload(**kwargs)
         elif source == "distributed":

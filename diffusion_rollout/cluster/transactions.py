@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 class _Prepared:
     plan: UpdatePlan
     flush_cache: bool
+    on_finish: Callable[[], None] | None = None
 
 
 @dataclass
@@ -54,12 +56,31 @@ class FullUpdateTransactions:
         self.manager = manager
         self._prepared: dict[str, _Prepared] = {}
         self._applied: dict[str, _Applied] = {}
+        self._finishing: dict[str, Callable[[], None] | None] = {}
 
-    async def prepare(self, txn: str, payload: dict[str, list], *, flush_cache: bool) -> str:
-        """Validate ``{module: [(name, tensor)]}`` and keep the plan; returns its summary."""
-        self.manager.targets(list(payload))
-        plan = await self.manager._exclusive(lambda: plan_update(self.manager.engine.pipe, payload))
-        self._prepared[txn] = _Prepared(plan, flush_cache)
+    async def prepare(
+        self,
+        txn: str,
+        payload: dict[str, list],
+        *,
+        flush_cache: bool,
+        finite_checked: bool = False,
+        on_finish: Callable[[], None] | None = None,
+    ) -> str:
+        """Validate ``{module: [(name, tensor)]}`` and keep the plan; returns its summary.
+
+        ``finite_checked``: the tensors were checked finite already (staged upload parts);
+        ``on_finish`` runs when the transaction ends, whatever the outcome (gives buffers back)."""
+        try:
+            self.manager.targets(list(payload))
+            plan = await self.manager._exclusive(
+                lambda: plan_update(self.manager.engine.pipe, payload, check_finite=not finite_checked)
+            )
+        except BaseException:
+            if on_finish is not None:
+                on_finish()
+            raise
+        self._prepared[txn] = _Prepared(plan, flush_cache, on_finish)
         return plan.summary()
 
     def _merge_suspended(self, stack: contextlib.ExitStack, plan: UpdatePlan) -> None:
@@ -74,6 +95,7 @@ class FullUpdateTransactions:
             prepared = self._prepared.pop(txn, None)
             if prepared is None:
                 raise WeightUpdateError(f"no prepared update {txn!r} on this replica")
+            self._finishing[txn] = prepared.on_finish
             t0 = time.perf_counter()
             previous = self.manager.engine.weight_version
             with contextlib.ExitStack() as stack:
@@ -93,7 +115,9 @@ class FullUpdateTransactions:
         """Undo an applied update (exact previous bytes and version); False if none was applied."""
 
         def run() -> bool:
-            self._prepared.pop(txn, None)
+            prepared = self._prepared.pop(txn, None)
+            if prepared is not None:
+                self._finishing[txn] = prepared.on_finish
             applied = self._applied.pop(txn, None)
             if applied is None:
                 return False
@@ -116,6 +140,10 @@ class FullUpdateTransactions:
         return await self.manager._exclusive(run)
 
     def finish(self, txn: str) -> None:
-        """Forget the transaction (its kept previous values are freed)."""
-        self._prepared.pop(txn, None)
+        """Forget the transaction (its kept previous values are freed, its buffers given back)."""
+        prepared = self._prepared.pop(txn, None)
         self._applied.pop(txn, None)
+        on_finish = prepared.on_finish if prepared is not None else self._finishing.pop(txn, None)
+        self._finishing.pop(txn, None)
+        if on_finish is not None:
+            on_finish()

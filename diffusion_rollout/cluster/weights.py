@@ -41,6 +41,7 @@ from diffusion_rollout.errors import (
     WeightApplyError,
 )
 from diffusion_rollout.server.weights.manager_core import validate_targets
+from diffusion_rollout.server.weights.receive import BufferPool, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class ClusterWeights:
 
     def __init__(self, cluster) -> None:
         self.cluster = cluster
+        # Upload bodies are received here once (unpinned: the front holds no model), then put in
+        # the object store for the replicas and given back.
+        self.receive_buffers = BufferPool(pin=False, keep_bytes=cluster.config.upload_buffer_keep_bytes)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -96,11 +100,17 @@ class ClusterWeights:
         return out
 
     @staticmethod
-    def _put(data: bytes | None):
+    def _put(data: bytes | Lease | None):
+        """Bytes (or a receive buffer, given back here) into the object store once, for every replica."""
         if data is None:
             return None
         from diffusion_rollout.cluster.engine import import_ray
 
+        if isinstance(data, Lease):
+            try:
+                return import_ray().put(data.data.numpy())
+            finally:
+                data.release()
         return import_ray().put(data)
 
     async def _fanout(
@@ -109,7 +119,7 @@ class ClusterWeights:
         kwargs: Mapping[str, Any] | None = None,
         *,
         per_replica: Sequence[Mapping[str, Any]] | None = None,
-        data: bytes | None = None,
+        data: bytes | Lease | None = None,
         changes: bool = False,
     ) -> list[Any]:
         """``method(**kwargs)`` on every replica's manager; raises unless every replica succeeded."""
@@ -146,7 +156,9 @@ class ClusterWeights:
             )
         return results
 
-    async def _changing(self, method: str, kwargs: dict[str, Any], *, data: bytes | None = None) -> dict:
+    async def _changing(
+        self, method: str, kwargs: dict[str, Any], *, data: bytes | Lease | None = None
+    ) -> dict:
         """A version-bumping fan-out (LoRA changes): explicit version, front version set after."""
         async with self.cluster.admin_lock:
             version = self._next_version(kwargs.get("weight_version"))
@@ -165,7 +177,7 @@ class ClusterWeights:
         *,
         weight_version: Version,
         flush_cache: bool,
-        data: bytes | None = None,
+        data: bytes | Lease | None = None,
     ) -> dict[str, Any]:
         """Two-phase full-weight update on every replica (see the module docstring)."""
         async with self.cluster.admin_lock:
@@ -223,7 +235,7 @@ class ClusterWeights:
 
     async def upload_part(
         self,
-        body: bytes,
+        body: bytes | Lease,
         *,
         target_module: str,
         weight_version: Version = None,
@@ -375,7 +387,7 @@ class ClusterWeights:
         return self.result(f"{results[0]['message']} on {len(replicas)} replicas")
 
     # ------------------------------------------------------------------ LoRA
-    async def load_lora(self, *, data: bytes | None = None, **kwargs: Any) -> dict[str, Any]:
+    async def load_lora(self, *, data: bytes | Lease | None = None, **kwargs: Any) -> dict[str, Any]:
         return await self._changing("load_lora", kwargs, data=data)
 
     async def activate_lora(self, **kwargs: Any) -> dict[str, Any]:
