@@ -7,10 +7,10 @@ Design decisions:
   as Prometheus wants: first the totals with the labels the single server uses (so dashboards
   written for one process keep working), then each replica's samples with ``replica="<id>"`` added.
   Sum over the ``replica`` label, or read the unlabelled total; never add the two.
-- Totals: counters, histograms and additive gauges (queue depth, busy, images per second) are the
-  sum over replicas plus the front's own series (the front records HTTP responses and client
-  disconnects). State gauges (status, paused, uptime, weight_version) come from the front, which
-  owns them for the cluster.
+- Totals: counters and histograms are the sum over replicas plus the front's own series (the front
+  records HTTP responses and client disconnects); additive gauges (queue depth, busy, images per
+  second) are the sum over replicas. State gauges (status, paused, uptime, weight_version) come
+  from the front, which owns them for the cluster.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ def merge(front_text: str, replica_texts: Sequence[tuple[str, str]]) -> str:
         if name in FRONT_GAUGES and name in front:
             totals = dict(front[name].samples)
         else:
-            totals: dict[tuple[str, str], float] = dict(front[name].samples) if name in front else {}
+            # Counters and histograms: the front's events plus the replicas'. Other gauges (queue
+            # depth, busy, images/s) describe the replicas' work: their sum alone.
+            counted = base.kind != "gauge" and name in front
+            totals: dict[tuple[str, str], float] = dict(front[name].samples) if counted else {}
             for _, fams in replicas:
                 for key, value in fams[name].samples.items() if name in fams else ():
                     totals[key] = totals.get(key, 0.0) + value
