@@ -295,7 +295,7 @@ def test_every_admin_call_against_the_real_app(fresh_server, tiny_model_path, tm
     assert c.get_weights_checksum(["transformer"])["transformer"] == before
     name, param = next(iter(server.engine.pipe.transformer.named_parameters()))
     new = {name: torch.full_like(param, 0.25)}
-    res = c.update_weights(save(new), weight_version="up-1")
+    res = c.update_weights(save(new), weight_version="up-1", partial=True)
     assert res.weight_version == "up-1" and c.model_info()["weight_version"] == "up-1"
     from diffusion_rollout.checksums import tensor_sha256
 
@@ -372,9 +372,13 @@ def test_several_servers_round_robin_rollouts_and_broadcast_updates(fresh_server
         c = AsyncRolloutClient(["http://one", "http://two"], http_client=http)
         # Pin one server to a version, then see rollouts alternate between the two.
         name, param = next(iter(one.engine.pipe.transformer.named_parameters()))
-        await c.update_weights(save({name: param.detach().clone()}), weight_version="only-one", server=0)
+        await c.update_weights(
+            save({name: param.detach().clone()}), weight_version="only-one", server=0, partial=True
+        )
         seen = [(await c.generate("x", rollout=False, **SMALL))[0].weight_version for _ in range(4)]
-        both = await c.update_weights(save({name: param.detach().clone()}), weight_version="both")
+        both = await c.update_weights(
+            save({name: param.detach().clone()}), weight_version="both", partial=True
+        )
         versions = [(await c.model_info(server=i))["weight_version"] for i in (0, 1)]
         sums = [await c.get_weights_checksum(["transformer"], server=i) for i in (0, 1)]
         # Async admin calls: pause/continue, LoRA listing, activation of nothing, release/resume.
@@ -519,7 +523,9 @@ def test_async_admin_calls_against_the_real_app(fresh_server, tiny_model_path):
             assert (await c.check_weights("transformer", {name: tensor_sha256(new)}))["success"]
             with pytest.raises(ServerWeightUpdateError, match="mismatch"):
                 await c.check_weights("transformer", {name: "f" * 64})
-            res = await c.update_weights(save({name: param.detach().clone()}), weight_version="upload")
+            res = await c.update_weights(
+                save({name: param.detach().clone()}), weight_version="upload", partial=True
+            )
             assert res.weight_version == "upload"
             assert (await c.lora_load("a", data=adapter, activate=True)).success
             assert (await c.lora_list())["modules"]["transformer"]["active"] == "a"

@@ -7,9 +7,11 @@ server pulled: "memory flat" means the server never asked for the body.
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import unquote
 
 import httpx
 import pytest
+from safetensors.torch import save
 
 from tests.conftest import ServedModel
 
@@ -74,3 +76,72 @@ def test_body_limits_match_exact_routes(keyed):
         keyed.app, "/update_weights_from_disk", chunks=limit // len(CHUNK) + 2, headers={**ADMIN}
     )
     assert status == 413 and "max_body_bytes" in payload["error"]["message"]
+
+
+def test_unicode_weight_version_travels_safely(fresh_server):
+    server = fresh_server("sd3")
+    version = "步骤-7 ✓ naïve\r\nX-Injected: 1"
+    name, param = next(iter(server.engine.pipe.transformer.named_parameters()))
+    r = server.client.post(
+        "/update_weights",
+        params={"weight_version": version, "partial": "true"},
+        content=save({name: param.detach() + 1}),
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == version
+    r = server.client.post("/get_weights_checksum", json={})
+    assert r.status_code == 200, r.text
+    assert set(r.json()) >= {"transformer", "vae"}
+    assert "x-injected" not in r.headers
+    assert unquote(r.headers["x-weight-version"]) == version
+    assert server.client.get("/metrics").status_code == 200
+    [out] = server.generate(
+        {"prompt": "a cat", "seed": 1, "num_inference_steps": 2, "rollout_sde_type": "sde"}
+    )
+    assert out["weight_version"] == version
+
+
+def test_a_full_upload_names_every_parameter_unless_partial(fresh_server):
+    server = fresh_server("sd3")
+    named = dict(server.engine.pipe.transformer.named_parameters())
+    half = {n: p.detach() + 1 for n, p in list(named.items())[:40]}
+    before = checksum(server)
+    r = server.client.post("/update_weights", params={"weight_version": "half"}, content=save(half))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"transformer has {len(named)} parameters, {len(named) - 40} not sent" in message
+    assert "partial=true" in message
+    assert checksum(server) == before
+    r = server.client.post(
+        "/update_weights", params={"weight_version": "half", "partial": "true"}, content=save(half)
+    )
+    assert r.status_code == 200, r.text
+    assert checksum(server) != before
+
+
+def test_a_refused_part_aborts_its_upload(fresh_server):
+    server = fresh_server("sd3")
+    named = {n: p.detach() + 1 for n, p in server.engine.pipe.transformer.named_parameters()}
+    names = list(named)
+    before = checksum(server)
+    first = {n: named[n] for n in names[:40]}
+    ok = server.client.post(
+        "/update_weights", params={"upload_id": "u", "part": 0, "final": "false"}, content=save(first)
+    )
+    assert ok.status_code == 200, ok.text
+    bad = server.client.post(
+        "/update_weights", params={"upload_id": "u", "part": 1}, content=b"not safetensors"
+    )
+    assert bad.status_code == 400
+    # The client starts the commit again from part 0, final: refused, even as an explicit partial.
+    again = server.client.post(
+        "/update_weights", params={"upload_id": "u", "part": 0, "partial": "true"}, content=save(first)
+    )
+    assert again.status_code == 400 and "upload 'u' was aborted" in again.json()["error"]["message"]
+    assert checksum(server) == before
+
+
+def checksum(server) -> str:
+    return server.client.post("/get_weights_checksum", json={"module_names": ["transformer"]}).json()[
+        "transformer"
+    ]

@@ -214,7 +214,7 @@ def test_bad_uploads_are_400_naming_the_problem_and_change_nothing(fresh_server)
         400,
     )
     assert "missing parts [1]" in msg
-    # A part that fails drops its whole upload: the rest of it cannot be completed.
+    # A part that fails aborts its whole upload: no later part of it is accepted, not even part 0.
     upload(server, {n: master[n] for n in names[:10]}, final="false", upload_id="u3", part=0)
     error_of(
         server.client.post(
@@ -230,7 +230,11 @@ def test_bad_uploads_are_400_naming_the_problem_and_change_nothing(fresh_server)
         ),
         400,
     )
-    assert "no staged upload 'u3'" in msg
+    assert "upload 'u3' was aborted (part 1 failed" in msg
+    retry = server.client.post(
+        "/update_weights", content=save(master), params={"upload_id": "u3", "part": 0, "partial": "true"}
+    )
+    assert "upload 'u3' was aborted" in error_of(retry, 400)
 
     assert checksum(server) == original
     img1, version = ode_image(server)

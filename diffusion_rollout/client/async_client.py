@@ -241,8 +241,11 @@ class AsyncRolloutClient(_ClientBase):
         flush_cache: bool = True,
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,
+        partial: bool = False,
     ) -> UpdateResult:
-        call = _upload_call(data, target_module, weight_version, final, upload_id, part, flush_cache, timeout)
+        call = _upload_call(
+            data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
+        )
         return await self._all(call, server)
 
     async def update_weights_from_tensor(

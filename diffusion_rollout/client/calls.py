@@ -160,7 +160,9 @@ def _disk_call(model_path, target_modules, flush_cache, weight_version, timeout)
     return _Call("POST", "/update_weights_from_disk", "admin", "never", json=body, timeout=timeout)
 
 
-def _upload_call(data, target_module, weight_version, final, upload_id, part, flush_cache, timeout) -> _Call:
+def _upload_call(
+    data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial=False
+) -> _Call:
     params = _drop_none(
         {
             "target_module": target_module,
@@ -169,6 +171,7 @@ def _upload_call(data, target_module, weight_version, final, upload_id, part, fl
             "upload_id": upload_id,
             "part": part,
             "flush_cache": _bool(flush_cache),
+            "partial": _bool(True) if partial else None,  # absent = a full update (the server default)
         }
     )
     return _octet_call("/update_weights", data, params, timeout)

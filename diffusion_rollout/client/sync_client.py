@@ -303,10 +303,13 @@ class RolloutClient(_ClientBase):
         flush_cache: bool = True,
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,
+        partial: bool = False,
     ) -> UpdateResult:
         """One part of an HTTP weight upload (safetensors bytes); see ``client.weights.push_weights``."""
         return self._all(
-            _upload_call(data, target_module, weight_version, final, upload_id, part, flush_cache, timeout),
+            _upload_call(
+                data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
+            ),
             server,
         )
 

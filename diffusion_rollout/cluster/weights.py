@@ -243,6 +243,7 @@ class ClusterWeights:
         upload_id: str | None = None,
         part: int | None = None,
         flush_cache: bool = True,
+        partial: bool = False,
     ) -> dict[str, Any]:
         [target] = self.targets([target_module])
         kwargs = {
@@ -250,6 +251,7 @@ class ClusterWeights:
             "weight_version": weight_version,
             "upload_id": upload_id,
             "part": part,
+            "partial": partial,
         }
         if not final:
             results = await self._fanout("upload_part", {**kwargs, "final": False}, data=body)

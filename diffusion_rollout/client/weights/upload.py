@@ -125,11 +125,14 @@ def push_weights(
     verify: bool = True,
     server: int | None = None,
     timeout: float | None = None,
+    partial: bool = False,
 ) -> UpdateResult:
     """Upload full weights over HTTP in bounded parts and apply them atomically with the last one.
 
     ``named_tensors`` is a state dict, an iterator of ``(name, tensor)`` (e.g. FSDP-gathered) or a
-    module (its base parameters). Names may carry the ``"<target_module>."`` prefix. With ``verify``
+    module (its base parameters). Names may carry the ``"<target_module>."`` prefix. The server
+    applies the push only if it names every parameter of the module, unless ``partial=True`` (then
+    exactly the tensors sent are applied). With ``verify``
     the server checks every tensor's SHA-256 afterwards (raises :class:`ChecksumMismatchError`).
     """
     cast_to = resolve_dtype(client, dtype, server=server or 0)
@@ -149,6 +152,7 @@ def push_weights(
             flush_cache=flush_cache,
             server=server,
             timeout=timeout,
+            partial=partial,
         )
         manifest.update(part.sha256)
         total += part.num_bytes

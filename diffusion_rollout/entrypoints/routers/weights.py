@@ -3,8 +3,8 @@
 Thin: each route parses its body with a pydantic model (unknown fields are a 422), hands the values
 to the engine's ``WeightManager`` and answers ``{"success": true, "message", "weight_version"}``
 (``/get_weights_checksum`` answers SGLang's ``{module: sha256_hex}`` and puts the version in the
-``X-Weight-Version`` header). Failures are the project's exceptions: 400 with the names that
-failed, 404 for an unknown module or group, 500 after a rolled-back copy.
+``X-Weight-Version`` header, percent-encoded UTF-8). Failures are the project's exceptions: 400
+with the names that failed, 404 for an unknown module or group, 500 after a rolled-back copy.
 
 ``POST /update_weights`` takes the safetensors bytes as the raw body
 (``Content-Type: application/octet-stream``) and these query parameters:
@@ -14,10 +14,15 @@ failed, 404 for an unknown module or group, 500 after a rolled-back copy.
 - ``final`` (default true): apply everything staged under this upload now;
 - ``upload_id`` (default: ``weight_version``, else ``default``): groups the parts of one update;
 - ``part`` (optional, 0-based): numbered parts make a missing part detectable at the final one;
-- ``flush_cache`` (default true): also clear the prompt-encoding cache.
+- ``flush_cache`` (default true): also clear the prompt-encoding cache;
+- ``partial`` (default false, read on the final part): without it a final part applies only when
+  the upload names every parameter of each module it targets (a full update); ``partial=true``
+  applies exactly the tensors sent.
 
 A large update sends ``final=false`` parts, then the last one with ``final=true``; parts may target
-different modules, and everything is validated and applied together, or nothing is. Non-final parts
+different modules, and everything is validated and applied together, or nothing is. A refused part
+aborts its upload: later parts under that ``upload_id`` are refused too, so a client never commits
+half of what it meant to send. Non-final parts
 of one upload may arrive concurrently (each is checked while the next is received); the final part
 must come last. The body is read straight into a reused buffer (``upload_stream.py``).
 """
@@ -25,6 +30,7 @@ must come last. The body is read straight into a reused buffer (``upload_stream.
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -109,7 +115,7 @@ async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request
     )
 
 
-_UPLOAD_QUERY = {"target_module", "weight_version", "final", "upload_id", "part", "flush_cache"}
+_UPLOAD_QUERY = {"target_module", "weight_version", "final", "upload_id", "part", "flush_cache", "partial"}
 
 
 @router.post("/update_weights")
@@ -121,6 +127,7 @@ async def update_weights(
     upload_id: str | None = None,
     part: int | None = None,
     flush_cache: bool = True,
+    partial: bool = False,
 ) -> dict:
     unknown = sorted(set(request.query_params) - _UPLOAD_QUERY)
     if unknown:
@@ -141,6 +148,7 @@ async def update_weights(
         upload_id=upload_id,
         part=part,
         flush_cache=flush_cache,
+        partial=partial,
     )
 
 
@@ -180,7 +188,9 @@ async def get_weights_checksum(request: Request, body: ChecksumRequest | None = 
     body = body or ChecksumRequest()
     manager = _manager(request)
     sums = await manager.checksums(body.module_names, body.algorithm)
-    return JSONResponse(sums, headers={"X-Weight-Version": str(manager.weight_version)})
+    # Any string is a valid version; a header carries Latin-1 only, so it travels percent-encoded (UTF-8).
+    version = quote(str(manager.weight_version), safe="")
+    return JSONResponse(sums, headers={"X-Weight-Version": version})
 
 
 @router.post("/update_weights_from_tensor_checker")

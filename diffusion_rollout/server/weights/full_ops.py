@@ -12,6 +12,10 @@ Design decisions:
   A failure anywhere leaves the old weights.
 - **Slow I/O off the worker.** Reading files, parsing safetensors bodies and receiving broadcasts
   happen before, in threads, so rollouts keep running meanwhile; only the copies run exclusively.
+- **A full upload is full.** The final part of an HTTP upload applies only if the upload names
+  every parameter of each module it targets (buffers optional), unless it says ``partial=true``.
+  SGLang's transports (tensor payloads, broadcasts, disk) stay per-call subsets, as SGLang trainers
+  stream them bucket by bucket; each call is atomic by itself.
 - **Uploads all or nothing.** A failing part (numbering included) drops its whole upload from the
   staging area; nothing of it is applied. Tensor specs of a module are read once and cached.
 - **Uploads without copies.** A part arrives in a pooled receive buffer (``receive.py``); its
@@ -37,7 +41,7 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.checksums import ALGORITHMS, module_checksum, tensor_sha256
+from diffusion_rollout.checksums import ALGORITHMS, base_named_parameters, module_checksum, tensor_sha256
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.receive import Lease, unpooled
@@ -85,6 +89,20 @@ def read_disk_update(model_path: str, targets: Sequence[str]) -> dict[str, list[
                 raise WeightUpdateError(f"cannot read {path}: {exc}", field="model_path") from exc
         out[module] = pairs
     return out
+
+
+def missing_parameters(pipe, staged: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[list[str], int]]:
+    """``{module: (parameter names not in staged[module], number of parameters)}`` where any are missing.
+
+    Parameters only: buffers may be sent but a trainer's state dict of parameters is a full update.
+    """
+    gaps = {}
+    for module, tensors in staged.items():
+        names = [n for n, _ in base_named_parameters(get_module(pipe, module))]
+        lacking = [n for n in names if n not in tensors]
+        if lacking:
+            gaps[module] = (lacking, len(names))
+    return gaps
 
 
 def parse_safetensors(body: bytes) -> dict[str, torch.Tensor]:
@@ -191,11 +209,12 @@ class FullWeightOps(ManagerCore):
         upload_id: str | None = None,
         part: int | None = None,
         flush_cache: bool = True,
+        partial: bool = False,
     ) -> dict[str, Any]:
         """Stage one safetensors part (``body``: bytes, or a receive buffer this call then owns)."""
         staged = await self.stage_upload_part(
             body, target_module=target_module, weight_version=weight_version, final=final,
-            upload_id=upload_id, part=part,
+            upload_id=upload_id, part=part, partial=partial,
         )  # fmt: skip
         if staged.payload is None:
             return staged.result
@@ -218,6 +237,7 @@ class FullWeightOps(ManagerCore):
         final: bool = True,
         upload_id: str | None = None,
         part: int | None = None,
+        partial: bool = False,
     ) -> StagedPart:
         """Validate and stage one part; after the final part the whole upload comes back, not applied
         (its tensors already cast and checked finite; call ``release()`` once they are applied)."""
@@ -246,7 +266,12 @@ class FullWeightOps(ManagerCore):
                 upload = self.staging.add_part(uid, part, module, tensors, lease if keep else None)
                 kept = keep
             except Exception as exc:
-                dropped = self.staging.discard(uid, f"part {part if part is not None else '?'} failed: {exc}")
+                # A refused part of a multi-part upload aborts it: its later parts are refused too.
+                dropped = self.staging.discard(
+                    uid,
+                    f"part {part if part is not None else '?'} failed: {exc}",
+                    abort=not final or bool(part),
+                )
                 if dropped and isinstance(exc, WeightUpdateError):
                     raise WeightUpdateError(
                         f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
@@ -269,6 +294,20 @@ class FullWeightOps(ManagerCore):
             )
         del tensors
         complete = self.staging.take_complete(uid, part)
+        if not partial:
+            gaps = await self._exclusive(lambda: missing_parameters(self.engine.pipe, complete.tensors))
+            if gaps:
+                complete.release()
+                raise WeightUpdateError(
+                    f"upload {uid!r} is not a full update: "
+                    + "; ".join(
+                        f"{m} has {total} parameters, {len(lacking)} not sent ({describe_names(lacking)})"
+                        for m, (lacking, total) in gaps.items()
+                    )
+                    + ". Nothing was applied: send every parameter, or add partial=true to apply only "
+                    "the tensors sent",
+                    field="partial",
+                )
         return StagedPart(
             uid, {m: list(t.items()) for m, t in complete.tensors.items()}, None, complete.release
         )

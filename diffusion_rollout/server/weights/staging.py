@@ -9,7 +9,10 @@ Design decisions:
   ``final=true`` hands the whole upload to the update core, which validates again against the live
   model and applies everything at once: atomic across parts and across modules.
 - A part that fails validation fails its whole upload: the upload is dropped, nothing is applied,
-  and later parts of it are refused until the client starts over.
+  and the id is remembered as aborted for ``ttl_s``: every later part of it is refused (a client
+  that sends part 0 with ``final=true`` after part 1 was refused must not commit half a model).
+  A failed lone part (``final=true``, part 0 or unnumbered, nothing staged) aborts nothing, so a
+  single-part update under the default id can simply be sent again.
 - Optional part numbers (``part=0,1,...``) make gaps detectable: the final part ``k`` requires
   parts ``0..k`` exactly. Unnumbered parts are accepted in arrival order.
 - Memory is bounded by construction: a name may be staged once per upload, so an upload holds at
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_UPLOADS = 2
+MAX_ABORTED = 1024  # aborted upload ids remembered (the oldest are forgotten first)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class StagingArea:
         self.max_uploads = max_uploads
         self._clock = clock
         self._uploads: dict[str, Upload] = {}
+        self._aborted: dict[str, tuple[str, float]] = {}  # upload id -> (why, when): refused for ttl_s
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ queries
@@ -110,6 +115,13 @@ class StagingArea:
         """The upload this part belongs to (created on its first part); checks the part number."""
         with self._lock:
             self._sweep_locked()
+            aborted = self._aborted.get(upload_id)
+            if aborted is not None:
+                raise WeightUpdateError(
+                    f"upload {upload_id!r} was aborted ({aborted[0]}); its remaining parts are refused. "
+                    "Nothing of it was applied: send the whole update again under a new upload_id",
+                    field="upload_id",
+                )
             upload = self._uploads.get(upload_id)
             if upload is None:
                 if part is not None and part > 0:
@@ -201,9 +213,14 @@ class StagingArea:
                 )
         return upload
 
-    def discard(self, upload_id: str, reason: str) -> bool:
+    def discard(self, upload_id: str, reason: str, *, abort: bool = False) -> bool:
+        """Drop an upload; ``abort`` (or parts already staged) also refuses its later parts for ``ttl_s``."""
         with self._lock:
             upload = self._uploads.pop(upload_id, None)
+            if abort or (upload is not None and upload.num_parts > 0):
+                while len(self._aborted) >= MAX_ABORTED:
+                    del self._aborted[next(iter(self._aborted))]
+                self._aborted[upload_id] = (reason[:200], self._clock())
         if upload is not None:
             logger.warning("dropped staged upload %r (%d tensors): %s", upload_id, upload.num_tensors, reason)
             upload.release()
@@ -212,6 +229,9 @@ class StagingArea:
     # ------------------------------------------------------------------ bounds
     def _sweep_locked(self) -> None:
         now = self._clock()
+        for uid, (_, when) in list(self._aborted.items()):
+            if now - when > self.ttl_s:
+                del self._aborted[uid]
         for uid, upload in list(self._uploads.items()):
             if now - upload.touched_at > self.ttl_s:
                 del self._uploads[uid]
