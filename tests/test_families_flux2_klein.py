@@ -222,3 +222,37 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
     r = served(FAMILY).generate(body(**extra), expect=400)
     err = r.json()["error"]
     assert err["code"] == 400 and needle in err["message"], err
+
+
+def test_distilled_checkpoint_runs_no_cfg_whatever_guidance_scale_says(tiny_model_path, tmp_path):
+    """``is_distilled: true`` (FLUX.2-klein-4B): one call per step, 4 steps by default, as the stock pipeline."""
+    import json
+    import shutil
+
+    from tests.conftest import ServedModel
+
+    folder = tmp_path / "klein-distilled"
+    shutil.copytree(tiny_model_path(FAMILY), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["is_distilled"] = True
+    (folder / "model_index.json").write_text(json.dumps(index))
+    srv = ServedModel(folder)
+    try:
+        fields = {k: v for k, v in BASE.items() if k != "num_inference_steps"}
+        (out,) = srv.generate(
+            {**fields, "seed": 7, "rollout_sde_type": "ode", "rollout_log_prob_no_const": True, **REPLAY}
+        )
+        env = out["denoising_env"]
+        assert env["guidance"] == {**env["guidance"], "rule": "none", "is_distilled": True}
+        assert env["neg_cond_kwargs"] is None and out["rollout_log_probs"].shape == (4,)
+        pipe = DiffusionPipeline.from_pretrained(str(folder), dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        ref = pipe(
+            generator=[torch.Generator("cpu").manual_seed(7)],
+            output_type="pt",
+            num_inference_steps=4,
+            **fields,
+        )
+        assert torch.equal(out["generated_output"], ref.images[0])
+    finally:
+        srv.close()

@@ -231,9 +231,70 @@ def test_client_replay_ratio_is_exactly_one(served, tiny_model_path):
         ({"height": 20}, "height"),
         ({"sigmas": [1.0, 0.5, 0.7]}, "sigmas"),
         ({"rollout_sde_type": "ode"}, "rollout_log_prob_no_const"),
+        ({"max_sequence_length": 512}, "max_sequence_length"),  # the tiny model's RoPE has 512 text positions
+        ({"width": 256, "height": 32}, "width"),  # and 32 image columns (of 8 pixels)
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
     r = served(FAMILY).generate(body(**extra), expect=400)
     err = r.json()["error"]
     assert err["code"] == 400 and needle in err["message"], err
+
+
+def test_prompts_of_different_lengths_share_one_call(fresh_server, tiny_model_path):
+    """Z-Image takes a list of per-sample text features, so different lengths batch in one call; the
+    call equals the stock pipeline handed the same per-prompt features as a list."""
+    import threading
+    import time
+
+    srv = fresh_server(FAMILY, max_batch_size=8)
+    prompts = ["a cat", "a very long prompt about a small red cat sitting on a mat at night"]
+    reqs = [
+        body(prompt=p, seed=s, rollout=False, max_sequence_length=64)
+        for p, s in zip(prompts, (1, 2), strict=True)
+    ]
+    before = srv.engine.worker.batches_run
+    srv.engine.worker.pause()
+    results: list = [None, None]
+
+    def send(i):
+        results[i] = srv.generate(reqs[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while srv.engine.worker.depth < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        srv.engine.worker.resume()
+    for t in threads:
+        t.join(60)
+    assert srv.engine.worker.batches_run == before + 1, "the two requests should share one pipeline call"
+    pipe = stock_pipe(tiny_model_path(FAMILY))
+    encs = [pipe.encode_prompt(p, max_sequence_length=64) for p in prompts]
+    assert encs[0][0][0].shape[0] != encs[1][0][0].shape[0]
+    ref = pipe(
+        prompt_embeds=[e[0][0] for e in encs], negative_prompt_embeds=[e[1][0] for e in encs],
+        height=32, width=32, num_inference_steps=T, guidance_scale=4.0, output_type="pt",
+        generator=[torch.Generator("cpu").manual_seed(s) for s in (1, 2)],
+    ).images  # fmt: skip
+    for i in range(2):
+        assert torch.equal(results[i][0]["generated_output"], ref[i])
+
+
+def test_bfloat16_replay_casts_the_float32_latents_as_the_pipeline(fresh_server):
+    """Z-Image keeps float32 latents and casts the model input; replay does the same: bit for bit."""
+    srv = fresh_server(FAMILY, dtype="bfloat16")
+    (out,) = srv.generate(body(**REPLAY))
+    traj, env = out["dit_trajectory"], out["denoising_env"]
+    assert traj["latents"].dtype == torch.float32 and env["model_input_dtype"] == "torch.bfloat16"
+    recorded = out["rollout_debug_tensors"]["rollout_model_outputs"]
+    assert recorded.dtype == torch.float32  # the pipeline hands the scheduler float32 predictions
+    for step in range(T):
+        with torch.no_grad():
+            v = replay_model_output(
+                srv.engine.pipe.transformer, traj["latents"][step : step + 1], traj["timesteps"][step], env
+            )
+        assert torch.equal(v[0], recorded[step]), f"model output differs at step {step}"

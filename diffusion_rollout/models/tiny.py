@@ -495,7 +495,7 @@ def _zimage_components(seed: int) -> dict[str, Any]:
                 qk_norm=True,
                 cap_feat_dim=_TEXT_DIM,
                 axes_dims=[4, 6, 6],  # (t, h, w); sums to dim / n_heads
-                axes_lens=[64, 32, 32],
+                axes_lens=[512, 32, 32],  # text positions for max_sequence_length up to 480
             ),
         ),
         # Z-Image reads the text encoder's second-to-last hidden state.

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 
 # ZImagePipeline.__call__'s defaults.
@@ -35,6 +36,9 @@ _DEFAULT_SIZE = 1024
 _DEFAULT_STEPS = 50
 _DEFAULT_GUIDANCE = 5.0
 _DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+# The transformer pads caption tokens to a multiple of this (diffusers' SEQ_MULTI_OF).
+_CAPTION_MULTIPLE = 32
 
 # Replay's description of the call (client/replay.py, env["model_call"]).
 _MODEL_CALL = {"latent_arg": "x", "timestep_arg": "t", "latent_layout": "frame_list", "negate": True}
@@ -56,6 +60,31 @@ class ZImageAdapter(FamilyAdapter):
 
     def default_guidance(self) -> float:
         return _DEFAULT_GUIDANCE
+
+    def validate(self, settings: CallSettings) -> None:
+        # The RoPE tables have axes_lens positions per axis: caption tokens take positions 1..P (P the
+        # padded text length) and the image's time axis the next one, image rows and columns one per
+        # patch. Beyond them the model fails with an index error: refuse here with a 400 instead.
+        super().validate(settings)
+        config = self.pipe.transformer.config
+        t_len, h_len, w_len = (int(n) for n in config.axes_lens)
+        msl = self._max_sequence_length(settings)
+        padded = -(-msl // _CAPTION_MULTIPLE) * _CAPTION_MULTIPLE
+        if padded + 1 >= t_len:
+            most = (t_len - 2) // _CAPTION_MULTIPLE * _CAPTION_MULTIPLE
+            raise RequestError(
+                f"max_sequence_length={msl} exceeds {most}, the most text tokens this Z-Image model "
+                f"has positions for",
+                field="max_sequence_length",
+            )
+        f = self.spatial_factor()
+        for name, limit in (("height", h_len), ("width", w_len)):
+            v = getattr(settings, name)
+            if v // f >= limit:
+                raise RequestError(
+                    f"{name}={v} exceeds {(limit - 1) * f}, the largest this Z-Image model has positions for",
+                    field=name,
+                )
 
     def uses_cfg(self, settings: CallSettings) -> bool:
         return settings.guidance_scale > 0  # the pipeline's do_classifier_free_guidance
