@@ -403,6 +403,7 @@ _TINY_PIPELINE_CLASS = {
     "wan2.2": "WanPipeline",
     "flux2-klein": "Flux2KleinPipeline",
     "zimage": "ZImagePipeline",
+    "hunyuanvideo15": "HunyuanVideo15Pipeline",
 }
 _REAL_BUILDERS = {
     "sd3.5-medium": _sd35_medium,
@@ -484,7 +485,12 @@ class BenchModel:
 
     @property
     def is_video(self) -> bool:
-        return self.family.startswith("wan")
+        return self.family.startswith("wan") or self.family in _PROMPT_PER_OUTPUT
+
+    @property
+    def decodes_one_video_per_call(self) -> bool:
+        """The stock pipeline cannot decode a batch (HunyuanVideo 1.5's VAE attention mask)."""
+        return self.family in _PROMPT_PER_OUTPUT
 
     def server(self, **config_overrides: Any):
         """The model's loopback server (started on first use, then shared)."""
@@ -542,6 +548,11 @@ class BenchModel:
         ):  # fmt: skip
             if body.get(key) is not None and key in params:
                 kw[key] = body[key]
+        if self.family in _PROMPT_PER_OUTPUT:
+            kw["num_videos_per_prompt"] = 1
+            for key in ("prompt", "negative_prompt"):
+                if kw.get(key) is not None:
+                    kw[key] = [kw[key]] * n
         seeds = body.get("seeds") or [body["seed"] + i for i in range(n)]
         kw["generator"] = [torch.Generator(self.generator_device).manual_seed(s) for s in seeds]
         return kw
@@ -550,6 +561,8 @@ class BenchModel:
         """The stock output in the server's per-sample layout (Wan videos [B, C, F, H, W])."""
         from diffusion_rollout.server.families import adapter_for
 
+        if decoded and self.is_video:
+            return output.frames.permute(0, 2, 1, 3, 4)  # stock "pt" videos are [B, F, C, H, W]
         return adapter_for(pipe).output_tensor(output, decoded=decoded)
 
     def encode_for_stock(self, prompt: str, body: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -571,6 +584,12 @@ class BenchModel:
         with torch.inference_mode():
             enc = adapter.encode(prompt, body.get("negative_prompt"), settings)
         return {k: v for k, v in enc.items() if v is not None}
+
+
+# Families whose stock pipeline is called with one prompt per output: HunyuanVideo 1.5's own
+# num_videos_per_prompt > 1 fails (its image embeddings keep the prompt batch size), and its VAE
+# decodes one video per call (the ODE gate compares decoded videos at batch 1).
+_PROMPT_PER_OUTPUT = {"hunyuanvideo15"}
 
 
 def _tiny_defaults(family: str) -> dict[str, Any]:

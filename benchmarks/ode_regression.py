@@ -97,6 +97,8 @@ def check_model(model: BenchModel, modes: list[str], n: int = 2) -> list[dict[st
     }
     rows = []
     for output_type in ("latent", "pt"):
+        if output_type == "pt" and model.decodes_one_video_per_call:
+            body = {**body, "num_outputs_per_prompt": 1}
         refs = {"stock": stock_reference(model, model.stock, body, output_type)}
         if any(m != "rollout_false" for m in modes):
             refs["stock_ode"] = (

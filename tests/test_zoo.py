@@ -20,6 +20,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
     FluxPipeline,
+    HunyuanVideo15Pipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
@@ -48,6 +49,7 @@ PIPELINE_CLASSES = {
     "wan2.2": WanPipeline,
     "flux2-klein": Flux2KleinPipeline,
     "zimage": ZImagePipeline,
+    "hunyuanvideo15": HunyuanVideo15Pipeline,
 }
 
 # Latents as the pipelines return them with output_type="latent" at the default call settings:
@@ -62,6 +64,7 @@ LATENT_SHAPES = {
     # FLUX.2 returns its latents un-packed, de-normalised and un-patchified; Z-Image's are plain.
     "flux2-klein": (1, 16, 8, 8),
     "zimage": (1, 16, 8, 8),
+    "hunyuanvideo15": (1, 16, 2, 2, 2),  # (B, 16, (F - 1) / 4 + 1, H/16, W/16)
 }
 DECODED_SHAPES = {
     "sd3": (1, 3, 32, 32),
@@ -71,6 +74,7 @@ DECODED_SHAPES = {
     "wan2.2": (1, 5, 3, 32, 32),
     "flux2-klein": (1, 3, 32, 32),
     "zimage": (1, 3, 32, 32),
+    "hunyuanvideo15": (1, 5, 3, 32, 32),
 }
 
 
@@ -87,7 +91,7 @@ def _generate(pipe: DiffusionPipeline, family: str, seed: int, output_type: str)
         output_type=output_type,
         **TINY_CALL_DEFAULTS[family],
     )
-    return out.frames if isinstance(pipe, WanPipeline) else out.images
+    return out.frames if hasattr(out, "frames") else out.images
 
 
 def _files(folder: Path) -> list[str]:
@@ -95,7 +99,16 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_families_and_call_defaults_cover_the_same_names():
-    assert FAMILIES == ("sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage")
+    assert FAMILIES == (
+        "sd3",
+        "flux",
+        "qwenimage",
+        "wan",
+        "wan2.2",
+        "flux2-klein",
+        "zimage",
+        "hunyuanvideo15",
+    )
     assert set(TINY_CALL_DEFAULTS) == set(FAMILIES) == set(REAL_SCHEDULER_CONFIGS)
     with pytest.raises(TypeError):
         TINY_CALL_DEFAULTS["sd3"]["height"] = 64  # shared by every test: read-only
@@ -233,7 +246,9 @@ def test_saved_tokenizers_reload_and_encode_like_the_built_ones(family, tiny_mod
         # tokenizer.json only: no spiece.model, so no protobuf/sentencepiece is needed to load it
         ours, theirs = built.components[name], loaded.components[name]
         chat = ["chat_template.jinja"] if ours.chat_template else []
-        assert _files(folder / name) == [*chat, "tokenizer.json", "tokenizer_config.json"]
+        # ByT5 (HunyuanVideo 1.5's glyph encoder) is byte-level: it has no vocabulary file at all.
+        vocab = ["added_tokens.json"] if type(ours).__name__ == "ByT5Tokenizer" else ["tokenizer.json"]
+        assert _files(folder / name) == sorted([*chat, *vocab, "tokenizer_config.json"])
         assert type(theirs) is type(ours)
         assert theirs(PROMPT).input_ids == ours(PROMPT).input_ids
         assert theirs.decode(theirs(PROMPT).input_ids, skip_special_tokens=True) == PROMPT  # nothing lost
@@ -271,6 +286,15 @@ def test_qwen_tokenizer_gives_the_template_prefix_the_length_the_pipeline_drops(
         assert len(pipe.tokenizer(special).input_ids) == 1
 
 
+def test_hunyuan_tokenizer_gives_the_chat_prefix_the_length_the_pipeline_crops(tiny_model_path):
+    pipe = _load(tiny_model_path("hunyuanvideo15"))
+    turns = [[{"role": "system", "content": pipe.system_message}, {"role": "user", "content": PROMPT}]]
+    ids = pipe.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)[0]
+    kept = pipe.tokenizer.decode(ids[pipe.prompt_template_encode_start_idx :])
+    assert pipe.prompt_template_encode_start_idx == 108
+    assert kept == f"{PROMPT}<|im_end|>\n<|im_start|>assistant\n"  # exactly the system turn is cropped
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_family_and_seed_write_identical_files(family, tiny_model_path, tmp_path):
     first = tiny_model_path(family)
@@ -304,7 +328,7 @@ def test_build_leaves_the_callers_global_rng_alone():
 def test_unknown_family_is_rejected_with_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2, flux2-klein, zimage",
+        match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2, flux2-klein, zimage, hunyuanvideo15",
     ):
         build_tiny_pipeline("sdxl")
 

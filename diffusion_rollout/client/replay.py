@@ -23,6 +23,9 @@ inputs, ``latent_layout="frame_list"`` means the model takes a list of per-sampl
 tensors and returns one (replay stacks the outputs in float32 and drops the frame axis, as the
 pipeline does), and ``negate=true`` means the pipeline hands the scheduler the negated prediction.
 
+Channel-concatenated model input (HunyuanVideo 1.5): ``env["model_input_concat"]`` holds channels
+the pipeline concatenates after the latent (dim 1) before every model call; replay does the same.
+
 Two experts (Wan 2.2): ``env["expert_per_step"][step]`` names the module that ran the step; steps of
 ``transformer_2`` use ``guidance["guidance_scale_2"]``.
 """
@@ -70,6 +73,8 @@ def stack_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return out
 
     stacked = dict(first)
+    if first.get("model_input_concat") is not None:
+        stacked["model_input_concat"] = torch.cat([e["model_input_concat"] for e in envs], dim=0)
     stacked["pos_cond_kwargs"] = merge("pos_cond_kwargs")
     stacked["neg_cond_kwargs"] = merge("neg_cond_kwargs")
     return stacked
@@ -130,6 +135,9 @@ def replay_model_output(
     if env.get("model_input_dtype"):
         # Pipelines that keep float32 latents (Wan, Z-Image) cast the model input; same cast here.
         latents = latents.to(_dtype(env["model_input_dtype"]))
+    concat = env.get("model_input_concat")
+    if concat is not None:
+        latents = torch.cat([latents, concat.to(device=device, dtype=latents.dtype)], dim=1)
     conv = env.get("model_call") or {}
     latent_arg = conv.get("latent_arg", "hidden_states")
     timestep_arg = conv.get("timestep_arg", "timestep")

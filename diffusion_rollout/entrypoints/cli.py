@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument(
         "--family",
         required=True,
-        choices=["sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage"],
+        choices=["sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage", "hunyuanvideo15"],
     )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("out_dir")

@@ -37,7 +37,12 @@ from typing import Any
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-__all__ = ["REAL_SCHEDULER_CONFIGS", "WAN22_A14B_BOUNDARY_RATIO", "make_real_scheduler"]
+__all__ = [
+    "HUNYUANVIDEO15_480P_GUIDANCE",
+    "REAL_SCHEDULER_CONFIGS",
+    "WAN22_A14B_BOUNDARY_RATIO",
+    "make_real_scheduler",
+]
 
 _SD35 = {"num_train_timesteps": 1000, "shift": 3.0}
 
@@ -110,6 +115,12 @@ _FLUX2 = {
 # Tongyi-MAI/Z-Image-Turbo: a static shift of 3.0, no dynamic shifting (the pipeline's mu is ignored).
 _ZIMAGE = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
+# HunyuanVideo-1.5 480p text-to-video (the diffusers folders made by diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py): flow-match Euler with a fixed shift of 5.0
+# (720p: 9.0), and a ClassifierFreeGuidance guider at 6.0 (the distilled variants: 1.0).
+_HUNYUANVIDEO15_480P = {"num_train_timesteps": 1000, "shift": 5.0}
+HUNYUANVIDEO15_480P_GUIDANCE = 6.0
+
 #: family -> (scheduler class, its real config). Read-only; copy before changing.
 REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], MappingProxyType[str, Any]]] = (
     MappingProxyType(
@@ -121,6 +132,7 @@ REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], Mappin
             "wan2.2": (UniPCMultistepScheduler, MappingProxyType(_WAN_UNIPC)),
             "flux2-klein": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_FLUX2)),
             "zimage": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_ZIMAGE)),
+            "hunyuanvideo15": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_HUNYUANVIDEO15_480P)),
         }
     )
 )

@@ -29,6 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -43,13 +44,17 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
+    ClassifierFreeGuidance,
     DiffusionPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -60,12 +65,15 @@ from diffusers import (
     ZImageTransformer2DModel,
 )
 from transformers import (
+    ByT5Tokenizer,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -75,8 +83,9 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from .scheduler_configs import WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
+from .scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE, WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
 from .tokenizers import (
+    QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     make_clip_tokenizer,
     make_qwen2_tokenizer,
@@ -94,7 +103,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage")
+FAMILIES: tuple[str, ...] = (
+    "sd3",
+    "flux",
+    "qwenimage",
+    "wan",
+    "wan2.2",
+    "flux2-klein",
+    "zimage",
+    "hunyuanvideo15",
+)
 
 _TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
 _LATENT_CHANNELS = 16
@@ -286,26 +304,35 @@ def _flux_components(seed: int) -> dict[str, Any]:
     }
 
 
-def _qwen25_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
-    ids = dict(
+def _qwen_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    return dict(
         zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
     )
+
+
+def _qwen25_text_config(tokenizer: PreTrainedTokenizerBase, num_layers: int = 2) -> dict[str, Any]:
+    ids = _qwen_ids(tokenizer)
     head_dim = 16
+    return {
+        "vocab_size": _padded_vocab(tokenizer),
+        "hidden_size": _TEXT_DIM,
+        "intermediate_size": 32,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": _TEXT_DIM // head_dim,
+        "num_key_value_heads": 1,  # grouped-query attention, as in Qwen2.5
+        "max_position_embeddings": 2048,
+        # Multimodal RoPE: the sections split head_dim / 2 frequencies over (t, h, w) like [16, 24, 24].
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _qwen25_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
+    ids = _qwen_ids(tokenizer)
     return Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": _padded_vocab(tokenizer),
-            "hidden_size": _TEXT_DIM,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": _TEXT_DIM // head_dim,
-            "num_key_value_heads": 1,  # grouped-query attention, as in Qwen2.5
-            "max_position_embeddings": 2048,
-            # Multimodal RoPE: the sections split head_dim / 2 frequencies over (t, h, w) like [16, 24, 24].
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": tokenizer.pad_token_id,
-        },
+        text_config=_qwen25_text_config(tokenizer),
         vision_config={
             "depth": 1,
             "hidden_size": 16,
@@ -507,6 +534,79 @@ def _zimage_components(seed: int) -> dict[str, Any]:
     }
 
 
+def _hunyuanvideo15_system_prefix() -> str:
+    """The chat-formatted system turn ``HunyuanVideo15Pipeline`` crops after encoding.
+
+    Read from the pipeline itself (its ``system_message`` default), so the tiny tokenizer's merges
+    follow whatever text the installed diffusers sends.
+    """
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"]
+    return f"<|im_start|>system\n{system.default}<|im_end|>\n<|im_start|>user\n"
+
+
+def _hunyuanvideo15_components(seed: int) -> dict[str, Any]:
+    tokenizer = make_qwen2_tokenizer(
+        template_prefix=_hunyuanvideo15_system_prefix(), chat_template=QWEN_CHAT_TEMPLATE
+    )
+    tokenizer_2 = ByT5Tokenizer()  # byte-level: no vocabulary file exists to download
+    glyph_dim = 16  # the ByT5 encoder width (text_embed_2_dim; 1472 for the real Glyph-SDXL-v2 ByT5)
+    latent_channels = _LATENT_CHANNELS  # 32 in the real model
+    return {
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: HunyuanVideo15Transformer3DModel(
+                # The model input is [latent, image-condition latent, mask] on channels: 2C + 1.
+                in_channels=2 * latent_channels + 1,
+                out_channels=latent_channels,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=2,
+                num_refiner_layers=1,
+                mlp_ratio=2.0,
+                patch_size=1,
+                patch_size_t=1,
+                text_embed_dim=_TEXT_DIM,
+                text_embed_2_dim=glyph_dim,
+                image_embed_dim=16,
+                rope_axes_dim=(4, 6, 6),  # sums to attention_head_dim, like (16, 56, 56) to 128
+                target_size=32,  # pixels: the default size the pipeline derives (640 for 480p)
+                task_type="t2v",
+            ),
+        ),
+        # Qwen2.5-VL's language model alone, as the pipeline loads it; three layers because the
+        # pipeline reads the hidden states two layers below the top.
+        "text_encoder": _seeded(
+            seed,
+            "text_encoder",
+            lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen25_text_config(tokenizer, num_layers=3))),
+        ),
+        "text_encoder_2": _seeded(
+            seed,
+            "text_encoder_2",
+            lambda: T5EncoderModel(
+                T5Config(**{**_t5_kwargs(tokenizer_2), "vocab_size": len(tokenizer_2), "d_model": glyph_dim})
+            ),
+        ),
+        # 16x spatial and 4x temporal compression, the real factors (the pipeline reads them).
+        "vae": _seeded(
+            seed,
+            "vae",
+            lambda: AutoencoderKLHunyuanVideo15(
+                latent_channels=latent_channels,
+                block_out_channels=(8, 16, 16, 32, 32),
+                layers_per_block=1,
+                spatial_compression_ratio=16,
+                temporal_compression_ratio=4,
+            ),
+        ),
+        "scheduler": make_real_scheduler("hunyuanvideo15"),
+        "guider": ClassifierFreeGuidance(guidance_scale=HUNYUANVIDEO15_480P_GUIDANCE),
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+    }
+
+
 @dataclass(frozen=True)
 class _FamilySpec:
     pipeline_class: type[DiffusionPipeline]
@@ -603,6 +703,13 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
                 "guidance_scale": 4.0,
                 "max_sequence_length": 16,
             },
+        ),
+        "hunyuanvideo15": _FamilySpec(
+            HunyuanVideo15Pipeline,
+            _hunyuanvideo15_components,
+            # 4k + 1 frames (4x temporal VAE): 5 frames -> 2 latent frames, 32 px -> 2 latent px.
+            # Guidance is the guider's (6.0, HunyuanVideo-1.5 480p t2v), not a call argument.
+            {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2},
         ),
     }
 )

@@ -18,6 +18,10 @@ No tokenizer is downloaded: each one is built from a vocabulary made here and ha
   template, so the template's system prefix is exactly ``prompt_template_encode_start_idx`` (34)
   tokens long, as with the real Qwen2.5 tokenizer; the chat and vision special tokens follow the base
   vocabulary in the real order.
+- Qwen2 with a chat template (HunyuanVideo 1.5): the same construction, with merges for the
+  pipeline's own system message, so the chat-formatted prefix the pipeline crops is exactly its
+  ``prompt_template_encode_start_idx`` (108) tokens, as with the real tokenizer. The chat template is
+  the ChatML layout Qwen2.5 uses for text messages, written here.
 
 Every function here is deterministic: the same call gives the same ``tokenizer.json`` bytes. The
 SentencePiece trainer runs on one thread for that reason.
@@ -27,12 +31,14 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import random
 import re
 
 from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 __all__ = [
+    "QWEN_CHAT_TEMPLATE",
     "QWEN_IMAGE_TEMPLATE_PREFIX",
     "QWEN_SPECIAL_TOKENS",
     "make_clip_tokenizer",
@@ -171,6 +177,38 @@ def _chain_merges(words: list[list[str]]) -> list[tuple[str, str]]:
     return list(merges)
 
 
+def _bpe(word: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """``word`` encoded by byte-level BPE with merge ``ranks`` (lowest rank first, leftmost first)."""
+    parts = list(word)
+    while len(parts) > 1:
+        pairs = [(ranks.get(pair), i) for i, pair in enumerate(itertools.pairwise(parts))]
+        known = [(r, i) for r, i in pairs if r is not None]
+        if not known:
+            break
+        _, i = min(known)
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def _complete_merges(words: list[list[str]], merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``merges`` plus, appended, what makes every word a single token.
+
+    Chain merges leave runs of one repeated symbol (whitespace runs) in pieces, because BPE applies
+    ``(a, a)`` everywhere first. Appended merges rank after all others, so words that were already one
+    token are unaffected (and a merge list that needs nothing comes back unchanged).
+    """
+    out = list(merges)
+    ranks = {m: r for r, m in enumerate(out)}
+    for word in words:
+        parts = _bpe(word, ranks)
+        while len(parts) > 1:
+            pair = (parts[0], parts[1])
+            ranks[pair] = len(out)
+            out.append(pair)
+            parts = _bpe(word, ranks)
+    return out
+
+
 def make_clip_tokenizer(pad_token: str = "<|endoftext|>", model_max_length: int = 77) -> CLIPTokenizer:
     """Byte-level BPE CLIP tokenizer (665 ids). SD3's second CLIP pads with ``"!"`` like CLIP-G."""
     symbols = _byte_symbols()
@@ -231,12 +269,29 @@ def make_t5_tokenizer(vocab_size: int = 256, model_max_length: int = 512) -> T5T
     return T5Tokenizer(vocab=list(_t5_vocab(vocab_size)), extra_ids=0, model_max_length=model_max_length)
 
 
-def make_qwen2_tokenizer(model_max_length: int = 32768) -> Qwen2Tokenizer:
-    """Byte-level BPE Qwen2 tokenizer with the Qwen2.5-VL chat/vision special tokens."""
+#: ChatML for text messages (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the
+#: assistant header when asked), the layout of Qwen2.5's own chat template for plain text.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_qwen2_tokenizer(
+    model_max_length: int = 32768,
+    *,
+    template_prefix: str = QWEN_IMAGE_TEMPLATE_PREFIX,
+    chat_template: str | None = None,
+) -> Qwen2Tokenizer:
+    """Byte-level BPE Qwen2 tokenizer with the Qwen2.5-VL chat/vision special tokens.
+
+    ``template_prefix`` is the text whose every word gets a merge (the prompt template a pipeline
+    crops); ``chat_template`` is set on the tokenizer for pipelines that call ``apply_chat_template``.
+    """
     symbols = _byte_symbols()
     vocab = {s: i for i, s in enumerate(symbols)}
-    words = _qwen_pretokens(QWEN_IMAGE_TEMPLATE_PREFIX + " " + " ".join(_PROMPT_WORDS))
-    merges = _chain_merges([w for w in words if len(w) > 1])
+    words = [w for w in _qwen_pretokens(template_prefix + " " + " ".join(_PROMPT_WORDS)) if len(w) > 1]
+    merges = _complete_merges(words, _chain_merges(words))
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     for special in QWEN_SPECIAL_TOKENS:
@@ -248,6 +303,8 @@ def make_qwen2_tokenizer(model_max_length: int = 32768) -> Qwen2Tokenizer:
         model_max_length=model_max_length,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -365,7 +365,7 @@ class Engine:
             kwargs.update(embeds)
             kwargs["latents"] = torch.cat(latents, dim=0)
             kwargs["generator"] = generators
-            kwargs["output_type"] = "pt" if first.params.return_generated_output else "latent"
+            kwargs["output_type"] = a.pipeline_output_type(decoded=first.params.return_generated_output)
             if first.stock_sigmas is not None:
                 kwargs["sigmas"] = first.stock_sigmas
 
@@ -395,6 +395,7 @@ class Engine:
             try:
                 with (
                     a.scheduler_for(need_state),
+                    a.call_context(call),
                     rollout_context(state),
                     feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
                     speed.graphs_for_call(cache),

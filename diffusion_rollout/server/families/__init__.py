@@ -8,6 +8,7 @@ from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 from diffusion_rollout.server.families.flux import FluxAdapter
 from diffusion_rollout.server.families.flux2_klein import Flux2KleinAdapter
+from diffusion_rollout.server.families.hunyuanvideo15 import HunyuanVideo15Adapter
 from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
 from diffusion_rollout.server.families.wan import WanAdapter
@@ -20,6 +21,7 @@ ADAPTERS: list[type[FamilyAdapter]] = [
     WanAdapter,
     Flux2KleinAdapter,
     ZImageAdapter,
+    HunyuanVideo15Adapter,
 ]
 
 

@@ -65,6 +65,11 @@ class FamilyAdapter:
         """
         return contextlib.nullcontext()
 
+    def call_context(self, settings: CallSettings) -> contextlib.AbstractContextManager:
+        """Context around one pipeline call, for settings a pipeline takes from a component rather
+        than from ``__call__`` (HunyuanVideo 1.5's guidance scale lives on its guider)."""
+        return contextlib.nullcontext()
+
     def accepts_stock_sigmas(self) -> bool:
         """Whether the pipeline's ``__call__`` takes ``sigmas=`` (and shifts them itself)."""
         return True
@@ -85,6 +90,11 @@ class FamilyAdapter:
 
     def encoding_cache_key(self, settings: CallSettings) -> tuple:
         return (self.uses_cfg(settings), settings.max_sequence_length)
+
+    def pipeline_output_type(self, *, decoded: bool) -> str:
+        """The ``output_type`` the pipeline is called with; a family that decodes outside the
+        pipeline (one sample at a time) asks for latents and decodes in :meth:`output_tensor`."""
+        return "pt" if decoded else "latent"
 
     def output_tensor(self, output: Any, *, decoded: bool = True) -> torch.Tensor | None:
         """The batch from the pipeline's output: images [B, C, H, W] or videos [B, C, F, H, W] when
