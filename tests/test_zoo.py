@@ -289,7 +289,9 @@ def test_qwen_tokenizer_gives_the_template_prefix_the_length_the_pipeline_drops(
 def test_hunyuan_tokenizer_gives_the_chat_prefix_the_length_the_pipeline_crops(tiny_model_path):
     pipe = _load(tiny_model_path("hunyuanvideo15"))
     turns = [[{"role": "system", "content": pipe.system_message}, {"role": "user", "content": PROMPT}]]
-    ids = pipe.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)[0]
+    ids = pipe.tokenizer.apply_chat_template(
+        turns, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"][0]
     kept = pipe.tokenizer.decode(ids[pipe.prompt_template_encode_start_idx :])
     assert pipe.prompt_template_encode_start_idx == 108
     assert kept == f"{PROMPT}<|im_end|>\n<|im_start|>assistant\n"  # exactly the system turn is cropped
