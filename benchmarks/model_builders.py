@@ -43,7 +43,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-REAL_MODELS = ("sd3.5-medium", "flux.1-dev", "wan2.1-1.3b", "flux.2-klein-4b", "z-image-turbo")
+REAL_MODELS = (
+    "sd3.5-medium",
+    "flux.1-dev",
+    "wan2.1-1.3b",
+    "flux.2-klein-4b",
+    "z-image-turbo",
+    "hunyuanvideo-1.5-480p",
+)
 
 # Transformer configs, as in each checkpoint's transformer/config.json.
 SD35_MEDIUM_TRANSFORMER = {
@@ -155,6 +162,31 @@ FLUX2_VAE: dict[str, Any] = {}
 WAN21_VAE: dict[str, Any] = {}
 
 # Default request settings per benchmark model (API field names).
+# HunyuanVideo-1.5 480p text-to-video, 8.3B: the transformer config of diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py ("480p_t2v"); its VAE is AutoencoderKLHunyuanVideo15's
+# defaults (32 latent channels, 16x spatial, 4x temporal); text: Qwen2.5-VL-7B (3584 wide) + ByT5
+# (Glyph-SDXL-v2, 1472 wide).
+HUNYUANVIDEO15_480P_TRANSFORMER = {
+    "in_channels": 65,
+    "out_channels": 32,
+    "num_attention_heads": 16,
+    "attention_head_dim": 128,
+    "num_layers": 54,
+    "num_refiner_layers": 2,
+    "mlp_ratio": 4.0,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "qk_norm": "rms_norm",
+    "text_embed_dim": 3584,
+    "text_embed_2_dim": 1472,
+    "image_embed_dim": 1152,
+    "rope_theta": 256.0,
+    "rope_axes_dim": (16, 56, 56),
+    "use_meanflow": False,
+    "target_size": 640,
+    "task_type": "t2v",
+}
+
 REAL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sd3.5-medium": {"height": 512, "width": 512, "num_inference_steps": 10, "guidance_scale": 4.5},
     "flux.1-dev": {"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5},
@@ -169,6 +201,8 @@ REAL_DEFAULTS: dict[str, dict[str, Any]] = {
     # 9 steps with guidance 0.
     "flux.2-klein-4b": {"height": 1024, "width": 1024, "num_inference_steps": 4, "guidance_scale": 1.0},
     "z-image-turbo": {"height": 1024, "width": 1024, "num_inference_steps": 9, "guidance_scale": 0.0},
+    # A modest 480p clip: 33 frames (9 latent frames of 30x53 tokens), the checkpoint's guider (6.0).
+    "hunyuanvideo-1.5-480p": {"height": 480, "width": 848, "num_frames": 33, "num_inference_steps": 4},
 }
 
 
@@ -395,6 +429,62 @@ def _zimage_turbo(device: str, dtype, seed: int, overrides: dict[str, Any]) -> A
     )
 
 
+def _hunyuanvideo15_480p(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE
+    from diffusion_rollout.models.tiny import hunyuanvideo15_tokenizers
+
+    tok, tok2 = hunyuanvideo15_tokenizers()
+    tcfg = {**HUNYUANVIDEO15_480P_TRANSFORMER, **overrides}
+    # Qwen2.5-VL-7B's width (3584, 28 heads of 128, multimodal RoPE sections 16/24/24) with two small
+    # layers: the pipeline reads the hidden state two layers below the top, here the embeddings.
+    qwen = Qwen2_5_VLTextConfig(
+        vocab_size=-(-len(tok) // 64) * 64,
+        hidden_size=3584,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        bos_token_id=None,  # the real ids lie beyond the offline tokenizer's vocabulary
+        eos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )
+    byt5 = T5Config(
+        vocab_size=len(tok2),
+        d_model=1472,
+        d_kv=64,
+        d_ff=256,
+        num_layers=1,
+        num_heads=4,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        pad_token_id=tok2.pad_token_id,
+        eos_token_id=tok2.eos_token_id,
+        decoder_start_token_id=tok2.pad_token_id,
+    )
+    return HunyuanVideo15Pipeline(
+        transformer=build_module(lambda: HunyuanVideo15Transformer3DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLHunyuanVideo15(), device, dtype, seed + 1),
+        text_encoder=build_module(lambda: Qwen2_5_VLTextModel(qwen), device, dtype, seed + 2),
+        text_encoder_2=build_module(lambda: T5EncoderModel(byt5), device, dtype, seed + 3),
+        tokenizer=tok,
+        tokenizer_2=tok2,
+        scheduler=make_real_scheduler("hunyuanvideo15"),
+        guider=ClassifierFreeGuidance(guidance_scale=HUNYUANVIDEO15_480P_GUIDANCE),
+    )
+
+
 _TINY_PIPELINE_CLASS = {
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
@@ -411,6 +501,7 @@ _REAL_BUILDERS = {
     "wan2.1-1.3b": _wan21_1_3b,
     "flux.2-klein-4b": _flux2_klein_4b,
     "z-image-turbo": _zimage_turbo,
+    "hunyuanvideo-1.5-480p": _hunyuanvideo15_480p,
 }
 _REAL_FAMILY = {
     "sd3.5-medium": "sd3",
@@ -418,6 +509,7 @@ _REAL_FAMILY = {
     "wan2.1-1.3b": "wan",
     "flux.2-klein-4b": "flux2-klein",
     "z-image-turbo": "zimage",
+    "hunyuanvideo-1.5-480p": "hunyuanvideo15",
 }
 
 

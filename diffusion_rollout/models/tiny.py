@@ -544,11 +544,16 @@ def _hunyuanvideo15_system_prefix() -> str:
     return f"<|im_start|>system\n{system.default}<|im_end|>\n<|im_start|>user\n"
 
 
-def _hunyuanvideo15_components(seed: int) -> dict[str, Any]:
+def hunyuanvideo15_tokenizers() -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]:
+    """HunyuanVideo 1.5's two tokenizers, offline: Qwen2 (ChatML, the 108-token system prefix) and ByT5."""
     tokenizer = make_qwen2_tokenizer(
         template_prefix=_hunyuanvideo15_system_prefix(), chat_template=QWEN_CHAT_TEMPLATE
     )
-    tokenizer_2 = ByT5Tokenizer()  # byte-level: no vocabulary file exists to download
+    return tokenizer, ByT5Tokenizer()  # ByT5 is byte-level: no vocabulary file exists to download
+
+
+def _hunyuanvideo15_components(seed: int) -> dict[str, Any]:
+    tokenizer, tokenizer_2 = hunyuanvideo15_tokenizers()
     glyph_dim = 16  # the ByT5 encoder width (text_embed_2_dim; 1472 for the real Glyph-SDXL-v2 ByT5)
     latent_channels = _LATENT_CHANNELS  # 32 in the real model
     return {
