@@ -82,6 +82,13 @@ class ServerConfig(BaseModel):
     max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")
 
+    # Input images (image-conditioned families)
+    image_path_root: str | None = Field(
+        None, description="folder image_path may read from (subfolders too); unset refuses image_path"
+    )
+    max_image_bytes: int = Field(32 * 2**20, ge=1, description="largest input image file")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="most width*height of an input image")
+
     # Speed (opt-in; the eager path is the bit-exact one)
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
     attention_backend: str | None = Field(None, description="diffusers attention backend name, e.g. flash")

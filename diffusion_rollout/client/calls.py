@@ -20,6 +20,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,7 +79,10 @@ def _octet_call(path: str, data, params: dict[str, Any], timeout) -> _Call:
 
 
 def _jsonable(value: Any) -> Any:
-    """Tensors, numpy values and tuples as JSON values (a schedule often arrives as a tensor)."""
+    """Tensors, numpy values and tuples as JSON values (a schedule often arrives as a tensor); bytes
+    (an input image file for ``image_data``) as base64 text."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         return value.tolist()
     if isinstance(value, Mapping):

@@ -28,6 +28,10 @@ the pipeline concatenates after the latent (dim 1) before every model call; repl
 
 Two experts (Wan 2.2): ``env["expert_per_step"][step]`` names the module that ran the step; steps of
 ``transformer_2`` use ``guidance["guidance_scale_2"]``.
+
+Image-conditioned families: ``env["latent_condition"]`` (``{latents, dim, slice_output}``) is appended
+to the latent on ``dim`` before every call, and with ``slice_output`` each branch's output is cut
+back to the latent's extent on that axis (server/families/image_cond.py).
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def stack_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         stacked["model_input_concat"] = torch.cat([e["model_input_concat"] for e in envs], dim=0)
     stacked["pos_cond_kwargs"] = merge("pos_cond_kwargs")
     stacked["neg_cond_kwargs"] = merge("neg_cond_kwargs")
+    if first.get("latent_condition") is not None:
+        stacked["latent_condition"] = {
+            **first["latent_condition"],
+            "latents": torch.cat([e["latent_condition"]["latents"] for e in envs], dim=0),
+        }
     return stacked
 
 
@@ -143,12 +152,28 @@ def replay_model_output(
     timestep_arg = conv.get("timestep_arg", "timestep")
     frame_list = conv.get("latent_layout") == "frame_list"
 
+    # Image-conditioned families (Kontext, Qwen-Image-Edit, Wan I2V): the model input is x_t with
+    # the image latents concatenated, and token-concatenating ones cut the output back to x_t's part.
+    condition = env.get("latent_condition")
+    cond_latents = _move(condition["latents"], device) if condition is not None else None
+
     def call(x: torch.Tensor, kwargs: Mapping[str, Any]) -> torch.Tensor:
         t = t_value.to(device=device, dtype=t_dtype).reshape(())
         t = t.expand(x.shape[0]) if tokens is None else t.expand(x.shape[0], int(tokens))
-        inputs = {latent_arg: list(x.unsqueeze(2).unbind(0)) if frame_list else x, timestep_arg: t}
+        if cond_latents is not None:
+            dim = int(condition["dim"])
+            c = cond_latents.to(x.dtype)
+            if c.shape[0] != x.shape[0]:  # batched CFG doubles x: the same condition for both halves
+                c = c.repeat(x.shape[0] // c.shape[0], *([1] * (c.ndim - 1)))
+            x_in = torch.cat([x, c], dim=dim)
+        else:
+            x_in = x
+        inputs = {latent_arg: list(x_in.unsqueeze(2).unbind(0)) if frame_list else x_in, timestep_arg: t}
         out = module(**inputs, **image, **kwargs, return_dict=False)[0]
-        return torch.stack([o.float() for o in out]).squeeze(2) if frame_list else out
+        out = torch.stack([o.float() for o in out]).squeeze(2) if frame_list else out
+        if cond_latents is not None and condition.get("slice_output"):
+            out = out.narrow(dim, 0, x.shape[dim])
+        return out
 
     def finish(v: torch.Tensor) -> torch.Tensor:
         return -v if conv.get("negate") else v

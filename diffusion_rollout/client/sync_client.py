@@ -205,6 +205,7 @@ class RolloutClient(_ClientBase):
         rollout_sde_step_indices: Sequence[int] | None = None,
         rollout_return_step_indices: Sequence[int] | None = None,
         image_path: Sequence[str] | None = None,
+        image_data: Sequence[bytes | str] | None = None,
         suppress_logs: bool | None = None,
         extra_sampling_params: Mapping[str, Any] | None = None,
         sigmas: Sequence[float] | None = None,

@@ -49,11 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the rollout server")
     add_config_arguments(serve)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random pipeline folder (tests, demos)")
-    tiny.add_argument(
-        "--family",
-        required=True,
-        choices=["sd3", "flux", "qwenimage", "wan", "wan2.2", "flux2-klein", "zimage", "hunyuanvideo15"],
-    )
+    from diffusion_rollout.models.tiny import FAMILIES, IMAGE_FAMILIES
+
+    tiny.add_argument("--family", required=True, choices=[*FAMILIES, *IMAGE_FAMILIES])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("out_dir")
     return parser

@@ -11,6 +11,8 @@ flag wins there, as in SGLang.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from typing import Annotated, Any, Literal
 
@@ -70,6 +72,8 @@ class GenerateRequest(BaseModel):
     rollout_sde_step_indices: list[int] | None = None
     rollout_return_step_indices: list[int] | None = None
     image_path: list[str] | None = None
+    # Inline image files (ext): base64 text (a data: URI is fine) in JSON, raw bytes in msgpack.
+    image_data: list[str | bytes] | None = None
     suppress_logs: bool = False
     extra_sampling_params: dict[str, Any] | None = None
     sigmas: list[float] | None = None
@@ -137,8 +141,7 @@ class GenerateRequest(BaseModel):
             vals = getattr(self, name)
             if vals is not None and not all(math.isfinite(v) for v in vals):
                 raise RequestError(f"{name} must be finite", field=name)
-        if self.image_path:
-            raise RequestError("image_path is not supported by this model family", field="image_path")
+        image_data = _image_bytes(self.image_data) if self.image_data else None
         form = self.rollout_log_prob_form or ("no_const" if self.rollout_log_prob_no_const else "gaussian")
         settings = RolloutSettings(
             kind=self.rollout_sde_type,
@@ -184,6 +187,8 @@ class GenerateRequest(BaseModel):
             flow_shift=self.flow_shift,
             feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
             allow_inexact=self.allow_inexact,
+            image_path=list(self.image_path) if self.image_path else None,
+            image_data=image_data,
             request_id=request_id,
         )
 
@@ -191,3 +196,18 @@ class GenerateRequest(BaseModel):
 def _keys(values: list[str | int] | None) -> list[str] | None:
     # The recipes hash str(key): a JSON 5 and "5" are the same key, as in the trainers' patches.
     return None if values is None else [str(v) for v in values]
+
+
+def _image_bytes(items: list[str | bytes]) -> list[bytes]:
+    """``image_data`` entries as file bytes: raw bytes as sent, text as base64 (optionally a data URI)."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            out.append(item)
+            continue
+        text = item.split(",", 1)[1] if item.startswith("data:") else item
+        try:
+            out.append(base64.b64decode(text, validate=True))
+        except (binascii.Error, ValueError):
+            raise RequestError(f"image_data[{i}]: not valid base64", field="image_data") from None
+    return out

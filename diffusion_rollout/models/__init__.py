@@ -9,11 +9,19 @@ configuration each real checkpoint ships, for the zoo and for benchmarks on real
 
 from .demo import DEMO_FAMILY, ensure_demo_model
 from .scheduler_configs import REAL_SCHEDULER_CONFIGS, WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
-from .tiny import FAMILIES, TINY_CALL_DEFAULTS, build_tiny_pipeline, family_of, save_tiny_model
+from .tiny import (
+    FAMILIES,
+    IMAGE_FAMILIES,
+    TINY_CALL_DEFAULTS,
+    build_tiny_pipeline,
+    family_of,
+    save_tiny_model,
+)
 
 __all__ = [
     "DEMO_FAMILY",
     "FAMILIES",
+    "IMAGE_FAMILIES",
     "REAL_SCHEDULER_CONFIGS",
     "TINY_CALL_DEFAULTS",
     "WAN22_A14B_BOUNDARY_RATIO",

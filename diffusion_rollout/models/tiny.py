@@ -51,6 +51,7 @@ from diffusers import (
     DiffusionPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
@@ -59,6 +60,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
     ZImagePipeline,
@@ -83,6 +85,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from . import tiny_image_cond
 from .scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE, WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
 from .tokenizers import (
     QWEN_CHAT_TEMPLATE,
@@ -95,6 +98,7 @@ from .tokenizers import (
 
 __all__ = [
     "FAMILIES",
+    "IMAGE_FAMILIES",
     "TINY_CALL_DEFAULTS",
     "build_tiny_pipeline",
     "family_of",
@@ -113,6 +117,8 @@ FAMILIES: tuple[str, ...] = (
     "zimage",
     "hunyuanvideo15",
 )
+#: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
+IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v")
 
 _TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
 _LATENT_CHANNELS = 16
@@ -716,6 +722,34 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
             # Guidance is the guider's (6.0, HunyuanVideo-1.5 480p t2v), not a call argument.
             {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2},
         ),
+        # Image-conditioned families (tiny_image_cond): the input image goes in the request.
+        "flux-kontext": _FamilySpec(
+            FluxKontextPipeline,
+            lambda seed: tiny_image_cond.flux_kontext_components(seed, _flux_components, _seeded),
+            # Multiples of 32 (16x VAE, 2x2 packing); max_area keeps the pipeline at this size.
+            {
+                "height": 64,
+                "width": 64,
+                "max_area": 64 * 64,
+                "num_inference_steps": 4,
+                "guidance_scale": 2.5,
+                "max_sequence_length": 16,
+            },
+        ),
+        "wan-i2v": _FamilySpec(
+            WanImageToVideoPipeline,
+            lambda seed: tiny_image_cond.wan_i2v_components(
+                seed, _wan_components, _seeded, text_dim=_TEXT_DIM
+            ),
+            {
+                "height": 32,
+                "width": 32,
+                "num_frames": 5,
+                "num_inference_steps": 4,
+                "guidance_scale": 5.0,
+                "max_sequence_length": 16,
+            },
+        ),
     }
 )
 
@@ -730,7 +764,8 @@ def _spec(family: str) -> _FamilySpec:
     try:
         return _SPECS[family]
     except KeyError:
-        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}") from None
+        known = ", ".join((*FAMILIES, *IMAGE_FAMILIES))
+        raise ValueError(f"unknown model family {family!r}; expected one of {known}") from None
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
@@ -761,6 +796,8 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
 def family_of(pipeline: DiffusionPipeline) -> str:
     """The zoo family a loaded pipeline belongs to (``wan2.2`` when it has two experts and a boundary)."""
     name = type(pipeline).__name__
+    if name == "WanImageToVideoPipeline":
+        return "wan-i2v"
     if name == "WanPipeline":
         two_experts = getattr(pipeline, "transformer_2", None) is not None
         return "wan2.2" if two_experts and pipeline.config.get("boundary_ratio") is not None else "wan"

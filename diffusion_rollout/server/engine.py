@@ -317,9 +317,16 @@ class Engine:
 
     def _encodings(self, plan: Plan) -> dict[str, torch.Tensor]:
         p = plan.params
-        key = (p.prompt, p.negative_prompt, self.adapter.encoding_cache_key(plan.call))
+        a = self.adapter
+        key = (p.prompt, p.negative_prompt, a.encoding_cache_key(plan.call))
+        if not plan.images:
+            return self.prompt_cache.get_or_compute(
+                key, lambda: a.encode(p.prompt, p.negative_prompt, plan.call)
+            )
+        if a.encoding_uses_images():
+            key = (*key, plan.image_key)
         return self.prompt_cache.get_or_compute(
-            key, lambda: self.adapter.encode(p.prompt, p.negative_prompt, plan.call)
+            key, lambda: a.encode_with_images(p.prompt, p.negative_prompt, plan.call, plan.images)
         )
 
     def _run_batch(self, jobs: list[Job]) -> None:
@@ -363,6 +370,8 @@ class Engine:
             batch = len(generators)
             kwargs = a.call_kwargs(call)
             kwargs.update(embeds)
+            if first.images:  # one batch, one set of images (the batch key includes their digests)
+                kwargs.update(a.image_call_kwargs(first.images))
             kwargs["latents"] = torch.cat(latents, dim=0)
             kwargs["generator"] = generators
             kwargs["output_type"] = a.pipeline_output_type(decoded=first.params.return_generated_output)

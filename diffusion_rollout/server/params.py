@@ -50,6 +50,9 @@ class GenerateParams:
     flow_shift: float | None = None
     feature_cache: FeatureCacheSettings | None = None
     allow_inexact: bool = False
+    # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
+    image_path: list[str] | None = None
+    image_data: list[bytes] | None = None
     request_id: str = "-"
 
 

@@ -19,6 +19,7 @@ from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigmas
 from diffusion_rollout.server import initial_noise
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
+from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
 from diffusion_rollout.server.params import GenerateParams
 from diffusion_rollout.server.speed import check_feature_cache
 
@@ -26,12 +27,23 @@ from diffusion_rollout.server.speed import check_feature_cache
 class Plan:
     """A validated request: everything the worker needs, plus the batch key."""
 
-    def __init__(self, params: GenerateParams, call: CallSettings, seeds: list[int], schedule, stock_sigmas):
+    def __init__(
+        self,
+        params: GenerateParams,
+        call: CallSettings,
+        seeds: list[int],
+        schedule,
+        stock_sigmas,
+        images: tuple[ConditionImage, ...] = (),
+    ):
         self.params = params
         self.call = call
         self.seeds = seeds
         self.schedule = schedule  # exact sigma_0..sigma_{T-1}, or None for the pipeline's own
         self.stock_sigmas = stock_sigmas  # sigmas for the pipeline to shift itself, or None
+        self.images = images  # decoded input images (image-conditioned families)
+        # Requests share a pipeline call only with identical input images (the call takes one set).
+        self.image_key = tuple(im.digest for im in images)
         p = params
         self.key = (
             call,
@@ -43,6 +55,7 @@ class Plan:
             p.return_generated_output,
             p.rollout and p.return_denoising_env,
             p.feature_cache,
+            self.image_key,
         )
 
 
@@ -74,7 +87,8 @@ class RequestPlanner:
                 field="num_outputs_per_prompt",
             )
         n = p.num_outputs_per_prompt
-        dh, dw = a.default_size()
+        images = self._images(p)
+        dh, dw = (a.default_size_for_images(images) if images else None) or a.default_size()
         height, width = p.height or dh, p.width or dw
         if height * width > cfg.max_pixels:
             raise RequestError(
@@ -180,7 +194,27 @@ class RequestPlanner:
         initial_noise.validate(p, n, a, call)
         if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
             p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
-        return Plan(p, call, seeds, schedule, stock_sigmas)
+        return Plan(p, call, seeds, schedule, stock_sigmas, images)
+
+    def _images(self, p: GenerateParams) -> tuple[ConditionImage, ...]:
+        """The request's input images, decoded and validated, checked against the family."""
+        a = self.adapter
+        sent = len(p.image_path or ()) + len(p.image_data or ())
+        field = "image_path" if p.image_path else "image_data"
+        if sent and not a.image_inputs:
+            raise RequestError(f"{field}: this model ({a.name}) takes no input images", field=field)
+        if a.image_inputs and not sent:
+            raise RequestError(
+                f"image_path: this model ({a.name}) is image-conditioned; send its input image in image_path "
+                "or image_data",
+                field="image_path",
+            )
+        if sent > a.image_inputs:
+            raise RequestError(
+                f"{field}: {sent} input images sent; this model ({a.name}) takes {a.image_inputs}",
+                field=field,
+            )
+        return load_images(p.image_path, p.image_data, image_limits(self.config))
 
     def _latent_info(self, call: CallSettings) -> tuple[int, torch.dtype]:
         """(elements, dtype) of one sample's latent at this geometry, cached per size."""

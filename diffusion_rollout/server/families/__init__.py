@@ -8,10 +8,12 @@ from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 from diffusion_rollout.server.families.flux import FluxAdapter
 from diffusion_rollout.server.families.flux2_klein import Flux2KleinAdapter
+from diffusion_rollout.server.families.flux_kontext import FluxKontextAdapter
 from diffusion_rollout.server.families.hunyuanvideo15 import HunyuanVideo15Adapter
 from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
 from diffusion_rollout.server.families.wan import WanAdapter
+from diffusion_rollout.server.families.wan_i2v import WanI2VAdapter
 from diffusion_rollout.server.families.zimage import ZImageAdapter
 
 ADAPTERS: list[type[FamilyAdapter]] = [
@@ -23,6 +25,8 @@ ADAPTERS: list[type[FamilyAdapter]] = [
     ZImageAdapter,
     HunyuanVideo15Adapter,
 ]
+# Image-conditioned families (families/image_cond.py).
+ADAPTERS += [FluxKontextAdapter, WanI2VAdapter]
 
 
 def register(adapter: type[FamilyAdapter]) -> None:

@@ -52,6 +52,8 @@ class FamilyAdapter:
     # True when prepare_latents draws [C, h, w] noise and packs 2x2 patches into tokens (FLUX and
     # Qwen-Image): a trainer's x_T recipe names the unpacked shape and is packed the same way.
     packs_latents_2x2: ClassVar[bool] = False
+    # Input images the pipeline is conditioned on (image-conditioned families: 1; text-only: 0).
+    image_inputs: ClassVar[int] = 0
 
     def setup_schedulers(self, loaded: Any) -> None:
         """Called once after loading; families with a non-Euler stock scheduler build the rollout one."""
@@ -242,3 +244,25 @@ class FamilyAdapter:
             elif isinstance(v, (torch.Tensor, int, float, str, bool, list, tuple, dict)):
                 env[k] = v
         return env
+
+    # ---------------------------------------------------------------- input images
+    # Image-conditioned families (families/image_cond.py) override these; text-only ones never see
+    # an image, because the planner refuses images for a family with ``image_inputs == 0``.
+    def encode_with_images(
+        self, prompt: str, negative_prompt: str | None, settings: CallSettings, images: tuple
+    ) -> dict[str, torch.Tensor]:
+        """Prompt encodings of a request with input images (the same as :meth:`encode` unless the
+        text encoder sees the image too)."""
+        return self.encode(prompt, negative_prompt, settings)
+
+    def encoding_uses_images(self) -> bool:
+        """Whether the prompt encoding depends on the input images (part of the cache key then)."""
+        return False
+
+    def image_call_kwargs(self, images: tuple) -> dict[str, Any]:
+        """Pipeline ``__call__`` keyword arguments that carry the input images."""
+        return {}
+
+    def default_size_for_images(self, images: tuple) -> tuple[int, int] | None:
+        """(height, width) the stock pipeline picks from the input images, or None for the default."""
+        return None

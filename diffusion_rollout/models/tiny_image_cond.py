@@ -1,0 +1,101 @@
+"""Tiny image-conditioned pipelines for the zoo: FLUX.1 Kontext and Wan image-to-video.
+
+They reuse the text-to-image families' parts (``tiny``'s builders, seeds and tokenizers) and add what
+the image path needs:
+
+- **FLUX.1 Kontext**: FLUX's transformer, text encoders and scheduler, with a VAE that downsamples by
+  16 instead of 4. The Kontext pipeline resizes every input image to its preferred resolutions
+  (about 1024x1024), so a 4x VAE would hand the transformer 65k image tokens; at 16x the resized
+  input is 1024 tokens and a 64x64 output 4 tokens, which a CPU runs in about a second.
+- **Wan 2.1 image-to-video**: Wan's 3D VAE and text encoder, a transformer with Wan 2.1 I2V's input
+  layout (``in_channels`` = 16 noise + 4 mask + 16 first-frame latent channels) and image
+  cross-attention (``image_dim``, ``added_kv_proj_dim``), and a two-layer CLIP vision encoder with a
+  32x32 CLIP image processor (the pipeline reads the second-to-last hidden state, so two layers is
+  the fewest that exercise it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import AutoencoderKL, WanTransformer3DModel
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+_LATENT_CHANNELS = 16
+_CLIP_VISION_WIDTH = 16
+
+
+def flux_kontext_components(seed: int, flux_components, seeded) -> dict[str, Any]:
+    components = flux_components(seed)
+    components["vae"] = seeded(
+        seed,
+        "vae",
+        lambda: AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 5,
+            up_block_types=("UpDecoderBlock2D",) * 5,
+            block_out_channels=(8, 8, 16, 16, 16),  # 2 ** (5 - 1) = 16x downsampling
+            layers_per_block=1,
+            latent_channels=_LATENT_CHANNELS,
+            norm_num_groups=8,
+            sample_size=64,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.1159,  # FLUX.1's VAE
+            scaling_factor=0.3611,
+        ),
+    )
+    return components
+
+
+def _wan_i2v_transformer(text_dim: int) -> WanTransformer3DModel:
+    heads, head_dim = 2, 16
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=_LATENT_CHANNELS + 4 + _LATENT_CHANNELS,  # noise, frame mask, first-frame latent
+        out_channels=_LATENT_CHANNELS,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=_CLIP_VISION_WIDTH,  # CLIP vision hidden size (1280 for Wan 2.1 I2V's ViT-H)
+        added_kv_proj_dim=heads * head_dim,
+        rope_max_seq_len=32,
+    )
+
+
+def wan_i2v_components(seed: int, wan_components, seeded, text_dim: int) -> dict[str, Any]:
+    components = wan_components(seed, two_experts=False)
+    components.pop("boundary_ratio", None)
+    components.pop("transformer_2", None)
+    components["transformer"] = seeded(seed, "transformer", lambda: _wan_i2v_transformer(text_dim))
+    components["image_encoder"] = seeded(
+        seed,
+        "image_encoder",
+        lambda: CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=_CLIP_VISION_WIDTH,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                projection_dim=_CLIP_VISION_WIDTH,
+            )
+        ),
+    )
+    components["image_processor"] = CLIPImageProcessor(
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        do_resize=True,
+        do_center_crop=True,
+        do_normalize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],  # OpenAI CLIP's, as Wan 2.1 I2V ships
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+    )
+    return components
