@@ -92,6 +92,17 @@ class RequestTimeoutError(DiffusionRolloutError):
     error_type = "request_timeout"
 
 
+class RequestAbortedError(DiffusionRolloutError):
+    """The request was aborted by ``POST /abort_request`` before its batch started.
+
+    499 (the status servers record for a request its own client gave up on): the client asked for
+    it, nothing ran, and a retry would be wrong, so it is neither a 503 nor a 5xx.
+    """
+
+    status_code = 499
+    error_type = "request_aborted"
+
+
 class GenerationError(DiffusionRolloutError):
     """A failure inside generation; only the requests of the failing batch see it."""
 

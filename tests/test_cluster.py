@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -292,3 +293,42 @@ def test_gloo_update_group_reaches_both_replicas(cluster, served):
         "/update_weights", content=save(params), headers={"Content-Type": "application/octet-stream"}
     )
     assert r.status_code == 200, r.text
+
+
+def test_abort_and_set_lora_from_tensor_fan_out(cluster):
+    # /abort_request reaches the replica holding the request; /set_lora_from_tensor every replica.
+    import base64
+    import io
+
+    client, engine = cluster.client, cluster.engine
+    assert client.post("/pause_generation", json={}).status_code == 200
+    box: dict = {}
+    try:
+        t = threading.Thread(
+            target=lambda: box.update(r=client.post("/rollout/generate", json={**BODY, "rid": "tail"}))
+        )
+        t.start()
+        deadline = time.monotonic() + 30
+        while True:  # until the front has dispatched it into a replica's queue
+            r = client.post("/abort_request", json={"rid": "tail"})
+            assert r.status_code == 200, r.text
+            if r.json()["dropped"]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert r.json()["dropped"] == 1 and engine.queue_stats().paused
+        t.join(30)
+        assert box["r"].status_code == 499 and box["r"].json()["error"]["type"] == "request_aborted"
+    finally:
+        client.post("/continue_generation")
+
+    _, tensors = adapter("default", seed=4)
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    body = {"lora_name": "default", "serialized_tensors": base64.b64encode(buf.getvalue()).decode()}
+    r = client.post("/set_lora_from_tensor", json={**body, "weight_version": "tensor-1"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "tensor-1", r.text
+    assert assert_versions_agree(client) == "tensor-1"
+    outs = [generate(client, BODY)[0] for _ in range(2)]  # one on each replica
+    assert_same_output(outs[0], outs[1])
+    assert client.post("/lora/unload", json={"name": "default"}).status_code == 200

@@ -23,9 +23,10 @@ ADMIN_KEY = "admin-key-b81e44"
 # Open on purpose: liveness/readiness/info (no secrets, load balancers and scrapers use them).
 PUBLIC = {
     "/health", "/health_generate", "/model_info", "/server_info", "/v1/models", "/metrics",
-    "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+    "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/v1/model_info", "/weight_version",
 }  # fmt: skip
-GENERATION = {"/rollout/generate"}
+# /abort_request: one rid needs the API key (abort_all the admin key, tests/test_sglang_endpoints.py).
+GENERATION = {"/rollout/generate", "/abort_request"}
 
 
 def _dependency_calls(dependant) -> set:

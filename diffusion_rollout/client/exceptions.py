@@ -29,6 +29,7 @@ from diffusion_rollout.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
     QueueFullError,
+    RequestAbortedError,
     RequestError,
     RequestTimeoutError,
     ServiceUnavailableError,
@@ -125,6 +126,10 @@ class ServerRequestTimeoutError(RolloutHTTPError, RequestTimeoutError):
     """504: the rollout ran out of ``request_timeout_s`` on the server (not retried: it may have run)."""
 
 
+class ServerRequestAbortedError(RolloutHTTPError, RequestAbortedError):
+    """499: the request was aborted (``/abort_request``) before it ran (not retried)."""
+
+
 class ServerGenerationError(RolloutHTTPError, GenerationError):
     """500 from generation."""
 
@@ -178,6 +183,7 @@ _BY_STATUS: dict[int, type[RolloutHTTPError]] = {
     413: ServerPayloadTooLargeError,
     422: ServerValidationError,
     429: ServerQueueFullError,
+    499: ServerRequestAbortedError,
     503: ServerUnavailableError,
     504: ServerRequestTimeoutError,
 }

@@ -42,7 +42,7 @@ from typing import Any
 
 from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_work
 from diffusion_rollout.config import ServerConfig
-from diffusion_rollout.errors import DiffusionRolloutError, ServiceUnavailableError
+from diffusion_rollout.errors import DiffusionRolloutError, RequestError, ServiceUnavailableError
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
@@ -341,6 +341,20 @@ class ClusterEngine:
         results = await self._on_replica(work, lambda r: r.actor.generate.remote(params))
         self.last_generate_ok_at = time.time()
         return results
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
+        """``/abort_request`` on every serving replica: each drops the queued work of ``rid`` (a
+        request waits on exactly one replica); a batch already running finishes."""
+        if not abort_all and not rid:
+            raise RequestError("send the rid of the request to abort, or abort_all=true", field="rid")
+        results = await self._each(self.serving(), lambda r: r.actor.abort.remote(rid, abort_all=abort_all))
+        done = [res for res in results if isinstance(res, dict)]
+        return {
+            "rid": rid,
+            "abort_all": abort_all,
+            "dropped": sum(res["dropped"] for res in done),
+            "running": sum(res["running"] for res in done),
+        }
 
     async def readiness_probe(self) -> None:
         self._check_ready()

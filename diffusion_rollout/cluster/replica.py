@@ -45,6 +45,7 @@ MANAGER_CALLS = frozenset(
     {
         "upload_part",  # non-final parts only: they stage, they do not apply
         "update_from_tensor",  # lora_merge payloads only (full weights go through prepare/commit)
+        "load_lora_tensors",  # set_lora_from_tensor: the decoded adapter tensors travel in kwargs
         "init_group",
         "destroy_group",
         "checksums",
@@ -132,6 +133,9 @@ class ReplicaServer:
 
     async def readiness_probe(self) -> None:
         await self.engine.readiness_probe()
+
+    async def abort(self, rid: str | None, abort_all: bool = False) -> dict[str, Any]:
+        return await self.engine.abort(rid, abort_all=abort_all)
 
     # ------------------------------------------------------------------ weights
     def _lease(self, data: Any) -> Lease:

@@ -392,6 +392,9 @@ class ClusterWeights:
     async def load_lora(self, *, data: bytes | Lease | None = None, **kwargs: Any) -> dict[str, Any]:
         return await self._changing("load_lora", kwargs, data=data)
 
+    async def load_lora_tensors(self, **kwargs: Any) -> dict[str, Any]:
+        return await self._changing("load_lora_tensors", kwargs)
+
     async def activate_lora(self, **kwargs: Any) -> dict[str, Any]:
         return await self._changing("activate_lora", kwargs)
 

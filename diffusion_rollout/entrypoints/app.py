@@ -30,7 +30,9 @@ from diffusion_rollout.server.engine_api import RolloutEngine
 logger = logging.getLogger(__name__)
 
 # Paths whose bodies are weight payloads and get the larger upload limit.
-UPLOAD_PATHS = frozenset({"/update_weights", "/update_weights_from_tensor", "/lora/load"})
+UPLOAD_PATHS = frozenset(
+    {"/update_weights", "/update_weights_from_tensor", "/lora/load", "/set_lora_from_tensor"}
+)
 
 
 def make_engine(config: ServerConfig) -> RolloutEngine:

@@ -48,6 +48,7 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
     GenerationError,
+    RequestAbortedError,
     RequestError,
     RequestTimeoutError,
     ServiceUnavailableError,
@@ -261,6 +262,31 @@ class Engine:
             raise
         finally:
             self.metrics.request_done(outcome, time.monotonic() - t0)
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
+        """Drop the queued work of request ``rid`` (of every request with ``abort_all``).
+
+        SGLang's ``/abort_request``: a trainer that over-samples cancels the tail. Queued requests
+        answer ``RequestAbortedError`` (499); a request whose batch already runs finishes normally
+        (a denoising loop cannot be cut short without its batch mates). Unknown ids are not an error.
+        """
+        if not abort_all and not rid:
+            raise RequestError("send the rid of the request to abort, or abort_all=true", field="rid")
+
+        def match(job: Job) -> bool:
+            return abort_all or job.request_id == rid
+
+        def error(job: Job) -> RequestAbortedError:
+            return RequestAbortedError(f"request {job.request_id} was aborted before it started")
+
+        dropped, running = self.worker.abort(match, error)
+        for _ in range(dropped):
+            self.metrics.request_cancelled("abort")
+        if dropped or running:
+            logger.info(
+                "abort rid=%s abort_all=%s: %d queued dropped, %d running", rid, abort_all, dropped, running
+            )
+        return {"rid": rid, "abort_all": abort_all, "dropped": dropped, "running": running}
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread between batches (weight updates, memory moves)."""

@@ -10,7 +10,8 @@ Design decisions:
 - While paused, generation jobs wait in the queue but admin jobs still run (a trainer pauses,
   pushes weights, continues).
 - Jobs carry a ``concurrent.futures.Future``; a cancelled future (client gone, timeout) is dropped
-  before it runs (``dropped_cancelled`` counts them). A running batch cannot be interrupted
+  before it runs (``dropped_cancelled`` counts them). ``abort`` drops queued jobs by request (a
+  trainer's ``/abort_request``) and fails their futures with the error it is given. A running batch cannot be interrupted
   mid-loop: a request cancelled while its batch runs still occupies its slot until the batch ends.
 - A failed batch's exception keeps the frames of the failed call alive through its traceback, and
   with them the call's tensors (activations, latents, recordings): the worker clears those frames
@@ -75,6 +76,7 @@ class Worker:
         self._paused = False
         self._stopping = False
         self._busy = False
+        self._running: list[Job] = []  # the jobs of the batch in flight (for abort)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.batches_run = 0
         self.dropped_cancelled = 0
@@ -140,6 +142,23 @@ class Worker:
             self._cond.notify_all()
         return job.future
 
+    def abort(self, match: Callable[[Job], bool], error: Callable[[Job], BaseException]) -> tuple[int, int]:
+        """Drop the queued generation jobs ``match`` selects, failing each with ``error(job)``.
+
+        A matching job whose batch is already running is left to finish (a denoising loop cannot
+        be cut short without its batch mates). Returns (dropped, still running).
+        """
+        with self._cond:
+            dropped = [j for j in self._queue if not j.is_admin and match(j)]
+            if dropped:
+                ids = {id(j) for j in dropped}
+                self._queue = collections.deque(j for j in self._queue if id(j) not in ids)
+            running = sum(1 for j in self._running if not j.is_admin and match(j))
+        for job in dropped:
+            if not job.future.done():
+                job.future.set_exception(error(job))
+        return len(dropped), running
+
     # ------------------------------------------------------------------ loop
     def _take(self) -> list[Job] | None:
         """Pick the next job(s) under the lock; None when stopping with nothing left."""
@@ -164,6 +183,9 @@ class Worker:
             if head.is_admin:
                 return [head]
             batch = [head]
+            # Taken from the queue under the lock: from here on abort sees these jobs as running
+            # (the same list object, so jobs added after the batch wait count too).
+            self._running = batch
             self._extend_batch(batch)
         if self.batch_wait_s > 0 and sum(j.samples for j in batch) < self.max_batch_samples:
             time.sleep(self.batch_wait_s)
@@ -231,6 +253,7 @@ class Worker:
                 request_id_var.reset(token)
                 with self._cond:
                     self._busy = False
+                    self._running = []
 
 
 def _clear_frames(exc: BaseException) -> None:

@@ -75,6 +75,9 @@ class SetLoraRequest(_Body):
     lora_path: str | list[str | None] | None = None
     target: str | list[str] = "all"
     strength: float | list[float] = 1.0
+    # SGLang: "merge" and "auto" (merged here: one device, no FSDP shards) or "dynamic".
+    merge_mode: Literal["auto", "merge", "dynamic"] | None = None
+    lora_alpha: float | list[float | None] | None = None
 
 
 class MergeLoraRequest(_Body):
@@ -186,7 +189,7 @@ async def lora_list(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------------------- SGLang compatibility
-def _sglang_targets(manager, target: str) -> list[str]:
+def sglang_targets(manager, target: str) -> list[str]:
     """SGLang's ``target``: ``all`` (every transformer), or a module name."""
     if target == "all":
         names = [n for n in manager.module_names() if n.startswith("transformer")]
@@ -211,23 +214,35 @@ async def set_lora(body: SetLoraRequest, request: Request) -> dict:
     paths = _per_nickname(body.lora_path, len(nicknames), "lora_path")
     targets = _per_nickname(body.target, len(nicknames), "target")
     strengths = _per_nickname(body.strength, len(nicknames), "strength")
+    alphas = _per_nickname(body.lora_alpha, len(nicknames), "lora_alpha")
+    mode = {None: None, "dynamic": "dynamic"}.get(body.merge_mode, "merged")
     plan = []
-    for nickname, path, target, strength in zip(nicknames, paths, targets, strengths, strict=True):
-        plan.extend((nickname, path, module, strength) for module in _sglang_targets(manager, target))
-    modules = [module for _, _, module, _ in plan]
+    for nickname, path, target, strength, alpha in zip(
+        nicknames, paths, targets, strengths, alphas, strict=True
+    ):
+        plan.extend((nickname, path, module, strength, alpha) for module in sglang_targets(manager, target))
+    modules = [module for _, _, module, _, _ in plan]
     if len(set(modules)) != len(modules):
         raise WeightUpdateError(
             "one active adapter per module: two nicknames target the same module", field="target"
         )
     out: dict = {}
-    for nickname, path, module, strength in plan:
+    for nickname, path, module, strength, alpha in plan:
         if path is not None:
             out = await manager.load_lora(
-                target_module=module, name=nickname, path=path, activate=True, strength=strength
+                target_module=module,
+                name=nickname,
+                path=path,
+                lora_alpha=alpha,
+                activate=True,
+                mode=mode,
+                strength=strength,
             )
         else:
-            out = await manager.activate_lora(target_module=module, name=nickname, strength=strength)
-    out["message"] = f"active: {', '.join(f'{m}={n!r}' for n, _, m, _ in plan)}"
+            out = await manager.activate_lora(
+                target_module=module, name=nickname, mode=mode, strength=strength
+            )
+    out["message"] = f"active: {', '.join(f'{m}={n!r}' for n, _, m, _, _ in plan)}"
     return out
 
 
@@ -237,7 +252,7 @@ async def merge_lora_weights(request: Request, body: MergeLoraRequest | None = N
     manager = _manager(request)
     described = await manager.describe_lora()
     out: dict = {}
-    for module in _sglang_targets(manager, body.target):
+    for module in sglang_targets(manager, body.target):
         active = described.get(module, {}).get("active")
         if active is None:
             if body.target == "all":
@@ -257,7 +272,7 @@ async def unmerge_lora_weights(request: Request, body: UnmergeLoraRequest | None
     manager = _manager(request)
     described = await manager.describe_lora()
     out = manager.result("nothing was merged")
-    for module in _sglang_targets(manager, body.target):
+    for module in sglang_targets(manager, body.target):
         if module in described:
             out = await manager.set_lora_mode(target_module=module, mode="dynamic")
     return out

@@ -162,6 +162,37 @@ class LoraOps(ManagerCore):
                 # Back to the pool unless the adapter kept views of it (then it is simply not reused).
                 data.release()
 
+    async def load_lora_tensors(
+        self,
+        *,
+        target_module: str,
+        name: str,
+        named_tensors: Mapping[str, torch.Tensor],
+        lora_alpha: float | None = None,
+        weight_version: Version = None,
+        activate: bool = False,
+        mode: str | None = None,
+        strength: float | None = None,
+        source: str = "tensors",
+    ) -> dict[str, Any]:
+        """An adapter given as in-memory tensors (Relax's ``set_lora_from_tensor``); the payload
+        describes the adapter (no config). The answer adds ``adapted_layers`` (SGLang's field)."""
+        [target] = self.targets([target_module])
+        payload = parse_lora_tensors(named_tensors.items(), target)
+        out = await self._load_lora(
+            target,
+            name,
+            payload,
+            config=None,
+            lora_alpha=lora_alpha,
+            source=source,
+            weight_version=weight_version,
+            activate=activate,
+            mode=mode,
+            strength=strength,
+        )
+        return {**out, "adapted_layers": len(payload.pairs)}
+
     async def activate_lora(
         self,
         *,

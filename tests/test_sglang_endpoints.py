@@ -1,0 +1,254 @@
+"""SGLang's endpoint surface beyond rollouts, through the real app on the tiny SD3 model.
+
+``/abort_request`` (queued work dropped, a running batch finishes), ``/set_lora_from_tensor``
+(decoded without arbitrary pickle), memory and pause options of SGLang and Relax, ``/v1/set_lora``'s
+``merge_mode``/``lora_alpha`` and the info routes. LoRA results are compared with PEFT exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+
+from tests.test_lora import adapter, checksum, image, peft_reference
+
+GEN = {"prompt": "a red cat", "width": 32, "height": 32, "num_inference_steps": 2, "max_sequence_length": 16}
+
+
+def post_in_thread(server, body: dict) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run() -> None:
+        box["response"] = server.client.post(
+            "/rollout/generate", json=body, headers={"Accept": "application/json"}
+        )
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- abort
+def test_abort_drops_queued_work_of_that_rid_only(fresh_server):
+    srv = fresh_server("sd3")
+    srv.engine.worker.pause()
+    threads = []
+    try:
+        threads.append(post_in_thread(srv, {**GEN, "seed": 1, "rid": "keep"}))
+        wait_until(lambda: srv.engine.worker.depth == 1)
+        threads.append(post_in_thread(srv, {**GEN, "seed": 2, "rid": "tail"}))
+        threads.append(post_in_thread(srv, {**GEN, "seed": 3, "extra_sampling_params": {"rid": "tail"}}))
+        wait_until(lambda: srv.engine.worker.depth == 3)
+        r = srv.client.post("/abort_request", json={"rid": "tail"})
+        assert r.status_code == 200 and r.json()["dropped"] == 2 and r.json()["running"] == 0, r.text
+        for t, box in threads[1:]:
+            t.join(30)
+            err = box["response"].json()["error"]
+            assert box["response"].status_code == 499 and err["type"] == "request_aborted"
+        assert srv.engine.worker.depth == 1
+        # An id nobody uses is not an error (SGLang's behaviour); nothing else is touched.
+        assert srv.client.post("/abort_request", json={"rid": "nobody"}).json()["dropped"] == 0
+    finally:
+        srv.engine.worker.resume()
+    t, box = threads[0]
+    t.join(60)
+    assert box["response"].status_code == 200
+    assert box["response"].json()[0]["request_id"] == "keep"
+
+
+def test_abort_leaves_a_running_batch_to_finish(fresh_server):
+    srv = fresh_server("sd3")
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(module, args, kwargs):
+        entered.set()
+        release.wait(30)
+
+    handle = srv.engine.adapter.transformers()["transformer"].register_forward_pre_hook(
+        hold, with_kwargs=True
+    )
+    try:
+        t, box = post_in_thread(srv, {**GEN, "seed": 1, "rid": "running"})
+        assert entered.wait(30)
+        r = srv.client.post("/abort_request", json={"rid": "running"})
+        assert r.json()["dropped"] == 0 and r.json()["running"] == 1, r.text
+    finally:
+        release.set()
+        handle.remove()
+    t.join(60)
+    assert box["response"].status_code == 200 and box["response"].json()[0]["request_id"] == "running"
+
+
+def test_abort_request_validation_and_keys(fresh_server):
+    srv = fresh_server("sd3", admin_key="adm")
+    assert srv.client.post("/abort_request", json={}).status_code == 400
+    assert srv.client.post("/abort_request", json={"rid": "x", "ridd": 1}).status_code == 422
+    # One rid needs only the API key (none here); aborting everything needs the admin key.
+    assert srv.client.post("/abort_request", json={"abort_all": True}).status_code == 401
+    r = srv.client.post("/abort_request", json={"abort_all": True}, headers={"Authorization": "Bearer adm"})
+    assert r.status_code == 200
+    r = srv.client.post("/abort_request", json={"rid": "x", "finished_reason": {"type": "abort"}})
+    assert r.status_code == 200 and r.json()["ignored_fields"] == ["finished_reason"]
+
+
+def test_pause_in_abort_mode_drops_the_queue(fresh_server):
+    srv = fresh_server("sd3")
+    assert srv.client.post("/pause_generation", json={}).status_code == 200
+    try:
+        t, box = post_in_thread(srv, {**GEN, "seed": 1})
+        wait_until(lambda: srv.engine.worker.depth == 1)
+        r = srv.client.post("/pause_generation", json={"mode": "abort"})
+        assert r.status_code == 200 and r.json()["aborted"] == 1
+        t.join(30)
+        assert box["response"].status_code == 499
+        r = srv.client.post("/pause_generation", json={"mode": "retract"})
+        assert r.status_code == 200 and r.json()["ignored_fields"] == ["mode"]
+    finally:
+        srv.client.post("/continue_generation")
+    assert srv.client.post("/pause_generation", json={"mode": "sideways"}).status_code == 422
+    srv.client.post("/continue_generation")
+
+
+# ---------------------------------------------------------------------------- set_lora_from_tensor
+def blob(obj, **save_kw) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf, **save_kw)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_set_lora_from_tensor_dynamic_is_peft_and_merged_uses_the_pristine_base(
+    fresh_server, tiny_model_path
+):
+    srv = fresh_server("sd3")
+    base_sum = checksum(srv)
+    cfg, tensors = adapter("default", seed=3)
+    # Without a config the payload describes the adapter; alpha would be the rank (4) unless sent.
+    body = {
+        "lora_name": "default",
+        "target": "transformer",
+        "strength": 1.0,
+        "serialized_tensors": blob(tensors),
+        "lora_alpha": 8,
+    }
+    r = srv.client.post("/set_lora_from_tensor", json={**body, "merge_mode": "dynamic"})
+    assert r.status_code == 200, r.text
+    assert r.json()["adapted_layers"] == len(tensors) // 2 and r.json()["success"] is True
+    assert torch.equal(image(srv)[0], peft_reference(tiny_model_path, "default", cfg, tensors))
+
+    # Relax's call (no merge_mode): merged into the kept pristine base; a second push replaces it.
+    r = srv.client.post("/set_lora_from_tensor", json={**body, "weight_version": "step-1"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "step-1", r.text
+    assert checksum(srv) != base_sum
+    _, tensors2 = adapter("default", seed=4)
+    assert (
+        srv.client.post(
+            "/set_lora_from_tensor", json={**body, "serialized_tensors": blob(tensors2)}
+        ).status_code
+        == 200
+    )
+    assert srv.client.post("/v1/unmerge_lora_weights", json={}).status_code == 200
+    assert torch.equal(image(srv)[0], peft_reference(tiny_model_path, "default", cfg, tensors2))
+    srv.client.post("/lora/unload", json={})
+    assert checksum(srv) == base_sum
+
+
+class _Opens:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _zip_bomb() -> str:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({}, protocol=2))
+        z.writestr("archive/data/0", b"\0" * 4_000_000)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_set_lora_from_tensor_refuses_arbitrary_pickle(fresh_server, tmp_path, protocol):
+    srv = fresh_server("sd3", max_upload_bytes=1_000_000)
+    before = checksum(srv)
+    _, tensors = adapter("default", seed=3)
+    target = tmp_path / "pwned"
+    evil = {**tensors, "x": _Opens(str(target))}
+    cases = {
+        "open is not allowed": blob(evil, pickle_protocol=protocol),
+        "not base64": "@@@",
+        "not a torch.save file": base64.b64encode(b"hello").decode(),
+        "unpacks to": _zip_bomb(),
+        "LongStorage is not allowed": blob({"a.lora_A.weight": torch.ones(2, 2, dtype=torch.int64)}),
+        "floating-point tensor": blob({"a.lora_A.weight": 1.5}),
+    }
+    for needle, payload in cases.items():
+        r = srv.client.post("/set_lora_from_tensor", json={"serialized_tensors": payload})
+        assert r.status_code == 400, (needle, r.text)
+        assert needle in r.json()["error"]["message"] and "serialized_tensors" in r.json()["error"]["message"]
+    assert not target.exists() and checksum(srv) == before
+    # The same tensors without the extra entry load. (torch's weights_only loader reads protocol 2,
+    # torch.save's default, only: a protocol-4 file is refused by torch, as by Relax's own patch.)
+    r = srv.client.post(
+        "/set_lora_from_tensor", json={"serialized_tensors": blob(tensors, pickle_protocol=protocol)}
+    )
+    assert r.status_code == (200 if protocol == 2 else 400), r.text
+    assert (
+        srv.client.post(
+            "/set_lora_from_tensor", json={"serialized_tensors": "", "lora_nmae": "x"}
+        ).status_code
+        == 422
+    )
+
+
+# ---------------------------------------------------------------------------- memory, set_lora, info
+def test_memory_options_of_sglang_and_relax_are_accepted_and_reported(fresh_server):
+    srv = fresh_server("sd3")
+    r = srv.client.post(
+        "/release_memory_occupation", json={"tags": ["weights"], "cpu_backup_tags": ["weights"]}
+    )
+    assert r.status_code == 200 and r.json()["ignored_fields"] == ["cpu_backup_tags"], r.text
+    r = srv.client.post("/resume_memory_occupation", json={"weights_only": True})
+    assert r.status_code == 200 and r.json()["ignored_fields"] == ["weights_only"], r.text
+    assert srv.client.post("/resume_memory_occupation", json={"weights_olny": True}).status_code == 422
+    srv.generate({**GEN, "seed": 1})
+
+
+def test_sglang_set_lora_merge_mode_and_alpha(fresh_server, tiny_model_path, tmp_path):
+    from safetensors.torch import save_file
+
+    srv = fresh_server("sd3")
+    cfg, tensors = adapter("default", seed=11)
+    path = tmp_path / "adapter.safetensors"
+    save_file(tensors, str(path))  # no config: lora_alpha comes with the request
+    body = {"lora_nickname": "style", "lora_path": str(path), "target": "transformer", "lora_alpha": 8}
+    r = srv.client.post("/v1/set_lora", json={**body, "merge_mode": "dynamic"})
+    assert r.status_code == 200, r.text
+    assert torch.equal(image(srv)[0], peft_reference(tiny_model_path, "default", cfg, tensors))
+    assert (
+        srv.client.post("/v1/set_lora", json={"lora_nickname": "style", "merge_mode": "merge"}).status_code
+        == 200
+    )
+    assert srv.client.get("/v1/list_loras").json()["active"]["transformer"][0]["merged"] is True
+
+
+def test_info_routes(served):
+    srv = served("sd3")
+    info = srv.client.get("/v1/model_info").json()
+    assert info["model_path"] == str(srv.path) and info["family"] == "sd3"
+    assert srv.client.get("/weight_version").json() == {"weight_version": srv.engine.weight_version}
