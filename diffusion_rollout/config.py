@@ -48,6 +48,15 @@ class ServerConfig(BaseModel):
     admin_key: str | None = Field(
         None, repr=False, description="key required for weight, LoRA, memory and pause endpoints"
     )
+    allow_insecure_admin: bool = Field(
+        False,
+        description="start on a non-loopback host without an admin key (anyone could replace the weights)",
+    )
+    health_generate_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="shortest interval between generations /health_generate runs for callers without a key",
+    )
     allow_cpu_ipc: bool = Field(
         False,
         description="accept CPU tensors shared by file descriptor in /update_weights_from_tensor "
@@ -71,6 +80,17 @@ class ServerConfig(BaseModel):
     max_pixels: int = Field(2048 * 2048, ge=1, description="most width*height per output")
     max_frames: int = Field(257, ge=1, description="most video frames per output")
     max_outputs_per_request: int = Field(64, ge=1, description="most num_outputs_per_prompt")
+    max_prompt_chars: int = Field(
+        20_000,
+        ge=1,
+        description="most characters per prompt or negative prompt (checked before any tokenizing)",
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens per prompt by the pipeline's first tokenizer; unset: longer prompts are "
+        "truncated to the pipeline's max_sequence_length as diffusers does",
+    )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest JSON request body")
     max_upload_bytes: int = Field(8 * 2**30, ge=1024, description="largest weight-upload part")
     upload_buffer_keep_bytes: int = Field(
@@ -165,6 +185,6 @@ class ServerConfig(BaseModel):
         names = [
             "max_batch_size", "max_queue_depth", "max_steps", "max_pixels", "max_frames",
             "max_outputs_per_request", "max_body_bytes", "max_upload_bytes", "request_timeout_s",
-            "max_trajectory_bytes",
+            "max_trajectory_bytes", "max_prompt_chars", "max_prompt_tokens",
         ]  # fmt: skip
         return {n: getattr(self, n) for n in names}

@@ -143,7 +143,7 @@ def test_keys_are_never_logged_echoed_or_reported(keyed, monkeypatch):
     assert API_KEY not in repr(keyed.config) and ADMIN_KEY not in str(keyed.config)
 
 
-def test_binding_beyond_loopback_without_admin_key_warns_loudly(tiny_model_path, monkeypatch):
+def test_binding_beyond_loopback_without_admin_key_refuses_unless_allowed(tiny_model_path, monkeypatch):
     from diffusion_rollout.entrypoints import cli, http_server
 
     started = []
@@ -158,8 +158,13 @@ def test_binding_beyond_loopback_without_admin_key_warns_loudly(tiny_model_path,
     # configure_logging would stop the package logger propagating, for every later test's caplog.
     monkeypatch.setattr(cli, "configure_logging", lambda level: None)
     cfg = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", host="0.0.0.0", port=1)
-    with collect_logs(logging.INFO) as logs:
+    with collect_logs(logging.INFO) as logs, pytest.raises(SystemExit) as exited:
         cli.serve(cfg)
+    assert exited.value.code == 2 and not started
+    assert any("refusing to bind to 0.0.0.0 WITHOUT an admin key" in r.getMessage() for r in logs.records)
+
+    with collect_logs(logging.INFO) as logs:
+        cli.serve(cfg.model_copy(update={"allow_insecure_admin": True}))
     assert started
     warnings = [r for r in logs.records if r.levelno >= logging.WARNING]
     assert any("WITHOUT an admin key" in r.getMessage() and "0.0.0.0" in r.getMessage() for r in warnings)

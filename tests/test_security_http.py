@@ -7,6 +7,7 @@ server pulled: "memory flat" means the server never asked for the body.
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import unquote
 
 import httpx
@@ -145,3 +146,30 @@ def checksum(server) -> str:
     return server.client.post("/get_weights_checksum", json={"module_names": ["transformer"]}).json()[
         "transformer"
     ]
+
+
+def test_info_routes_show_paths_and_versions_only_to_admin_callers(keyed):
+    folder = str(keyed.path)
+    for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
+        info = keyed.client.get("/server_info", headers=headers).json()
+        assert "versions" not in info and "host" not in info and folder not in str(info)
+        assert info["model_path"] == keyed.path.name and info["admin_key_required"] is True
+        assert keyed.client.get("/model_info", headers=headers).json()["model_path"] == keyed.path.name
+        assert folder not in keyed.client.get("/v1/models", headers=headers).text
+    info = keyed.client.get("/server_info", headers=ADMIN).json()
+    assert info["model_path"] == folder and "torch" in info["versions"]
+    assert keyed.client.get("/model_info", headers=ADMIN).json()["model_path"] == folder
+    assert keyed.client.get("/v1/models", headers=ADMIN).json()["data"][0]["root"] == folder
+
+
+def test_readiness_probes_without_a_key_run_at_most_once_per_interval(fresh_server):
+    server = fresh_server("sd3", api_key=API_KEY, health_generate_interval_s=3600)
+    keyed_call = {"Authorization": f"Bearer {API_KEY}"}
+    assert server.client.get("/health_generate").status_code == 200  # the first probe runs
+    for _ in range(3):
+        stale = time.time() - 100  # no generation succeeded in the last 30 s
+        server.engine.last_generate_ok_at = stale
+        assert server.client.get("/health_generate").status_code == 200
+        assert server.engine.last_generate_ok_at == stale, "a caller without a key made the server generate"
+    assert server.client.get("/health_generate", headers=keyed_call).status_code == 200
+    assert server.engine.last_generate_ok_at > stale  # a caller with the key still gets a real probe

@@ -19,6 +19,8 @@ from diffusion_rollout.logging_utils import configure_logging
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
 
 def _arg_type(annotation: object):
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -62,17 +64,25 @@ def serve(config: ServerConfig) -> None:
     from diffusion_rollout.entrypoints.http_server import make_server
 
     configure_logging(config.log_level)
+    if config.admin_key is None and config.host not in LOOPBACK_HOSTS:
+        if not config.allow_insecure_admin:
+            logger.error(
+                "refusing to bind to %s WITHOUT an admin key: anyone who can reach this port could replace "
+                "the weights. Set --admin-key, bind to 127.0.0.1, or pass --allow-insecure-admin",
+                config.host,
+            )
+            sys.exit(2)
+        logger.warning(
+            "binding to %s WITHOUT an admin key (--allow-insecure-admin): anyone who can reach this port "
+            "can replace the weights",
+            config.host,
+        )
     if config.model is None:
         from diffusion_rollout.models import ensure_demo_model
 
         path = ensure_demo_model(config.cache_dir)
         logger.warning("no --model given: serving the built-in RANDOM demo model (tiny SD3) from %s", path)
         config = config.model_copy(update={"model": str(path)})
-    if config.admin_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning(
-            "binding to %s WITHOUT an admin key: anyone who can reach this port can replace the weights",
-            config.host,
-        )
     app = create_app(config)
     # Drains on SIGINT/SIGTERM: new rollouts get 503, in-flight ones finish within shutdown_grace_s.
     server = make_server(app, config)

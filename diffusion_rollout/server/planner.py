@@ -21,6 +21,7 @@ from diffusion_rollout.server import initial_noise
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
 from diffusion_rollout.server.params import GenerateParams
+from diffusion_rollout.server.prompt_limits import check_prompt_limits
 from diffusion_rollout.server.speed import check_feature_cache
 
 
@@ -80,6 +81,7 @@ class RequestPlanner:
         a = self.adapter
         assert a is not None
         cfg = self.config
+        check_prompt_limits(p, cfg, a.pipe)
         if p.num_outputs_per_prompt < 1 or p.num_outputs_per_prompt > cfg.max_outputs_per_request:
             raise RequestError(
                 f"num_outputs_per_prompt={p.num_outputs_per_prompt} must be in 1..{cfg.max_outputs_per_request}"

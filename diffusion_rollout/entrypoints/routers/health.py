@@ -1,14 +1,22 @@
-"""Liveness, readiness and information endpoints."""
+"""Liveness, readiness and information endpoints (open: no key needed).
+
+When an admin key is set, callers without it see the model folder's name but not where it lives,
+and no library versions or bind address (``/server_info``, ``/model_info``, ``/v1/models``); a
+readiness probe (``/health_generate``) without a key runs a generation at most once per
+``health_generate_interval_s``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import time
+from pathlib import PurePath
 
 from fastapi import APIRouter, Request
 
 from diffusion_rollout import __version__
-from diffusion_rollout.entrypoints.routers.common import get_engine
+from diffusion_rollout.entrypoints.routers.common import get_engine, is_admin, key_error
 from diffusion_rollout.errors import ServiceUnavailableError
 
 router = APIRouter()
@@ -43,6 +51,35 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
+class ReadinessProbes:
+    """When ``/health_generate`` last ran a generation, and how it went (one per app).
+
+    A caller without a key may make the server generate at most once per
+    ``health_generate_interval_s``; within it, the last probe's outcome is the answer. Concurrent
+    callers share one probe (the lock), so a burst of probes costs one generation.
+    """
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.last_at: float | None = None
+        self.last_error: str | None = None
+
+
+def _probes(request: Request) -> ReadinessProbes:
+    probes = getattr(request.app.state, "readiness_probes", None)
+    if probes is None:
+        probes = request.app.state.readiness_probes = ReadinessProbes()
+    return probes
+
+
+def _has_key(request: Request) -> bool:
+    cfg = request.app.state.config
+    if cfg.api_key is None and cfg.admin_key is None:
+        return False  # nobody can prove anything: every caller is rate-limited alike
+    level = "api" if cfg.api_key is not None else "admin"
+    return key_error(request.headers.get("authorization"), cfg, level) is None
+
+
 @router.get("/health_generate")
 async def health_generate(request: Request) -> dict:
     engine = get_engine(request)
@@ -50,16 +87,43 @@ async def health_generate(request: Request) -> dict:
         raise ServiceUnavailableError(f"not ready: {engine.status}")
     if engine.queue_stats().paused:
         raise ServiceUnavailableError("generation is paused")
-    fresh = engine.last_generate_ok_at and time.time() - engine.last_generate_ok_at < READY_FRESH_S
-    if not fresh:
-        await engine.readiness_probe()
+
+    def fresh() -> bool:
+        return bool(engine.last_generate_ok_at and time.time() - engine.last_generate_ok_at < READY_FRESH_S)
+
+    if fresh():
+        return {"status": "ok"}
+    probes = _probes(request)
+    async with probes.lock:
+        if fresh():  # a probe that finished while this caller waited answers for it too
+            return {"status": "ok"}
+        interval = request.app.state.config.health_generate_interval_s
+        recent = probes.last_at is not None and time.monotonic() - probes.last_at < interval
+        if recent and not _has_key(request):
+            if probes.last_error is not None:
+                raise ServiceUnavailableError(f"the last readiness probe failed: {probes.last_error}")
+            return {"status": "ok"}
+        probes.last_at = time.monotonic()
+        try:
+            await engine.readiness_probe()
+        except Exception as exc:
+            probes.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            raise
+        probes.last_error = None
     return {"status": "ok"}
+
+
+def _public_path(path: str | None) -> str | None:
+    """The model folder's name without where it lives (callers without the admin key)."""
+    return None if path is None else (PurePath(path).name or path)
 
 
 @router.get("/model_info")
 async def model_info(request: Request) -> dict:
     info = get_engine(request).model_info()
     info["is_generation"] = True
+    if not is_admin(request):
+        info["model_path"] = _public_path(info.get("model_path"))
     return info
 
 
@@ -69,6 +133,18 @@ async def server_info(request: Request) -> dict:
     cfg = engine.config
     stats = engine.queue_stats()
     replicas = await engine.replica_info()
+    if not is_admin(request):
+        # Paths and library versions help an attacker more than an operator who has the admin key.
+        return {
+            **engine.model_info(),
+            "model_path": _public_path(engine.model_path),
+            "limits": cfg.limits(),
+            "queue_depth": stats.depth,
+            "paused": stats.paused,
+            "api_key_required": cfg.api_key is not None,
+            "admin_key_required": True,
+            "uptime_s": time.time() - engine.started_at,
+        }
     return {
         **engine.model_info(),
         **({"replicas": replicas} if replicas is not None else {}),
@@ -88,14 +164,8 @@ async def server_info(request: Request) -> dict:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     engine = get_engine(request)
+    path = engine.model_path if is_admin(request) else _public_path(engine.model_path)
     return {
         "object": "list",
-        "data": [
-            {
-                "id": engine.model_path or "demo",
-                "object": "model",
-                "owned_by": "diffusion-rollout",
-                "root": engine.model_path,
-            }
-        ],
+        "data": [{"id": path or "demo", "object": "model", "owned_by": "diffusion-rollout", "root": path}],
     }
