@@ -9,7 +9,15 @@ import json
 import pytest
 import torch
 
-from benchmarks import family_gate, gpu_suite, ode_regression, rollout_overhead, throughput, weight_sync
+from benchmarks import (
+    family_gate,
+    gpu_suite,
+    ode_regression,
+    rollout_overhead,
+    speed_options,
+    throughput,
+    weight_sync,
+)
 from benchmarks.model_builders import default_models
 
 
@@ -124,3 +132,19 @@ def test_new_family_builders_have_the_public_sizes():
         zimage = ZImageTransformer2DModel(**ZIMAGE_TURBO_TRANSFORMER)
     billions = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (klein, zimage)]
     assert 3.8 < billions[0] < 4.0 and 6.1 < billions[1] < 6.2, billions
+
+
+def test_speed_options_tiny(tmp_path):
+    # The GPU script end to end on the CPU (no CUDA graphs, no compile; FLUX phases share the code).
+    assert speed_options.main(["--tiny", "--device", "cpu", "--no-flux", "--out", str(tmp_path)]) == 0
+    doc = _doc(tmp_path, "speed_options")
+    grpo = {r["variant"]: r for r in doc["speed"] if r["phase"] == "grpo"}
+    assert set(grpo) == {"stock", "server_plain_float32", "server_lean_float32", "server_lean_uint8"}
+    assert grpo["server_lean_float32"]["response_mb"] < grpo["server_plain_float32"]["response_mb"]
+    assert doc["gates"] and all(g["exact"] for g in doc["gates"])
+    drift = {r["option"]: r for r in doc["drift"]}
+    eager = drift["eager"]
+    assert eager["exact"] and eager["ode_gate_exact"] and eager["replay_ratio_max_dev"] == 0.0
+    cache = drift["feature_cache taylorseer"]
+    assert cache["exact"] is False and cache["latent_max_abs_diff"] > 0 and not cache["ode_gate_exact"]
+    assert drift["attention _native_math"]["exact"] is False

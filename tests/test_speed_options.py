@@ -141,6 +141,7 @@ def test_eager_server_reports_exact(served):
     assert info["exact"] is True
     assert info["cuda_graphs"] == {"enabled": False}
     assert info["compile"] is False
+    assert info["feature_caches"] == ["taylorseer"]
 
 
 def test_non_exact_attention_backend_reports_inexact(fresh_server):

@@ -69,7 +69,7 @@ from diffusion_rollout.server.planner import Plan, RequestPlanner
 from diffusion_rollout.server.prompt_cache import PromptCache
 from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.result_copy import HostCopier
-from diffusion_rollout.server.speed import feature_cache_applied
+from diffusion_rollout.server.speed import SUPPORTED_CACHES, feature_cache_applied
 from diffusion_rollout.server.worker import Job, Worker
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,9 @@ class Engine:
 
     def speed_info(self) -> dict[str, Any]:
         """The speed options in force and whether they are exact (``/server_info``)."""
-        return self.loaded.speed.report() if self.loaded is not None else {}
+        if self.loaded is None:
+            return {}
+        return {**self.loaded.speed.report(), "feature_caches": list(SUPPORTED_CACHES.get(self.family, ()))}
 
     # ------------------------------------------------------------------ router interface (engine_api)
     def queue_stats(self) -> QueueStats:

@@ -76,7 +76,6 @@ class SpeedOptions:
             "compile": self.compile,
             "attention_backend": self.attention_backend,
             "cuda_graphs": self.graphs.report() if self.graphs is not None else {"enabled": False},
-            "feature_caches": list(CACHE_KINDS),
         }
 
     def invalidate(self) -> None:

@@ -1,0 +1,577 @@
+"""Speed options side by side: lean responses, CUDA graphs, FLUX overhead, and the drift table.
+
+One command, one process, interleaved repeats (median), every server figure timed by a client in
+another process from the request to the decoded response (lean references resolved):
+
+1. ``grpo`` (SD3.5-medium 512x512, 10 steps, CFG 4.5, one request of ``group`` outputs): the
+   Flow-GRPO request a replaying trainer sends (SDE, log-probs, ``dit_trajectory`` and
+   ``denoising_env``) vs the stock pipeline at batch ``group`` (precomputed embeddings, images on the
+   device). Variants: the plain per-output form with float32 images (what the issue measured at
+   0.78x), the lean form (float32, then uint8 images), and lean + uint8 with CUDA graphs. Images/s,
+   ratio, response MB.
+2. ``batch1`` (SD3.5-medium 512x512 10 steps, batch 1): a full SDE rollout (log-probs, trajectory,
+   env, image) on the eager server and with CUDA graphs vs the stock eager pipeline; the ODE gate
+   (``rollout=false`` latents vs the stock pipeline, ``torch.equal``) for both, and the on-policy ratio
+   of a graphed rollout replayed by the eager transformer (must be exactly 1).
+3. ``flux`` (FLUX.1-dev 1024x1024 28 steps, batch 1): the same full rollout, eager and graphed, vs
+   stock, plus the graphed ODE gate.
+4. ``drift``: per speed option (eager, CUDA graphs, attention backends, feature caches, regional
+   compile last because it compiles the shared blocks in place): time per rollout, ``exact`` as the
+   response says, max |diff| of the final latents and of the log-probs vs the eager server with the
+   same seeds, the ODE gate vs eager, and max |ratio - 1| of the option's rollout replayed by the
+   eager transformer. Feature caches run with ``allow_inexact``.
+
+GPU (about 6-8 minutes on an H200; ``--budget`` skips phases that would overrun, and says so)::
+
+    python -m benchmarks.speed_options --device cuda --out $OUT
+
+``--grpo-compiled`` adds the Flow-GRPO request with regional compile (about two more minutes);
+``--no-flux`` skips FLUX.
+
+CPU check with the tiny models (small group, one repeat, no CUDA graphs, no compile)::
+
+    python -m benchmarks.speed_options --tiny --out /tmp/speed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Deadline,
+    base_parser,
+    document,
+    log,
+    median,
+    print_table,
+    quiet_libraries,
+    resolve_device,
+    spread,
+    sync,
+    write_json,
+)
+from benchmarks.model_builders import BenchModel, build
+from benchmarks.ode_regression import compare, stock_reference
+from benchmarks.rollout_overhead import stock_runner
+
+PROMPT = "a watercolor painting of a lighthouse at dusk"
+ROLLOUT = {
+    "rollout": True,
+    "rollout_sde_type": "sde",
+    "rollout_noise_level": 0.7,
+    "rollout_return_dit_trajectory": True,
+    "rollout_return_denoising_env": True,
+    "rollout_debug_mode": False,
+}
+THROUGHPUT_COLUMNS = [
+    ("model", "model", ""),
+    ("phase", "phase", ""),
+    ("variant", "variant", ""),
+    ("outputs", "outputs", ""),
+    ("median_s", "median s", ".3f"),
+    ("images_per_s", "images/s", ".2f"),
+    ("ms_per_step", "ms/step", ".1f"),
+    ("ratio", "vs stock", ".3f"),
+    ("spread", "spread", ".3f"),
+    ("response_mb", "response MB", ".1f"),
+    ("note", "note", ""),
+]
+GATE_COLUMNS = [
+    ("model", "model", ""),
+    ("check", "check", ""),
+    ("exact", "bit-exact", ""),
+    ("max_abs_diff", "max |diff|", ".3g"),
+    ("note", "note", ""),
+]
+DRIFT_COLUMNS = [
+    ("model", "model", ""),
+    ("option", "option", ""),
+    ("exact", "exact flag", ""),
+    ("ms_per_rollout", "ms/rollout", ".1f"),
+    ("ratio_vs_eager", "vs eager", ".3f"),
+    ("latent_max_abs_diff", "latents max|diff|", ".3g"),
+    ("log_prob_max_abs_diff", "log-prob max|diff|", ".3g"),
+    ("ode_gate_exact", "ODE = eager", ""),
+    ("replay_ratio_max_dev", "max|ratio-1| eager replay", ".3g"),
+    ("note", "note", ""),
+]
+
+
+def _body(model: BenchModel, **kw: Any) -> dict[str, Any]:
+    return {"prompt": PROMPT, "seed": 0, "generator_device": model.generator_device, **model.defaults, **kw}
+
+
+@contextlib.contextmanager
+def _graphs(model: BenchModel, on: bool) -> Iterator[None]:
+    """CUDA-graph replay on or off for the server's next calls (same process, same weights)."""
+    speed = model.server().engine.loaded.speed
+    saved = speed.use_graphs
+    speed.use_graphs = on
+    try:
+        yield
+    finally:
+        speed.use_graphs = saved
+
+
+def _has_graphs(model: BenchModel) -> bool:
+    return model.server().engine.loaded.speed.graphs is not None
+
+
+def _time_interleaved(fns: dict[str, Any], reps: int, device: str) -> tuple[dict[str, list[float]], dict]:
+    """Warm-up each, then ``reps`` interleaved rounds; fns return (seconds or None, bytes or None)."""
+    sizes: dict[str, int] = {}
+
+    def one(name: str) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        seconds, size = fns[name]()
+        sync(device)
+        if size is not None:
+            sizes[name] = size
+        return seconds if seconds is not None else time.perf_counter() - t0
+
+    for name in fns:
+        one(name)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name in fns:
+            times[name].append(one(name))
+    return times, sizes
+
+
+def _stock_fn(model: BenchModel, body: dict[str, Any]):
+    run = stock_runner(model, body)
+
+    def fn():
+        run()
+        return None, None  # timed around the call
+
+    return fn
+
+
+def _remote_fn(model: BenchModel, body: dict[str, Any], graphs: bool | None = None):
+    remote = model.server().remote()
+
+    def fn():
+        with _graphs(model, graphs) if graphs is not None else contextlib.nullcontext():
+            return remote.time_one(body)
+
+    return fn
+
+
+def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[str, Any]]:
+    base = median(times["stock"])
+    rows = []
+    for name, ts in times.items():
+        m = median(ts)
+        rows.append(
+            {
+                "model": model.name,
+                "phase": phase,
+                "variant": name,
+                "outputs": outputs,
+                "median_s": m,
+                "images_per_s": outputs / m,
+                "ms_per_step": 1000 * m / steps,
+                "ratio": base / m if phase == "grpo" else m / base,
+                "ratio_kind": "throughput vs stock (higher is faster)"
+                if phase == "grpo"
+                else "time vs stock (lower is faster)",
+                "spread": spread(ts),
+                "times_s": ts,
+                "response_mb": sizes[name] / 1e6 if name in sizes else None,
+                "note": (notes or {}).get(name, ""),
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Flow-GRPO request, lean vs plain
+# ---------------------------------------------------------------------------------------------
+def grpo(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
+    body = _body(model, num_outputs_per_prompt=group)
+    full = {**body, **ROLLOUT}
+    fns = {
+        "stock": _stock_fn(model, body),
+        "server_plain_float32": _remote_fn(model, {**full, "lean_response": False}, graphs=False),
+        "server_lean_float32": _remote_fn(model, {**full, "lean_response": True}, graphs=False),
+        "server_lean_uint8": _remote_fn(
+            model, {**full, "lean_response": True, "output_dtype": "uint8"}, False
+        ),
+    }
+    notes = {}
+    if _has_graphs(model):
+        fns["server_lean_uint8_cuda_graphs"] = _remote_fn(
+            model, {**full, "lean_response": True, "output_dtype": "uint8"}, graphs=True
+        )
+    else:
+        notes["server_lean_uint8"] = "CUDA graphs: needs CUDA (not measured)"
+    times, sizes = _time_interleaved(fns, reps, model.device)
+    return _rows(model, "grpo", times, sizes, group, body["num_inference_steps"], notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2/3. Batch-1 full rollout, eager and graphed, ODE gate, replay ratio
+# ---------------------------------------------------------------------------------------------
+def _decode_outputs(results: list[dict[str, Any]], body: dict[str, Any]):
+    from diffusion_rollout import lean
+    from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
+
+    settings = ReplaySettings.from_request(body)
+    return [RolloutOutput.from_dict(d, settings) for d in lean.from_lean(results)]
+
+
+def eager_replay(model: BenchModel, results: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, float]:
+    """Replay a server rollout with the eager transformer (in process, not graphed): ratio stats."""
+    from diffusion_rollout.client import ReplayBatch, replay_steps
+
+    outs = _decode_outputs(results, body)
+    batch = ReplayBatch(outs, device=model.device)
+    dev = 0.0
+    lp = 0.0
+    modules = {"transformer": model.pipe.transformer}
+    if getattr(model.pipe, "transformer_2", None) is not None:
+        modules["transformer_2"] = model.pipe.transformer_2
+    with torch.inference_mode():
+        for s in replay_steps(modules if len(modules) > 1 else modules["transformer"], batch):
+            dev = max(dev, float((s.ratio.double() - 1).abs().max()))
+            lp = max(
+                lp, float((s.log_prob.double() - s.old_log_prob.to(s.log_prob.device).double()).abs().max())
+            )
+    return {"replay_ratio_max_dev": dev, "replay_log_prob_max_abs_diff": lp}
+
+
+def _ode_gate(model: BenchModel, label: str, graphs: bool | None, n: int) -> dict[str, Any]:
+    body = _body(model, num_outputs_per_prompt=n, seed=7)
+    ref = stock_reference(model, model.stock, body, "latent")
+    req = {**body, "rollout": False, "return_generated_output": False}
+    rows = []
+    with _graphs(model, graphs) if graphs is not None else contextlib.nullcontext():
+        for _ in range(2):  # with graphs: capture, then replay
+            results, _ = model.server().generate(req)
+            rows.append(compare(torch.stack([r["generated_output"] for r in results]), ref))
+    return {
+        "model": model.name,
+        "check": f"ODE gate {label} vs stock eager (2 calls)",
+        "exact": all(r["exact"] for r in rows),
+        "max_abs_diff": max(r["max_abs_diff"] for r in rows),
+        "note": "",
+    }
+
+
+def batch1(
+    model: BenchModel, *, reps: int, phase: str, n_gate: int = 2
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    body = _body(model, num_outputs_per_prompt=1)
+    full = {**body, **ROLLOUT, "lean_response": True}
+    fns = {
+        "stock": _stock_fn(model, body),
+        "server_eager": _remote_fn(model, full, graphs=False),
+    }
+    notes = {}
+    if _has_graphs(model):
+        fns["server_cuda_graphs"] = _remote_fn(model, full, graphs=True)
+    else:
+        notes["server_eager"] = "CUDA graphs: needs CUDA (not measured)"
+    times, sizes = _time_interleaved(fns, reps, model.device)
+    rows = _rows(model, phase, times, sizes, 1, body["num_inference_steps"], notes)
+    gates = [_ode_gate(model, "eager", False, n_gate)]
+    if _has_graphs(model):
+        gates.append(_ode_gate(model, "cuda_graphs", True, n_gate))
+        rb = _body(model, num_outputs_per_prompt=n_gate, seed=3, **ROLLOUT, lean_response=True)
+        with _graphs(model, True):
+            results, _ = model.server().generate(rb)
+        r = eager_replay(model, results, rb)
+        gates.append(
+            {
+                "model": model.name,
+                "check": "replay ratio: cuda_graphs rollout replayed by the eager transformer",
+                "exact": r["replay_ratio_max_dev"] == 0.0 and r["replay_log_prob_max_abs_diff"] == 0.0,
+                "max_abs_diff": r["replay_log_prob_max_abs_diff"],
+                "note": f"max |ratio - 1| = {r['replay_ratio_max_dev']:.3g}",
+            }
+        )
+    return rows, gates
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Drift per speed option
+# ---------------------------------------------------------------------------------------------
+def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
+    """(name, context manager factory, extra body fields, note) per option; compile is last."""
+    from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
+
+    speed = model.server().engine.loaded.speed
+
+    @contextlib.contextmanager
+    def backend(name: str):
+        apply_speed_options(model.pipe, attention_backend=name)
+        speed.attention_backend = name  # so the response's exact flag tells the truth
+        try:
+            yield
+        finally:
+            apply_speed_options(model.pipe, attention_backend="native")
+            speed.attention_backend = None
+
+    @contextlib.contextmanager
+    def compiled():
+        apply_speed_options(model.pipe, compile=True)
+        speed.compile = True
+        try:
+            yield
+        finally:
+            # Back to eager for the replay (and whatever runs after): drop the compiled call.
+            for m in (model.pipe.transformer, getattr(model.pipe, "transformer_2", None)):
+                for block in repeated_blocks(m) if m is not None else ():
+                    block._compiled_call_impl = None
+            speed.compile = False
+
+    options = [("eager", lambda: _graphs(model, False), {})]
+    if _has_graphs(model):
+        options.append(("cuda_graphs", lambda: _graphs(model, True), {}))
+    for b in backends:
+        options.append((f"attention {b}", lambda b=b: backend(b), {}))
+    for c in caches:
+        options.append(
+            (
+                f"feature_cache {c['kind']}",
+                contextlib.nullcontext,
+                {"feature_cache": c, "allow_inexact": True},
+            )
+        )
+    if with_compile:
+        options.append(("regional compile", compiled, {}))
+    return options
+
+
+def drift(
+    model: BenchModel, *, reps: int, backends, caches, with_compile: bool, deadline: Deadline, n: int = 2
+) -> list[dict[str, Any]]:
+    srv = model.server()
+    body = _body(model, num_outputs_per_prompt=n, seed=5, **ROLLOUT, lean_response=True)
+    body["return_generated_output"] = False
+    ode = {
+        **_body(model, num_outputs_per_prompt=n, seed=7),
+        "rollout": False,
+        "return_generated_output": False,
+    }
+    rows: list[dict[str, Any]] = []
+    ref = ref_ode = None
+    eager_ms = None
+    for name, ctx, extra in _option_contexts(model, backends, caches, with_compile):
+        estimate = 120.0 if name == "regional compile" else 15.0
+        if not deadline.allows(estimate):
+            rows.append({"model": model.name, "option": name, "note": "skipped: time budget"})
+            continue
+        req = {**body, **extra}
+        try:
+            with ctx():
+                srv.generate(req)  # warm-up (graph capture, compilation, kernel selection)
+                times = []
+                for _ in range(reps):
+                    sync(model.device)
+                    t0 = time.perf_counter()
+                    results, _ = srv.generate(req)
+                    sync(model.device)
+                    times.append(time.perf_counter() - t0)
+                ode_out, _ = srv.generate({**ode, **{k: v for k, v in extra.items() if k == "feature_cache"}})
+            replay = eager_replay(model, results, req)
+        except Exception as exc:  # an option this build lacks (e.g. flash-attn not installed)
+            rows.append(
+                {"model": model.name, "option": name, "note": f"{type(exc).__name__}: {str(exc)[:100]}"}
+            )
+            continue
+        final = torch.stack([r["dit_trajectory"]["latents"][-1] for r in results]).float()
+        lps = torch.stack([r["rollout_log_probs"] for r in results]).double()
+        ode_lat = torch.stack([r["generated_output"] for r in ode_out])
+        if ref is None:
+            ref, ref_ode, eager_ms = (final, lps), ode_lat, 1000 * median(times)
+        ms = 1000 * median(times)
+        rows.append(
+            {
+                "model": model.name,
+                "option": name,
+                "exact": all(r.get("exact") for r in results),
+                "ms_per_rollout": ms,
+                "ratio_vs_eager": ms / eager_ms,
+                "spread": spread(times),
+                "latent_max_abs_diff": float((final - ref[0]).abs().max()),
+                "log_prob_max_abs_diff": float((lps - ref[1]).abs().max()),
+                "ode_gate_exact": compare(ode_lat, ref_ode)["exact"],
+                **replay,
+                "note": "",
+            }
+        )
+    return rows
+
+
+def grpo_compiled(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
+    """The lean uint8 Flow-GRPO request with the blocks compiled, vs the eager stock pipeline."""
+    from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
+
+    body = _body(model, num_outputs_per_prompt=group)
+    full = {**body, **ROLLOUT, "lean_response": True, "output_dtype": "uint8"}
+    speed = model.server().engine.loaded.speed
+    fns = {"stock": _stock_fn(model, body)}
+    times, _ = _time_interleaved(fns, reps, model.device)  # eager stock first, before compiling
+    apply_speed_options(model.pipe, compile=True)
+    speed.compile = True
+    try:
+        fns2 = {"server_lean_uint8_compiled": _remote_fn(model, full, graphs=False)}
+        t2, sizes = _time_interleaved(fns2, reps, model.device)
+    finally:
+        for block in repeated_blocks(model.pipe.transformer):
+            block._compiled_call_impl = None
+        speed.compile = False
+    times.update(t2)
+    return _rows(model, "grpo_compiled", times, sizes, group, body["num_inference_steps"])
+
+
+# ---------------------------------------------------------------------------------------------
+def run(args) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    tiny = args.tiny
+    sd_name, flux_name = ("tiny-sd3", "tiny-flux") if tiny else ("sd3.5-medium", "flux.1-dev")
+    graphs = device.startswith("cuda")
+    server_cfg = {"cuda_graphs": graphs, "max_batch_size": max(16, args.group)}
+    deadline = Deadline(args.budget)
+    backends = [b for b in args.backends.split(",") if b]
+    speed_rows: list[dict[str, Any]] = []
+    gate_rows: list[dict[str, Any]] = []
+    drift_rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    with_compile = args.compile if args.compile is not None else not tiny
+
+    def phase(name: str, estimate: float) -> bool:
+        if deadline.allows(estimate):
+            log(f"speed_options: {name} ({deadline.elapsed():.0f} s elapsed)")
+            return True
+        notes.append(f"{name}: skipped, time budget ({deadline.left():.0f} s left, needs ~{estimate:.0f} s)")
+        log(notes[-1])
+        return False
+
+    model = build(sd_name, device)
+    try:
+        model.server(**server_cfg)
+        if phase("grpo", 60):
+            speed_rows += grpo(model, group=args.group, reps=args.reps)
+        if phase("batch1", 30):
+            rows, gates = batch1(model, reps=args.reps_b1, phase="batch1")
+            speed_rows += rows
+            gate_rows += gates
+        if phase("drift", 40):
+            sd_caches = [{"kind": "taylorseer", "interval": 2, "warmup_steps": 2}]
+            compile_here = with_compile and deadline.allows(240)
+            if with_compile and not compile_here:
+                notes.append("regional compile: skipped, time budget")
+            drift_rows += drift(
+                model, reps=2, backends=backends, caches=sd_caches, with_compile=compile_here,
+                deadline=deadline,
+            )  # fmt: skip
+            if compile_here and args.grpo_compiled and phase("grpo compiled", 120):
+                speed_rows += grpo_compiled(model, group=args.group, reps=args.reps)
+        if not with_compile:
+            notes.append("regional compile: not measured (--no-compile, or --tiny without --compile)")
+    finally:
+        model.close()
+    if args.flux and phase("flux", 90):
+        model = build(flux_name, device)
+        try:
+            model.server(**server_cfg)
+            body_steps = None if tiny else 28
+            if body_steps:
+                model.defaults["num_inference_steps"] = body_steps
+            rows, gates = batch1(model, reps=args.reps, phase="flux", n_gate=1)
+            speed_rows += rows
+            gate_rows += gates
+            if phase("flux drift", 40):
+                flux_caches = [
+                    {"kind": "first_block", "threshold": 0.05 if not tiny else 0.5},
+                    {"kind": "mag", "threshold": 0.06 if not tiny else 1.0},
+                    {"kind": "taylorseer", "interval": 2, "warmup_steps": 2},
+                ]
+                drift_rows += drift(
+                    model, reps=1, backends=[], caches=flux_caches, with_compile=False, deadline=deadline, n=1
+                )
+        finally:
+            model.close()
+    tables = [
+        print_table("Speed: Flow-GRPO request, batch-1 rollouts, FLUX", speed_rows, THROUGHPUT_COLUMNS),
+        print_table("Exactness gates (torch.equal)", gate_rows, GATE_COLUMNS),
+        print_table("Drift per speed option (vs the eager server, same seeds)", drift_rows, DRIFT_COLUMNS),
+    ]
+    ok = all(g["exact"] for g in gate_rows) and all(
+        r.get("ode_gate_exact") and r.get("replay_ratio_max_dev") == 0.0
+        for r in drift_rows
+        if r.get("exact") is True
+    )
+    doc = document(
+        "speed_options",
+        device,
+        {
+            "models": [sd_name, flux_name if args.flux else None],
+            "group": args.group,
+            "reps": args.reps,
+            "reps_batch1": args.reps_b1,
+            "backends": backends,
+            "compile": with_compile,
+            "budget_s": args.budget,
+            "rollout": ROLLOUT,
+            "prompt": PROMPT,
+            "elapsed_s": deadline.elapsed(),
+        },
+        [*speed_rows, *gate_rows, *drift_rows],
+        ok=ok,
+        notes=notes,
+    )
+    doc["speed"], doc["gates"], doc["drift"] = speed_rows, gate_rows, drift_rows
+    doc["table"] = "\n\n".join(tables)
+    write_json(args.out, "speed_options", doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny SD3/FLUX models (a CPU check of the script)")
+    p.add_argument("--group", type=int, default=None, help="outputs per Flow-GRPO request (16; tiny: 4)")
+    p.add_argument("--reps", type=int, default=None, help="repeats per variant (3; tiny: 1)")
+    p.add_argument("--reps-b1", type=int, default=None, help="repeats of the batch-1 rollouts (5; tiny: 1)")
+    p.add_argument("--backends", default=None, help="attention backends for the drift table")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument(
+        "--grpo-compiled",
+        action="store_true",
+        help="also the Flow-GRPO request compiled (about 2 more minutes)",
+    )
+    p.add_argument("--no-flux", dest="flux", action="store_false", default=True)
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU: 470)")
+    args = p.parse_args(argv)
+    device = resolve_device(args.device)
+    if args.tiny:
+        args.group = args.group or 4
+        args.reps = args.reps or 1
+        args.reps_b1 = args.reps_b1 or 1
+        args.backends = "_native_math" if args.backends is None else args.backends
+    else:
+        args.group = args.group or 16
+        args.reps = args.reps or 3
+        args.reps_b1 = args.reps_b1 or 5
+        if args.backends is None:
+            args.backends = "native,_native_cudnn,_native_flash,flash" if device.startswith("cuda") else ""
+        if args.budget is None and device.startswith("cuda"):
+            args.budget = 470.0
+    doc = run(args)
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
