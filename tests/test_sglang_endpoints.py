@@ -190,24 +190,23 @@ def test_set_lora_from_tensor_refuses_arbitrary_pickle(fresh_server, tmp_path, p
     target = tmp_path / "pwned"
     evil = {**tensors, "x": _Opens(str(target))}
     cases = {
-        "open is not allowed": blob(evil, pickle_protocol=protocol),
+        "io.open": blob(evil, pickle_protocol=protocol),
         "not base64": "@@@",
         "not a torch.save file": base64.b64encode(b"hello").decode(),
         "unpacks to": _zip_bomb(),
-        "LongStorage is not allowed": blob({"a.lora_A.weight": torch.ones(2, 2, dtype=torch.int64)}),
-        "floating-point tensor": blob({"a.lora_A.weight": 1.5}),
+        "floating-point tensor": blob({"a.lora_A.weight": torch.ones(2, 2, dtype=torch.int64)}),
+        "str -> floating-point": blob({"a.lora_A.weight": 1.5}),
     }
     for needle, payload in cases.items():
         r = srv.client.post("/set_lora_from_tensor", json={"serialized_tensors": payload})
         assert r.status_code == 400, (needle, r.text)
         assert needle in r.json()["error"]["message"] and "serialized_tensors" in r.json()["error"]["message"]
     assert not target.exists() and checksum(srv) == before
-    # The same tensors without the extra entry load. (torch's weights_only loader reads protocol 2,
-    # torch.save's default, only: a protocol-4 file is refused by torch, as by Relax's own patch.)
+    # The same tensors without the hostile entry load, whichever pickle protocol saved them.
     r = srv.client.post(
         "/set_lora_from_tensor", json={"serialized_tensors": blob(tensors, pickle_protocol=protocol)}
     )
-    assert r.status_code == (200 if protocol == 2 else 400), r.text
+    assert r.status_code == 200, r.text
     assert (
         srv.client.post(
             "/set_lora_from_tensor", json={"serialized_tensors": "", "lora_nmae": "x"}
