@@ -461,7 +461,11 @@ class Engine:
             plans, state, recorder, images, call, version, elapsed, peak, copier, exact
         )
         copier.finish()
-        self._results.submit(self._deliver, jobs, plans, results, flags, copier, call, version, elapsed)
+        args = (jobs, plans, results, flags, copier, call, version, elapsed)
+        try:
+            self._results.submit(self._deliver, *args)
+        except RuntimeError:  # the results thread is shut down (a batch outlived stop()): finish here
+            self._deliver(*args)
 
     def _deliver(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
         """On the results thread: wait for the host copies, check them, answer the requests."""
