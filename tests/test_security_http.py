@@ -155,6 +155,7 @@ def test_info_routes_show_paths_and_versions_only_to_admin_callers(keyed):
         assert "versions" not in info and "host" not in info and folder not in str(info)
         assert info["model_path"] == keyed.path.name and info["admin_key_required"] is True
         assert keyed.client.get("/model_info", headers=headers).json()["model_path"] == keyed.path.name
+        assert keyed.client.get("/v1/model_info", headers=headers).json()["model_path"] == keyed.path.name
         assert folder not in keyed.client.get("/v1/models", headers=headers).text
     info = keyed.client.get("/server_info", headers=ADMIN).json()
     assert info["model_path"] == folder and "torch" in info["versions"]

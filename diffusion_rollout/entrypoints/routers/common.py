@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import Request
@@ -78,3 +79,16 @@ def require_admin_key(request: Request) -> None:
     error = key_error(request.headers.get("authorization"), request.app.state.config, "admin")
     if error is not None:
         raise error
+
+
+def public_path(path: str | None) -> str | None:
+    """The model folder's name without where it lives (callers without the admin key)."""
+    return None if path is None else (PurePath(path).name or path)
+
+
+def model_info_for(request: Request) -> dict[str, Any]:
+    """The engine's model info; its path reduced to the folder's name for non-admin callers."""
+    info = get_engine(request).model_info()
+    if not is_admin(request):
+        info["model_path"] = public_path(info.get("model_path"))
+    return info

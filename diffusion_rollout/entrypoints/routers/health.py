@@ -11,12 +11,17 @@ from __future__ import annotations
 import asyncio
 import platform
 import time
-from pathlib import PurePath
 
 from fastapi import APIRouter, Request
 
 from diffusion_rollout import __version__
-from diffusion_rollout.entrypoints.routers.common import get_engine, is_admin, key_error
+from diffusion_rollout.entrypoints.routers.common import (
+    get_engine,
+    is_admin,
+    key_error,
+    model_info_for,
+    public_path,
+)
 from diffusion_rollout.errors import ServiceUnavailableError
 
 router = APIRouter()
@@ -113,17 +118,10 @@ async def health_generate(request: Request) -> dict:
     return {"status": "ok"}
 
 
-def _public_path(path: str | None) -> str | None:
-    """The model folder's name without where it lives (callers without the admin key)."""
-    return None if path is None else (PurePath(path).name or path)
-
-
 @router.get("/model_info")
 async def model_info(request: Request) -> dict:
-    info = get_engine(request).model_info()
+    info = model_info_for(request)
     info["is_generation"] = True
-    if not is_admin(request):
-        info["model_path"] = _public_path(info.get("model_path"))
     return info
 
 
@@ -137,7 +135,7 @@ async def server_info(request: Request) -> dict:
         # Paths and library versions help an attacker more than an operator who has the admin key.
         return {
             **engine.model_info(),
-            "model_path": _public_path(engine.model_path),
+            "model_path": public_path(engine.model_path),
             "limits": cfg.limits(),
             "queue_depth": stats.depth,
             "paused": stats.paused,
@@ -164,7 +162,7 @@ async def server_info(request: Request) -> dict:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     engine = get_engine(request)
-    path = engine.model_path if is_admin(request) else _public_path(engine.model_path)
+    path = engine.model_path if is_admin(request) else public_path(engine.model_path)
     return {
         "object": "list",
         "data": [{"id": path or "demo", "object": "model", "owned_by": "diffusion-rollout", "root": path}],

@@ -28,6 +28,7 @@ from diffusion_rollout.entrypoints.dialects import set_noop_fields, with_ignored
 from diffusion_rollout.entrypoints.routers.common import (
     get_engine,
     get_weights,
+    model_info_for,
     require_admin_key,
     require_api_key,
 )
@@ -99,7 +100,7 @@ async def set_lora_from_tensor(body: SetLoraFromTensorRequest, request: Request)
 
 @router.get("/v1/model_info")
 async def v1_model_info(request: Request) -> dict:
-    return get_engine(request).model_info()
+    return model_info_for(request)  # the path only for admin callers, as /model_info
 
 
 @router.get("/weight_version")
