@@ -8,6 +8,16 @@ rate measured in the same run (pinned and pageable, 1 GiB, ``torch.Tensor.to``):
   ``LoopbackServer.post_bytes``: one large ``bytes`` body is quadratic in httpcore). The trainer side starts from CPU tensors already
   in the server dtype; timed: serialising each part, sending it, the server parsing, validating,
   staging and applying. The tensors sent are the model's own values (a no-op for the model).
+- ``http_stream``: the same payload through the project client (``push_weights``, ``verify=False``:
+  parts are views of the tensors, sent in slices, two in flight) into the server's streaming
+  receiver (parts read into pooled, pinned-on-CUDA buffers and checked while the next arrives),
+  twice: the first push allocates the receive buffers, the second is a trainer's steady state. Side
+  by side in the same run and process: ``http_legacy``, the previous path (the whole part
+  serialised by ``safetensors.torch.save``, sent one part at a time, and read on the server with
+  ``request.body()`` then parsed, through a benchmark-only route into the same staging and apply),
+  ``tcp_raw`` (one loopback socket, ``sendall`` into ``recv_into`` a reused buffer: what any HTTP
+  stack on this host can reach) and ``finite_check`` (the old ``isfinite().all()`` and the new
+  ``aminmax`` finiteness check over the payload).
 - ``disk``: ``POST /update_weights_from_disk`` of a ``<dir>/transformer/*.safetensors`` folder just
   written (so read from the page cache: this is the server's read + validate + copy rate, not a
   disk's). Writing is timed separately.
@@ -34,6 +44,7 @@ GB/s is what is compared); IPC sends the whole transformer unless ``--ipc-gb`` c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -65,6 +76,7 @@ from benchmarks.model_builders import BenchModel, build
 ATTENTION_PROJECTION = re.compile(
     r"(^|\.)attn\d*\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
 )
+DEFAULT_PHASES = ("h2d", "tcp", "http_legacy", "http_stream", "finite", "disk", "ipc", "lora", "lora_ipc")
 COLUMNS = [
     ("transport", "transport", ""),
     ("what", "what", ""),
@@ -156,7 +168,9 @@ def _parts(named: list[tuple[str, torch.Tensor]], part_bytes: int) -> list[list[
 # ---------------------------------------------------------------------------------------------
 # Transports
 # ---------------------------------------------------------------------------------------------
-def http_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str) -> dict[str, Any]:
+def http_update(
+    srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str, path: str = "/update_weights"
+) -> dict[str, Any]:
     from safetensors.torch import save
 
     parts = _parts(named_cpu, part_bytes)
@@ -168,7 +182,7 @@ def http_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int,
         body = save(dict(part))
         t1 = time.perf_counter()
         srv.post_bytes(
-            "/update_weights",
+            path,
             body,
             params={
                 "target_module": "transformer",
@@ -193,6 +207,130 @@ def http_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int,
         "request_s": send,
         "note": f"serialize {ser:.2f}s + requests {send:.2f}s",
     }
+
+
+LEGACY_ROUTE = "/bench/legacy_update_weights"
+
+
+def add_legacy_route(srv) -> None:
+    """The receive path before the streaming receiver: ``request.body()``, then the bytes parsed."""
+    from starlette.responses import JSONResponse
+
+    from diffusion_rollout.server.weights import get_weight_manager
+
+    if any(getattr(r, "path", None) == LEGACY_ROUTE for r in srv.app.router.routes):
+        return
+
+    async def legacy(request):
+        q = request.query_params
+        body = await request.body()
+        out = await get_weight_manager(srv.engine).upload_part(
+            body, target_module="transformer", weight_version=q["weight_version"],
+            final=q["final"] == "true", upload_id=q["upload_id"], part=int(q["part"]), flush_cache=False,
+        )  # fmt: skip
+        return JSONResponse(out)
+
+    srv.app.router.add_route(LEGACY_ROUTE, legacy, methods=["POST"])
+
+
+def http_legacy(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str) -> dict[str, Any]:
+    """The previous client and server path: each part serialised whole, sent alone, body() on arrival."""
+    add_legacy_route(srv)
+    row = http_update(srv, named_cpu, part_bytes, tag, path=LEGACY_ROUTE)
+    row["transport"] = "http_legacy"
+    return row
+
+
+def http_stream(
+    srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str, concurrency: int
+) -> dict:
+    from diffusion_rollout.client import RolloutClient
+    from diffusion_rollout.client.weights.upload import push_weights
+
+    total = sum(nbytes(t) for _, t in named_cpu)
+    pool = _receive_pool(srv)
+    before = dataclasses.replace(pool.stats)
+    with RolloutClient(srv.url, timeout=1200.0) as client:
+        t0 = time.perf_counter()
+        push_weights(
+            client, named_cpu, dtype=None, max_part_bytes=part_bytes, weight_version=tag, upload_id=tag,
+            flush_cache=False, verify=False, concurrency=concurrency,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+    allocated = pool.stats.allocated - before.allocated
+    reused = pool.stats.reused - before.reused
+    return {
+        "transport": "http_stream",
+        "what": f"{len(named_cpu)} tensors, {concurrency} parts in flight",
+        "gb": _gb(total),
+        "seconds": seconds,
+        "gb_per_s": _gb(total) / seconds,
+        "buffers_allocated": allocated,
+        "buffers_reused": reused,
+        "note": f"receive buffers: {allocated} new, {reused} reused",
+    }
+
+
+def _receive_pool(srv):
+    from diffusion_rollout.server.weights import get_weight_manager
+
+    return get_weight_manager(srv.engine).receive_buffers
+
+
+def tcp_raw(size: int = 2**30, reps: int = 3) -> dict[str, Any]:
+    """One loopback TCP stream, ``sendall`` of 1 MiB views into ``recv_into`` a reused buffer."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    src = memoryview(bytearray(b"\x5a") * size)
+
+    def sender() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for _ in range(reps + 1):
+                for i in range(0, size, 2**20):
+                    s.sendall(src[i : i + 2**20])
+                s.recv(1)
+
+    thread = threading.Thread(target=sender, daemon=True)
+    thread.start()
+    conn, _ = listener.accept()
+    dst = bytearray(size)
+    view = memoryview(dst)
+    times = []
+    with conn:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            pos = 0
+            while pos < size:
+                pos += conn.recv_into(view[pos:], min(size - pos, 4 << 20))
+            times.append(time.perf_counter() - t0)
+            conn.sendall(b"k")
+    thread.join(30)
+    listener.close()
+    s = median(times[1:])
+    return {"transport": "tcp_raw", "what": "1 GiB loopback socket, no HTTP", "gb": _gb(size), "seconds": s,
+            "gb_per_s": _gb(size) / s, "note": f"median of {reps}"}  # fmt: skip
+
+
+def finite_check(named_cpu: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """The upload's finiteness check over the payload: ``isfinite().all()`` (old) vs ``aminmax`` (new)."""
+    from diffusion_rollout.server.weights.updater import finite_flags
+
+    tensors = [t for _, t in named_cpu if t.is_floating_point()]
+    total = sum(nbytes(t) for t in tensors)
+    rows = []
+    for label, fn in (
+        ("isfinite().all() per tensor (old)", lambda: [bool(torch.isfinite(t).all()) for t in tensors]),
+        ("aminmax per tensor (new)", lambda: finite_flags(tensors)),
+    ):
+        t0 = time.perf_counter()
+        fn()
+        s = time.perf_counter() - t0
+        rows.append({"transport": "finite_check", "what": label, "gb": _gb(total), "seconds": s,
+                     "gb_per_s": _gb(total) / s})  # fmt: skip
+    return rows
 
 
 def disk_update(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, root: Path) -> list[dict]:
@@ -422,7 +560,8 @@ def run(
     lora_rank: int = 64,
     lora_reps: int = 5,
     deadline=None,
-    phases: tuple[str, ...] = ("h2d", "http", "disk", "ipc", "lora", "lora_ipc"),
+    phases: tuple[str, ...] = DEFAULT_PHASES,
+    concurrency: int = 2,
 ) -> dict[str, Any]:
     # A CPU run's trainer process shares tensors by descriptor (it is given this process's authkey),
     # which the server accepts only when told to; a GPU run sends CUDA IPC handles.
@@ -460,12 +599,31 @@ def run(
         named = cpu_copies(http_gb)
         return http_update(srv, named, part_bytes, "bench-http")
 
+    http_payload: list[tuple[str, torch.Tensor]] = []
+
+    def payload():
+        if not http_payload:
+            http_payload.extend(cpu_copies(http_gb))
+        return http_payload
+
+    def do_stream():
+        # First push allocates the receive buffers; the second is a trainer's steady state.
+        return [
+            {**http_stream(srv, payload(), part_bytes, f"bench-stream-{i}", concurrency), "rep": i}
+            for i in range(2)
+        ]
+
     def do_disk():
         named = cpu_copies(disk_gb)
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             return disk_update(srv, named, part_bytes, Path(tmp))
 
+    phase("tcp", tcp_raw, 10)
+    phase("http_legacy", lambda: http_legacy(srv, payload(), part_bytes, "bench-legacy"), 30)
+    phase("http_stream", do_stream, 30)
+    phase("finite", lambda: finite_check(payload()), 10)
     phase("http", do_http, 30)
+    http_payload.clear()
     phase("disk", do_disk, 30)
     if device.startswith("cuda"):
         import gc
@@ -488,6 +646,15 @@ def run(
         return max(vals) if vals else None
 
     targets = {}
+    stream = best("http_stream")
+    legacy = best("http_legacy")
+    if stream is not None:
+        targets["http_stream"] = {"gb_per_s": stream, "target_gb_per_s": 2.0, "met": stream >= 2.0}
+        if legacy:
+            targets["http_stream"]["vs_legacy"] = stream / legacy
+        tcp = best("tcp_raw")
+        if tcp:
+            targets["http_stream"]["vs_tcp_raw"] = stream / tcp
     for kind in ("ipc", "http"):
         v = best(kind)
         if v is not None and pinned:
@@ -499,6 +666,11 @@ def run(
             "ms": 1000 * lora["seconds"],
             "target_ms": 100,
             "met": lora["seconds"] < 0.1,
+        }
+        targets["lora_http_push_activate"] = {
+            "ms": 1000 * lora["seconds"],
+            "target_ms": 300,
+            "met": lora["seconds"] < 0.3,
         }
     lora_ipc = [r["seconds"] for r in rows if r["transport"] == "lora_ipc"][1:]  # in place, after the first
     if lora_ipc:
@@ -517,6 +689,7 @@ def run(
             "ipc_format": ipc_format or "direct",
             "lora_rank": lora_rank,
             "lora_reps": lora_reps,
+            "concurrency": concurrency,
         },
         rows,
         ok=not any("failed" in n for n in notes),
@@ -541,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mb", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--lora-reps", type=int, default=5)
-    p.add_argument("--phases", default="h2d,http,disk,ipc,lora,lora_ipc", help="comma-separated subset")
+    p.add_argument("--phases", default=",".join(DEFAULT_PHASES), help="comma-separated subset (also: http)")
+    p.add_argument("--concurrency", type=int, default=2, help="upload parts in flight (http_stream)")
     p.add_argument(
         "--ipc-format", default=None, choices=["direct", "flattened_bucket"], help="IPC load_format"
     )
@@ -561,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_rank=args.lora_rank,
             lora_reps=args.lora_reps,
             phases=tuple(args.phases.split(",")),
+            concurrency=args.concurrency,
             ipc_format=None if args.ipc_format in (None, "direct") else args.ipc_format,
         )
     finally:

@@ -51,6 +51,7 @@ from diffusion_rollout.client.calls import (
 )
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 __all__ = ["AsyncRolloutClient"]
 
@@ -231,7 +232,7 @@ class AsyncRolloutClient(_ClientBase):
 
     async def update_weights(
         self,
-        data: bytes,
+        data: bytes | SafetensorsBody,
         *,
         target_module: str = "transformer",
         weight_version: str | int | None = None,
@@ -321,7 +322,7 @@ class AsyncRolloutClient(_ClientBase):
         name: str,
         *,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | SafetensorsBody | None = None,
         target_module: str = "transformer",
         peft_config: Mapping[str, Any] | None = None,
         lora_alpha: float | None = None,

@@ -205,7 +205,7 @@ class _ClientBase:
                 kw["content"] = self._body_chunks(call.content)
                 kw["headers"]["Content-Length"] = str(len(call.content))
             else:
-                kw["content"] = call.content
+                kw["content"] = bytes(call.content)
         if call.params:
             kw["params"] = call.params
         return kw

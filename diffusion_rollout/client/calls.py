@@ -31,6 +31,7 @@ import httpx
 from diffusion_rollout import lean
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
+from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 Retry = Literal["idempotent", "refused", "never"]
 Auth = Literal["api", "admin", "none"]
@@ -49,7 +50,7 @@ class _Call:
     auth: Auth
     retry: Retry
     json: Any = None
-    content: bytes | None = None
+    content: bytes | SafetensorsBody | None = None
     params: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     timeout: float | httpx.Timeout | None = None
@@ -65,13 +66,16 @@ def _drop_none(d: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _octet_call(path: str, data, params: dict[str, Any], timeout) -> _Call:
-    """An admin upload of safetensors bytes (never retried: an update is not idempotent)."""
+    """An admin upload of safetensors bytes (never retried: an update is not idempotent).
+
+    ``data``: bytes-like, or a :class:`SafetensorsBody` (sent from the tensors' memory, no copy).
+    """
     return _Call(
         "POST",
         path,
         "admin",
         "never",
-        content=bytes(data),
+        content=data if isinstance(data, SafetensorsBody) else bytes(data),
         params=params,
         headers={"Content-Type": "application/octet-stream"},
         timeout=timeout,
@@ -92,10 +96,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _slices(data: bytes):
+def _slices(data: bytes | SafetensorsBody):
+    # Views, not copies: httpcore's h11 writer copies each slice once on its way to the socket.
+    if isinstance(data, SafetensorsBody):
+        yield from data.slices(_UPLOAD_CHUNK)
+        return
     view = memoryview(data)
     for start in range(0, len(view), _UPLOAD_CHUNK):
-        yield bytes(view[start : start + _UPLOAD_CHUNK])
+        yield view[start : start + _UPLOAD_CHUNK]
 
 
 def _optional_list(values: Sequence[Any] | None) -> list[Any] | None:
@@ -255,7 +263,7 @@ def _lora_load_call(
     name: str,
     *,
     path: str | None,
-    data: bytes | None,
+    data: bytes | SafetensorsBody | None,
     target_module: str,
     peft_config: Mapping[str, Any] | None,
     lora_alpha: float | None,

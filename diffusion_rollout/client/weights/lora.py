@@ -23,13 +23,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save as st_save
 from torch import nn
 
 from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import DTypeSpec, resolve_dtype
+from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient
@@ -192,7 +192,7 @@ def push_lora(
     metadata = {"peft_config": json.dumps(config)} if config is not None else None
     result = client.lora_load(
         name,
-        data=st_save(tensors, metadata=metadata),
+        data=SafetensorsBody(tensors, metadata),
         target_module=target_module,
         lora_alpha=lora_alpha,
         activate=activate,

@@ -8,6 +8,12 @@ Design decisions:
   stages the parts and applies all or nothing. The iterator is consumed lazily with one part of
   look-ahead, so an FSDP trainer can feed gathered shards without holding the whole model twice.
   Each push gets its own ``upload_id`` so stale parts of an earlier failed push never mix in.
+- **No copies, parts in flight together.** A part is a :class:`SafetensorsBody`: the header and
+  views of the (cast) tensors, sent in slices, so nothing is serialised before the socket. Part 0
+  goes alone (it opens the upload on the server), then up to ``concurrency`` parts are sent at
+  once on separate connections (the server checks one while it receives the next), and the final
+  part goes last, after every other part was accepted. Per-tensor hashes for verification are
+  computed in the sending threads.
 - **Verification with the same code.** Per-tensor SHA-256 (``checksums.tensor_sha256``) is computed
   on every cast tensor as it is packed, and checked with ``/update_weights_from_tensor_checker``
   after the commit; whole-module checksums (:func:`verify_weights_checksum`) use
@@ -17,14 +23,16 @@ Design decisions:
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save as st_save
 
 from diffusion_rollout.checksums import tensor_sha256, trainer_weights_checksum, weights_checksum
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
@@ -37,6 +45,7 @@ from diffusion_rollout.client.weights.tensors import (
     _named,
     resolve_dtype,
 )
+from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient
@@ -56,15 +65,25 @@ DEFAULT_MAX_PART_BYTES = 512 * 2**20
 
 @dataclass
 class WeightPart:
-    """One safetensors body of a multi-part upload and the per-tensor hashes of what it holds."""
+    """One safetensors body of a multi-part upload (views of its tensors) and what it holds."""
 
-    data: bytes
+    body: SafetensorsBody
     names: list[str]
-    sha256: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def data(self) -> bytes:
+        """The body as one ``bytes`` (a copy; sending uses ``body`` directly)."""
+        return bytes(self.body)
 
     @property
     def num_bytes(self) -> int:
-        return len(self.data)
+        return len(self.body)
+
+    @functools.cached_property
+    def sha256(self) -> dict[str, str]:
+        """Per-tensor SHA-256 of the cast tensors (``checksums.tensor_sha256``), computed once."""
+        return {n: tensor_sha256(t) for n, t in self.tensors.items()}
 
 
 def safetensors_parts(
@@ -84,8 +103,7 @@ def safetensors_parts(
     size = 0
 
     def flush() -> WeightPart:
-        part = WeightPart(st_save(batch), list(batch), {n: tensor_sha256(t) for n, t in batch.items()})
-        return part
+        return WeightPart(SafetensorsBody(batch), list(batch), dict(batch))
 
     for name, tensor in _named(named_tensors):
         if name in seen:
@@ -126,6 +144,7 @@ def push_weights(
     server: int | None = None,
     timeout: float | None = None,
     partial: bool = False,
+    concurrency: int = 2,
 ) -> UpdateResult:
     """Upload full weights over HTTP in bounded parts and apply them atomically with the last one.
 
@@ -134,16 +153,18 @@ def push_weights(
     applies the push only if it names every parameter of the module, unless ``partial=True`` (then
     exactly the tensors sent are applied). With ``verify``
     the server checks every tensor's SHA-256 afterwards (raises :class:`ChecksumMismatchError`).
+    ``concurrency``: how many non-final parts are in flight at once (1 sends them one by one).
     """
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
     cast_to = resolve_dtype(client, dtype, server=server or 0)
     upload_id = upload_id or uuid.uuid4().hex
     manifest: dict[str, str] = {}
-    result: UpdateResult | None = None
     parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
-    total = 0
-    for index, (part, last) in enumerate(_lookahead(parts)):
+
+    def send(index: int, part: WeightPart, last: bool) -> UpdateResult:
         result = client.update_weights(
-            part.data,
+            part.body,
             target_module=target_module,
             weight_version=weight_version,
             final=last,
@@ -154,13 +175,30 @@ def push_weights(
             timeout=timeout,
             partial=partial,
         )
-        manifest.update(part.sha256)
-        total += part.num_bytes
+        if verify:
+            manifest.update(part.sha256)
         logger.info(
             "pushed part %d (%d tensors, %.1f MiB)%s", index, len(part.names), part.num_bytes / 2**20,
             " and committed" if last else "",
         )  # fmt: skip
-    assert result is not None  # _lookahead raised on an empty iterator
+        return result
+
+    in_flight: collections.deque[Future] = collections.deque()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="push-weights") as pool:
+        try:
+            for index, (part, last) in enumerate(_lookahead(parts)):
+                if index == 0 or last:
+                    # Part 0 opens the upload on the server; the final part must come after all others.
+                    while in_flight:
+                        in_flight.popleft().result()
+                    result = send(index, part, last)
+                    continue
+                while len(in_flight) >= concurrency:
+                    in_flight.popleft().result()
+                in_flight.append(pool.submit(send, index, part, last))
+        finally:
+            for future in in_flight:
+                future.cancel()
     if verify:
         _check_manifest(client, target_module, manifest, server)
     return result

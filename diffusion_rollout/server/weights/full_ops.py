@@ -126,7 +126,11 @@ class StagedPart:
 
     def release(self) -> None:
         """Give the receive buffers back once the payload is applied (or dropped)."""
-        self.payload = None  # the views into the buffers go first, so the pool can take them back
+        # The views into the buffers go first, so the pool can take them back. Emptied, not just
+        # dropped: the worker's finished job may still hold this dict for a while.
+        if self.payload is not None:
+            self.payload.clear()
+        self.payload = None
         if self._release is not None:
             self._release()
             self._release = None

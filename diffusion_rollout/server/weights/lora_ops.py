@@ -131,6 +131,7 @@ class LoraOps(ManagerCore):
         strength: float | None = None,
     ) -> dict[str, Any]:
         """Load an adapter from ``path`` or ``data`` (bytes, or a receive buffer this call then owns)."""
+        payload = tensors = None
         try:
             [target] = self.targets([target_module])
             if (path is None) == (data is None):
@@ -157,6 +158,9 @@ class LoraOps(ManagerCore):
                 strength=strength,
             )
         finally:
+            if payload is not None:
+                # Emptied, not just dropped: the worker's job may still hold the payload for a while.
+                payload.pairs.clear()
             payload = tensors = None
             if isinstance(data, Lease):
                 # Back to the pool unless the adapter kept views of it (then it is simply not reused).

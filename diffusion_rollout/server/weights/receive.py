@@ -17,18 +17,14 @@ Design decisions:
   the buffer only when the storage's use count is back to the pool's own references; otherwise the
   buffer is left to whoever still holds it (freed with its last view) and the pool allocates anew.
   A bug that keeps a view can cost memory, never corrupt weights.
-- The header is checked completely before any view is made: JSON object, known dtypes, shapes of
-  non-negative integers, offsets inside the body, sizes equal to shape x element size, no two
-  entries overlapping. A malformed body is a :class:`WeightUpdateError` (400) naming the problem.
+- The header is checked completely (``safetensors_layout.parse_header``: known dtypes, offsets
+  inside the body, sizes equal to shape x element size, no overlaps) before any view is made; a
+  malformed body is a :class:`WeightUpdateError` (400) naming the problem.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
-import math
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,31 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.safetensors_layout import MAX_HEADER_BYTES, HeaderError, itemsize, parse_header
 
 logger = logging.getLogger(__name__)
 
-# safetensors dtype names -> torch dtypes (the ones torch has).
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
-SAFETENSORS_DTYPE = {v: k for k, v in DTYPES.items()}
-
-# A header larger than this is not a weight file (safetensors' own reader caps it at 100 MB).
-MAX_HEADER_BYTES = 100_000_000
 # Buffers are allocated in whole MiB so a slightly larger part reuses a buffer of the same class.
 _GRAIN = 1 << 20
 
@@ -171,74 +146,26 @@ def unpooled(data: bytes | bytearray | memoryview) -> Lease:
 
 
 # ---------------------------------------------------------------------------- parsing
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _bad(nbytes: int, why: str) -> WeightUpdateError:
-    return WeightUpdateError(f"the body ({nbytes} bytes) is not a valid safetensors file (truncated?): {why}")
-
-
-def parse_header(data: torch.Tensor) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], dict, int]:
-    """Check a safetensors header; ``({name: (dtype, shape, begin, end)}, metadata, data start)``."""
-    nbytes = data.numel()
-    if nbytes == 0:
-        raise WeightUpdateError("the request body is empty; send safetensors bytes")
-    if nbytes < 8:
-        raise _bad(nbytes, "shorter than the 8-byte header length")
-    (header_len,) = struct.unpack("<Q", data[:8].numpy().tobytes())
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > nbytes:
-        raise _bad(nbytes, f"header length {header_len} does not fit")
-    try:
-        header = json.loads(data[8 : 8 + header_len].numpy().tobytes())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(nbytes, f"header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise _bad(nbytes, "header is not a JSON object")
-    start = 8 + header_len
-    body = nbytes - start
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _bad(nbytes, "__metadata__ must map names to strings")
-    entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise _bad(nbytes, f"entry {name!r} is not an object")
-        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
-        shape = info.get("shape")
-        offsets = info.get("data_offsets")
-        if dtype is None:
-            raise _bad(nbytes, f"entry {name!r} has an unknown dtype {info.get('dtype')!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise _bad(nbytes, f"entry {name!r} has an invalid shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= body
-        ):
-            raise _bad(nbytes, f"entry {name!r} has offsets {offsets!r} outside the {body} data bytes")
-        size = math.prod(shape) * _itemsize(dtype)
-        if offsets[1] - offsets[0] != size:
-            raise _bad(
-                nbytes, f"entry {name!r} spans {offsets[1] - offsets[0]} bytes, its shape needs {size}"
-            )
-        entries[name] = (dtype, shape, offsets[0], offsets[1])
-    spans = sorted((b, e, n) for n, (_, _, b, e) in entries.items() if e > b)
-    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
-        if begin < end:
-            raise _bad(nbytes, f"entries {first!r} and {second!r} overlap")
-    return entries, metadata, start
-
-
 def parse_safetensors(lease: Lease) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a received safetensors body as views into its buffer, and its metadata."""
     data = lease.data
-    entries, metadata, start = parse_header(data)
+    nbytes = data.numel()
+    if nbytes == 0:
+        raise WeightUpdateError("the request body is empty; send safetensors bytes")
+    head = data[:8].numpy().tobytes()
+    if len(head) == 8:  # the header itself (bounded: parse_header refuses a longer one)
+        header_len = min(int.from_bytes(head, "little"), MAX_HEADER_BYTES)
+        head = data[: 8 + header_len].numpy().tobytes()
+    try:
+        entries, metadata, start = parse_header(head, nbytes)
+    except HeaderError as exc:
+        raise WeightUpdateError(
+            f"the body ({nbytes} bytes) is not a valid safetensors file (truncated?): {exc}"
+        ) from exc
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, begin, end) in entries.items():
         raw = data[start + begin : start + end]
-        if (data.data_ptr() + start + begin) % _itemsize(dtype):
+        if (data.data_ptr() + start + begin) % itemsize(dtype):
             raw = raw.clone()  # misaligned for its dtype: the one copy a view cannot avoid
         out[name] = raw.view(dtype).reshape(shape)
     return out, metadata
