@@ -61,6 +61,7 @@ import torch
 
 from benchmarks.common import (
     REPO_ROOT,
+    _slices,
     base_parser,
     document,
     log,
@@ -191,6 +192,7 @@ def http_update(
                 "final": "true" if i == len(parts) - 1 else "false",
                 "weight_version": tag,
                 "flush_cache": "false",
+                "partial": "true",  # --http-gb may cap the payload below the whole module
             },
         )
         ser += t1 - t0
@@ -227,48 +229,154 @@ def add_legacy_route(srv) -> None:
         out = await get_weight_manager(srv.engine).upload_part(
             body, target_module="transformer", weight_version=q["weight_version"],
             final=q["final"] == "true", upload_id=q["upload_id"], part=int(q["part"]), flush_cache=False,
+            partial=True,
         )  # fmt: skip
         return JSONResponse(out)
 
     srv.app.router.add_route(LEGACY_ROUTE, legacy, methods=["POST"])
 
 
-def http_legacy(srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str) -> dict[str, Any]:
-    """The previous client and server path: each part serialised whole, sent alone, body() on arrival."""
-    add_legacy_route(srv)
-    row = http_update(srv, named_cpu, part_bytes, tag, path=LEGACY_ROUTE)
-    row["transport"] = "http_legacy"
-    return row
+def http_push(
+    srv,
+    named: list[tuple[str, torch.Tensor]],
+    part_bytes: int,
+    *,
+    mode: str,
+    concurrency: int = 2,
+    reps: int = 2,
+) -> list[dict[str, Any]]:
+    """A full-weight push over HTTP from a separate trainer process (as from another host).
+
+    ``mode="stream"``: the project client (``push_weights``, ``verify=False``) into ``/update_weights``.
+    ``mode="legacy"``: the previous path, each part serialised whole by ``safetensors.torch.save`` and
+    sent alone (1 MiB slices) to a benchmark route that reads ``request.body()``. The trainer makes
+    its own tensors of the payload's names, shapes and dtypes. Besides the wall time, the server
+    process's CPU time (every thread) is recorded: the figure that matters on a busy host.
+    """
+    if mode == "legacy":
+        add_legacy_route(srv)
+    pool = _receive_pool(srv)
+    total = sum(nbytes(t) for _, t in named)
+    spec = {
+        "url": srv.url,
+        "mode": mode,
+        "path": LEGACY_ROUTE if mode == "legacy" else "/update_weights",
+        "part_bytes": part_bytes,
+        "concurrency": concurrency,
+        "reps": reps,
+        "tensors": [[n, list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in named],
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.weight_sync", "--http-trainer", str(spec_path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            for rep in range(reps):
+                # The trainer announces each push ("ready": its tensors are made) and waits for "go",
+                # so the server's CPU time is taken around that push alone.
+                ready = proc.stdout.readline()
+                if not ready.startswith("ready"):
+                    raise RuntimeError(f"HTTP trainer failed: {ready}{proc.stderr.read()[-3000:]}")
+                before = dataclasses.replace(pool.stats)
+                cpu0 = time.process_time()
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                done = proc.stdout.readline()
+                server_cpu = time.process_time() - cpu0
+                if not done.startswith("{"):
+                    raise RuntimeError(f"HTTP trainer failed: {done}{proc.stderr.read()[-3000:]}")
+                report = json.loads(done)
+                seconds = report["seconds"]
+                new, reused = pool.stats.allocated - before.allocated, pool.stats.reused - before.reused
+                what = (
+                    f"{len(named)} tensors, {concurrency} parts in flight, client streams"
+                    if mode == "stream"
+                    else f"{len(named)} tensors, one part at a time, safetensors.save + body()"
+                )
+                rows.append(
+                    {
+                        "transport": f"http_{mode}",
+                        "what": what + (" (first)" if rep == 0 else ""),
+                        "gb": _gb(total),
+                        "seconds": seconds,
+                        "gb_per_s": _gb(total) / seconds,
+                        "server_cpu_s": server_cpu,
+                        "server_cpu_s_per_gb": server_cpu / _gb(total),
+                        "trainer_cpu_s": report["cpu_s"],
+                        "rep": rep,
+                        "buffers_allocated": new,
+                        "buffers_reused": reused,
+                        "note": f"server CPU {server_cpu / _gb(total):.2f} s/GB, trainer CPU {report['cpu_s']:.1f} s"
+                        + (f"; buffers {new} new, {reused} reused" if mode == "stream" else ""),
+                    }
+                )
+        finally:
+            proc.stdin.close()
+            proc.wait(60)
+    return rows
 
 
-def http_stream(
-    srv, named_cpu: list[tuple[str, torch.Tensor]], part_bytes: int, tag: str, concurrency: int
-) -> dict:
+def http_trainer_main(spec_path: str) -> int:
+    """The HTTP trainer process: make the tensors, then push them on every "go" from stdin."""
+    import httpx
+    from safetensors.torch import save
+
     from diffusion_rollout.client import RolloutClient
     from diffusion_rollout.client.weights.upload import push_weights
 
-    total = sum(nbytes(t) for _, t in named_cpu)
-    pool = _receive_pool(srv)
-    before = dataclasses.replace(pool.stats)
-    with RolloutClient(srv.url, timeout=1200.0) as client:
+    spec = json.loads(Path(spec_path).read_text())
+    gen = torch.Generator().manual_seed(3)
+    named = [
+        (name, (torch.randn(shape, generator=gen) * 0.02).to(getattr(torch, dtype)))
+        for name, shape, dtype in spec["tensors"]
+    ]
+    for rep in range(spec["reps"]):
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return 0
+        tag = f"bench-{spec['mode']}-{rep}"
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
-        push_weights(
-            client, named_cpu, dtype=None, max_part_bytes=part_bytes, weight_version=tag, upload_id=tag,
-            flush_cache=False, verify=False, concurrency=concurrency,
-        )  # fmt: skip
+        if spec["mode"] == "stream":
+            with RolloutClient(spec["url"], timeout=1200.0) as client:
+                push_weights(
+                    client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
+                    upload_id=tag, flush_cache=False, verify=False, concurrency=spec["concurrency"],
+                    partial=True,  # --http-gb may cap the payload below the whole module
+                )  # fmt: skip
+        else:
+            parts = _parts(named, spec["part_bytes"])
+            with httpx.Client(base_url=spec["url"], timeout=httpx.Timeout(1200.0)) as client:
+                for i, part in enumerate(parts):
+                    body = save(dict(part))
+                    final = str(i == len(parts) - 1).lower()
+                    r = client.post(
+                        spec["path"],
+                        content=_slices(body),
+                        params={"upload_id": tag, "part": i, "final": final, "weight_version": tag},
+                        headers={
+                            "Content-Type": "application/octet-stream",
+                            "Content-Length": str(len(body)),
+                        },
+                    )
+                    if r.status_code != 200:
+                        print(f"answered {r.status_code}: {r.text[:2000]}", flush=True)
+                        return 2
+                    del body
         seconds = time.perf_counter() - t0
-    allocated = pool.stats.allocated - before.allocated
-    reused = pool.stats.reused - before.reused
-    return {
-        "transport": "http_stream",
-        "what": f"{len(named_cpu)} tensors, {concurrency} parts in flight",
-        "gb": _gb(total),
-        "seconds": seconds,
-        "gb_per_s": _gb(total) / seconds,
-        "buffers_allocated": allocated,
-        "buffers_reused": reused,
-        "note": f"receive buffers: {allocated} new, {reused} reused",
-    }
+        print(json.dumps({"seconds": seconds, "cpu_s": time.process_time() - cpu0}), flush=True)
+    return 0
 
 
 def _receive_pool(srv):
@@ -278,7 +386,7 @@ def _receive_pool(srv):
 
 
 def tcp_raw(size: int = 2**30, reps: int = 3) -> dict[str, Any]:
-    """One loopback TCP stream, ``sendall`` of 1 MiB views into ``recv_into`` a reused buffer."""
+    """One loopback TCP stream, ``sendall`` of 1 MiB views into ``recv_into`` a reused buffer (a ceiling)."""
     import socket
     import threading
 
@@ -310,7 +418,7 @@ def tcp_raw(size: int = 2**30, reps: int = 3) -> dict[str, Any]:
     thread.join(30)
     listener.close()
     s = median(times[1:])
-    return {"transport": "tcp_raw", "what": "1 GiB loopback socket, no HTTP", "gb": _gb(size), "seconds": s,
+    return {"transport": "tcp_raw", "what": f"{size >> 20} MiB loopback socket, no HTTP", "gb": _gb(size), "seconds": s,
             "gb_per_s": _gb(size) / s, "note": f"median of {reps}"}  # fmt: skip
 
 
@@ -565,7 +673,8 @@ def run(
 ) -> dict[str, Any]:
     # A CPU run's trainer process shares tensors by descriptor (it is given this process's authkey),
     # which the server accepts only when told to; a GPU run sends CUDA IPC handles.
-    srv = model.server(allow_cpu_ipc=True)
+    # The legacy-upload route of the http_legacy phase is not an upload path: it needs the upload limit.
+    srv = model.server(allow_cpu_ipc=True, max_body_bytes=16 * 2**30)
     transformer = model.pipe.transformer
     total_bytes = sum(nbytes(p) for p in transformer.parameters())
     rows: list[dict[str, Any]] = []
@@ -606,21 +715,20 @@ def run(
             http_payload.extend(cpu_copies(http_gb))
         return http_payload
 
-    def do_stream():
-        # First push allocates the receive buffers; the second is a trainer's steady state.
-        return [
-            {**http_stream(srv, payload(), part_bytes, f"bench-stream-{i}", concurrency), "rep": i}
-            for i in range(2)
-        ]
+    def do_push(mode: str):
+        # The streaming push twice: the first allocates the receive buffers, the second is a
+        # trainer's steady state. The legacy path (the baseline) once.
+        reps = 2 if mode == "stream" else 1
+        return http_push(srv, payload(), part_bytes, mode=mode, concurrency=concurrency, reps=reps)
 
     def do_disk():
         named = cpu_copies(disk_gb)
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             return disk_update(srv, named, part_bytes, Path(tmp))
 
-    phase("tcp", tcp_raw, 10)
-    phase("http_legacy", lambda: http_legacy(srv, payload(), part_bytes, "bench-legacy"), 30)
-    phase("http_stream", do_stream, 30)
+    phase("tcp", lambda: tcp_raw(2**30 if device.startswith("cuda") else 256 * 2**20), 10)
+    phase("http_legacy", lambda: do_push("legacy"), 30)
+    phase("http_stream", lambda: do_push("stream"), 30)
     phase("finite", lambda: finite_check(payload()), 10)
     phase("http", do_http, 30)
     http_payload.clear()
@@ -706,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["--trainer"]:
         return trainer_main(argv[1])
+    if argv[:1] == ["--http-trainer"]:
+        return http_trainer_main(argv[1])
     quiet_libraries()
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--http-gb", type=float, default=4.0)

@@ -88,7 +88,16 @@ def test_weight_sync(tmp_path):
     assert weight_sync.main(argv) == 0
     doc = _doc(tmp_path, "weight_sync")
     kinds = {r["transport"] for r in doc["results"]}
-    assert {"http", "disk", "ipc", "lora_push_activate"} <= kinds, doc["notes"]
+    assert {
+        "tcp_raw",
+        "http_legacy",
+        "http_stream",
+        "finite_check",
+        "disk",
+        "ipc",
+        "lora_push_activate",
+    } <= kinds
+    assert doc["targets"]["http_stream"]["vs_legacy"] > 0, doc["targets"]
     assert doc["ok"], doc["notes"]
 
 

@@ -53,6 +53,7 @@ async def receive_body(request: Request, pool: BufferPool) -> Lease:
                 field="body",
             )
     except BaseException:
+        view = None  # a live view of the buffer would keep it out of the pool
         lease.release()
         raise
     return lease

@@ -139,7 +139,10 @@ async def update_weights(
             ]
         )
     manager = _manager(request)
-    body = await receive_body(request, manager.receive_buffers)
+    try:
+        body = await receive_body(request, manager.receive_buffers)
+    except WeightUpdateError as exc:  # cut short or too long: the part fails, and so does its upload
+        manager.refuse_part(exc, upload_id=upload_id, weight_version=weight_version, part=part, final=final)
     return await manager.upload_part(
         body,
         target_module=target_module,

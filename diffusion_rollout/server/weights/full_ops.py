@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -134,6 +134,10 @@ class StagedPart:
         if self._release is not None:
             self._release()
             self._release = None
+
+
+def _upload_id(upload_id: str | None, weight_version: Version) -> str:
+    return upload_id or (str(weight_version) if weight_version is not None else "default")
 
 
 class FullWeightOps(ManagerCore):
@@ -249,7 +253,7 @@ class FullWeightOps(ManagerCore):
         kept = False
         try:
             [module] = self.targets([target_module])
-            uid = upload_id or (str(weight_version) if weight_version is not None else "default")
+            uid = _upload_id(upload_id, weight_version)
             spec = await self._spec(module)
             try:
                 # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
@@ -270,17 +274,7 @@ class FullWeightOps(ManagerCore):
                 upload = self.staging.add_part(uid, part, module, tensors, lease if keep else None)
                 kept = keep
             except Exception as exc:
-                # A refused part of a multi-part upload aborts it: its later parts are refused too.
-                dropped = self.staging.discard(
-                    uid,
-                    f"part {part if part is not None else '?'} failed: {exc}",
-                    abort=not final or bool(part),
-                )
-                if dropped and isinstance(exc, WeightUpdateError):
-                    raise WeightUpdateError(
-                        f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
-                        field=exc.field,
-                    ) from exc
+                self._drop_failed(uid, part, final, exc)
                 raise
         finally:
             if not kept:
@@ -315,6 +309,32 @@ class FullWeightOps(ManagerCore):
         return StagedPart(
             uid, {m: list(t.items()) for m, t in complete.tensors.items()}, None, complete.release
         )
+
+    def refuse_part(
+        self,
+        exc: WeightUpdateError,
+        *,
+        upload_id: str | None,
+        weight_version: Version,
+        part: int | None,
+        final: bool,
+    ) -> NoReturn:
+        """A part refused before it could be parsed (its body did not arrive whole): its upload is
+        dropped like that of any failing part; raises the error saying so."""
+        self._drop_failed(_upload_id(upload_id, weight_version), part, final, exc)
+        raise exc
+
+    def _drop_failed(self, uid: str, part: int | None, final: bool, exc: Exception) -> None:
+        """Drop upload ``uid`` after one of its parts failed; a 400 then says so (raised from ``exc``)."""
+        # A refused part of a multi-part upload aborts it: its later parts are refused too.
+        dropped = self.staging.discard(
+            uid, f"part {part if part is not None else '?'} failed: {exc}", abort=not final or bool(part)
+        )
+        if dropped and isinstance(exc, WeightUpdateError):
+            raise WeightUpdateError(
+                f"{exc.message}; upload {uid!r} was dropped, none of its parts will be applied",
+                field=exc.field,
+            ) from exc
 
     # ------------------------------------------------------------------ torch.distributed
     async def init_group(self, **kwargs: Any) -> dict[str, Any]:
