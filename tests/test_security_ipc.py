@@ -188,6 +188,26 @@ def test_meta_tensors_and_views_past_their_storage_are_400_before_any_copy(fresh
     assert copies == [] and checksum(server) == before
 
 
+def test_forged_cuda_handles_are_checked_before_anything_is_opened(fresh_server):
+    server = fresh_server("sd3")
+    name, param = first_param(server)
+    n = param.numel()
+    # torch's CUDA rebuild arguments with a view that starts where its 4n-byte storage ends.
+    args = (
+        torch.Tensor,
+        param.shape,
+        param.contiguous().stride(),
+        n,
+        torch.storage.TypedStorage,
+        torch.float32,
+    )
+    args += (0, b"h" * 64, 4 * n, 0, False, b"r" * 64, 0, None, False)
+    entry = plain([(name, Reduced(reductions.rebuild_cuda_tensor, *args))])
+    r = server.client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [entry]})
+    assert r.status_code == 400, r.text
+    assert f"reaches byte {8 * n} of a storage of {4 * n} bytes" in r.json()["error"]["message"]
+
+
 def test_torch_save_decoder_checks_views_and_globals():
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     buf = io.BytesIO()

@@ -252,11 +252,10 @@ def _rebuild_cuda_tensor(*args: Any) -> CudaTensorRecipe:
         raise _refuse("rebuild_cuda_tensor must name tensor and storage classes")
     if not (isinstance(device, str) or (isinstance(device, int) and not isinstance(device, bool))):
         raise _refuse("rebuild_cuda_tensor device must be an index or a GPU UUID")
-    for value, what in ((handle, "storage handle"), (ref_counter_handle, "ref-counter handle")):
-        if not isinstance(value, bytes):
-            raise _refuse(f"rebuild_cuda_tensor {what} must be bytes")
-    if not (event_handle is None or isinstance(event_handle, bytes)):
-        raise _refuse("rebuild_cuda_tensor event handle must be bytes")
+    # None is what torch sends for an empty storage (it then builds an empty one, nothing opened).
+    for value, what in ((handle, "storage"), (ref_counter_handle, "ref-counter"), (event_handle, "event")):
+        if not (value is None or isinstance(value, bytes)):
+            raise _refuse(f"rebuild_cuda_tensor {what} handle must be bytes")
     _int(storage_offset_bytes, "storage offset bytes")
     _int(ref_counter_offset, "ref-counter offset")
     if not isinstance(event_sync_required, bool):
@@ -264,7 +263,9 @@ def _rebuild_cuda_tensor(*args: Any) -> CudaTensorRecipe:
     size, stride, offset = _view(size, stride, offset)
     real_storage_cls = torch.storage.TypedStorage if storage_cls is TYPED_STORAGE else torch.UntypedStorage
     real = (torch.Tensor, size, stride, offset, real_storage_cls, *args[5:])
-    return CudaTensorRecipe(real, _dtype(dtype), offset, size, stride, _int(nbytes, "storage size"))
+    # Without a handle torch builds an empty storage whatever size is claimed: check against that.
+    nbytes = 0 if handle is None else _int(nbytes, "storage size")
+    return CudaTensorRecipe(real, _dtype(dtype), offset, size, stride, nbytes)
 
 
 # ---------------------------------------------------------------------------- the unpickler
@@ -395,9 +396,9 @@ def check_recipes(obj: Any, policy: FdPolicy) -> list[Any]:
     recipes = list(iter_recipes(obj))
     for r in recipes:
         if isinstance(r, CudaTensorRecipe):
+            check_extent(r.size, r.stride, r.offset, r.dtype.itemsize, r.storage_nbytes)
             if not torch.cuda.is_available():
                 raise _refuse("the payload holds CUDA IPC handles but this server has no GPU")
-            check_extent(r.size, r.stride, r.offset, r.dtype.itemsize, r.storage_nbytes)
             continue
         if isinstance(r.storage, FdStorage) and not policy.allow_cpu_ipc:
             raise _refuse(
