@@ -156,6 +156,29 @@ def test_cuda_graphs_on_cpu_is_a_clear_startup_error():
         ServerConfig(device="cpu", cuda_graphs=True)
 
 
+def test_cuda_graphs_on_cpu_stops_the_cli_with_one_clear_line():
+    from diffusion_rollout.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--cuda-graphs", "--device", "cpu"])
+    assert (
+        str(exc.value)
+        == "diffusion-rollout serve: cuda_graphs needs a CUDA device; this server runs on 'cpu'"
+    )
+
+
+def test_cuda_graph_keys_separate_what_a_graph_would_freeze():
+    from diffusion_rollout.server.cuda_graphs import _UNKEYABLE, _key_of
+
+    x = torch.zeros(2, 3)
+    assert _key_of({"x": x, "scale": 1.0}) == _key_of({"x": torch.ones(2, 3), "scale": 1.0})
+    assert _key_of({"x": x, "scale": 1.0}) != _key_of({"x": x, "scale": 0.5})  # a baked-in value
+    assert _key_of(x) != _key_of(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert _key_of(x) != _key_of(torch.zeros(3, 2).t())  # same shape, other strides
+    assert _key_of(torch.zeros(1).expand(4)) != _key_of(torch.zeros(4))
+    assert _key_of({"x": x, "cb": object()}) is _UNKEYABLE  # runs eager
+
+
 def test_cuda_graphs_flag_reaches_the_cli():
     from diffusion_rollout.entrypoints.cli import build_parser
 

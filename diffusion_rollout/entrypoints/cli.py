@@ -14,6 +14,8 @@ import types
 import typing
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.logging_utils import configure_logging
 
@@ -97,7 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         values = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-        serve(ServerConfig.from_env(**values))
+        try:
+            config = ServerConfig.from_env(**values)
+        except ValidationError as exc:  # a start-up error in one line per problem, not a traceback
+            problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            sys.exit(f"diffusion-rollout serve: {problems}")
+        serve(config)
         return 0
     if args.command == "make-tiny-model":
         from diffusion_rollout.models import save_tiny_model
