@@ -127,6 +127,9 @@ class ServerConfig(BaseModel):
         None, ge=0, description="GPUs per replica (fractions share a GPU); unset = 1 on CUDA, 0 on CPU"
     )
     cpus_per_replica: float = Field(1.0, ge=0, description="CPU cores Ray reserves per replica")
+    replica_max_restarts: int = Field(
+        3, ge=0, description="times Ray restarts a dead replica (it re-syncs weights from a peer)"
+    )
     ray_address: str | None = Field(
         None, description="Ray cluster to join ('auto' = the local `ray start` one); unset = start Ray here"
     )

@@ -332,3 +332,53 @@ def test_abort_and_set_lora_from_tensor_fan_out(cluster):
     outs = [generate(client, BODY)[0] for _ in range(2)]  # one on each replica
     assert_same_output(outs[0], outs[1])
     assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_replica_killed_under_load_is_restarted_and_resynced(cluster, served):
+    """Runs last: kills replica 1 while requests run; nothing is lost, nothing mixes versions."""
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    reference = served("sd3").engine.pipe.transformer
+    params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    g = torch.Generator().manual_seed(31)
+    new = {n: p + 0.01 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    # An update first, so the restarted replica (which loads the model from disk) must copy it.
+    r = client.post(
+        "/update_weights",
+        content=save(new),
+        params={"weight_version": "before-kill"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200, r.text
+    expected_sum = checksum(client)
+    victim = engine.replicas[1]
+    old_pid = victim.info["pid"]
+
+    # Replica 1 holds its share of the load in its queue (paused there alone), so the kill surely
+    # lands while it has requests in flight; the rest of the load keeps running on replica 0.
+    ray.get(victim.actor.manager_call.remote("pause_generation", {}))
+    bodies = [{**BODY, "seed": 500 + i} for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(generate, client, b) for b in bodies]
+        wait_for(lambda: victim.load.requests >= 2, 60, "requests queued on replica 1")
+        ray.kill(victim.actor, no_restart=False)
+        results = [f.result(timeout=180) for f in futures]  # none lost, none hung
+    assert [r[0]["seed"] for r in results] == [500 + i for i in range(8)]
+    assert {r[0]["weight_version"] for r in results} == {"before-kill"}
+
+    wait_for(lambda: victim.state == "serving", 180, "replica 1 to be restarted and re-synced")
+    info = replicas(client)
+    assert info[1]["pid"] != old_pid and info[1]["state"] == "serving"
+    assert assert_versions_agree(client) == "before-kill"
+    assert checksum(client) == expected_sum  # replica 1 copied the update from replica 0
+    before = [r["served_requests"] for r in info]
+    outs = [generate(client, BODY)[0] for _ in range(2)]
+    after = [r["served_requests"] for r in replicas(client)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    assert_same_output(outs[0], outs[1])

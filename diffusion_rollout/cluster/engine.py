@@ -26,9 +26,14 @@ Design decisions:
 - **State the front owns.** ``weight_version`` (set after every update to the version all replicas
   reported), ``status``, its own ``Metrics`` (HTTP responses, disconnects); ``metrics_text`` adds
   every replica's series (``cluster/metrics_merge.py``) and ``replica_info`` lists the replicas.
-- **Faults (hooks).** A replica call that finds its actor dead answers 503 and marks the replica not
-  serving; restarting, re-syncing weights and retrying are left to ``Replica.state`` transitions
-  (see ``replica_died``).
+- **Faults.** Ray restarts a replica whose process dies (``replica_max_restarts``). The front
+  marks it ``restarting`` (no rollouts, no updates), retries each of its lost requests once on
+  another replica (a request either produced all its outputs or none, so a retry loses nothing and
+  never mixes versions), then ``_recover`` loads the model on the new process and, under the admin
+  lock, copies the current weights, adapters and version from a serving peer
+  (``cluster/resync.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
+  Ray gave up on is ``dead``; with no serving peer to copy from it stays ``stale``. Update groups
+  (NCCL) do not survive a restart: the trainer joins a new group.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from diffusion_rollout.server.params import GenerateParams, SampleResult
 
 logger = logging.getLogger(__name__)
 
+# How often a restarting replica is asked whether its new process is up.
+RESTART_POLL_S = 0.5
 RAY_MISSING = "replicas need Ray: pip install 'diffusion-rollout[ray]'"
 
 
@@ -73,6 +80,10 @@ def unwrap(exc: BaseException) -> BaseException:
     if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
         return cause
     return exc
+
+
+class ReplicaLostError(ServiceUnavailableError):
+    """The replica running a call died; the call may be retried once elsewhere (503 if it escapes)."""
 
 
 class DispatchGate:
@@ -102,7 +113,7 @@ class Replica:
     actor: Any
     load: Load
     info: dict[str, Any] = field(default_factory=dict)
-    state: str = "serving"  # serving | dead (restart and re-sync are the fault-handling hooks)
+    state: str = "serving"  # serving | restarting | syncing | stale | dead
 
 
 class ClusterEngine:
@@ -128,6 +139,9 @@ class ClusterEngine:
         self._shutdown_deadline: float | None = None
         self._admin_lock: asyncio.Lock | None = None
         self._model_info: dict[str, Any] = {}
+        # Modules that full updates changed since start: what a restarted replica copies from a peer.
+        self.touched_modules: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
         from diffusion_rollout.cluster.weights import ClusterWeights
 
         self._weights = ClusterWeights(self)
@@ -153,7 +167,11 @@ class ClusterEngine:
         gpus = self.config.resolved_gpus_per_replica()
         if gpus > 1:
             logger.warning("gpus_per_replica=%g: each engine runs on its first GPU only", gpus)
-        actor_cls = replica_actor_class(num_gpus=gpus, num_cpus=self.config.cpus_per_replica)
+        actor_cls = replica_actor_class(
+            num_gpus=gpus,
+            num_cpus=self.config.cpus_per_replica,
+            max_restarts=self.config.replica_max_restarts,
+        )
         rcfg = self.replica_config()
         n = self.config.replicas
         logger.info(
@@ -191,8 +209,10 @@ class ClusterEngine:
         if not self.replicas:
             return
         ray = import_ray()
+        for task in list(self._tasks):
+            task.get_loop().call_soon_threadsafe(task.cancel)
         left = max(0.0, deadline - time.monotonic())
-        refs = [r.actor.stop.remote(left) for r in self.replicas if r.state != "dead"]
+        refs = [r.actor.stop.remote(left) for r in self.replicas if r.state == "serving"]
         with contextlib.suppress(Exception):
             ray.get(refs, timeout=left + 10)
         for r in self.replicas:
@@ -225,11 +245,79 @@ class ClusterEngine:
         return [r for r in self.replicas if r.state == "serving"]
 
     def replica_died(self, replica: Replica, exc: BaseException) -> None:
-        """Hook: a call found the actor dead. It takes no rollouts until restarted and re-synced."""
-        if replica.state != "dead":
-            logger.error("replica %d died: %s", replica.replica_id, exc)
-        replica.state = "dead"
+        """A call found the actor dead: no rollouts or updates for it until restarted and re-synced."""
         replica.load.serving = False
+        if replica.state in ("restarting", "syncing", "dead") or self.status == "stopping":
+            return
+        logger.error(
+            "replica %d died (%s); waiting for Ray to restart it", replica.replica_id, type(exc).__name__
+        )
+        self._start_recovery(replica)
+
+    def _start_recovery(self, replica: Replica) -> None:
+        replica.state = "restarting"
+        task = asyncio.get_running_loop().create_task(self._recover(replica))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _recover(self, replica: Replica) -> None:
+        """Load the model on the restarted process, copy a serving peer's weights, serve again."""
+        ray = import_ray()
+        try:
+            while True:
+                try:
+                    info = await replica.actor.start.remote()
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    # Still restarting (Ray refuses calls until the new process is up): ask again.
+                    await asyncio.sleep(RESTART_POLL_S)
+        except ray.exceptions.RayActorError as exc:
+            logger.error("replica %d will not come back: %s", replica.replica_id, exc)
+            replica.state = "dead"
+            return
+        except Exception:
+            logger.exception("replica %d failed to load after its restart", replica.replica_id)
+            replica.state = "dead"
+            return
+        replica.state = "syncing"
+        async with self.admin_lock:
+            peers = self.serving()
+            try:
+                if self.updates_applied and not peers:
+                    logger.error(
+                        "replica %d restarted but no serving replica holds the current weights to copy; "
+                        "it stays out of service until restarted again",
+                        replica.replica_id,
+                    )
+                    replica.state = "stale"
+                    return
+                if peers:
+                    state = peers[0].actor.export_state.remote(sorted(self.touched_modules))
+                    await replica.actor.import_state.remote(state)
+                if self.status == "released":
+                    await replica.actor.manager_call.remote("release_memory", {})
+                if self.user_paused:
+                    await replica.actor.manager_call.remote("pause_generation", {})
+                info = await replica.actor.info.remote()
+            except ray.exceptions.RayActorError:
+                logger.error("replica %d died again while re-syncing", replica.replica_id)
+                self._start_recovery(replica)
+                return
+            except Exception:
+                logger.exception(
+                    "replica %d could not be re-synced; it stays out of service", replica.replica_id
+                )
+                replica.state = "stale"
+                return
+            replica.info = info
+            replica.state = "serving"
+            replica.load.serving = True
+        logger.info(
+            "replica %d serves again (pid %s, weight_version %s)",
+            replica.replica_id,
+            info["pid"],
+            info["weight_version"],
+        )
 
     def model_info(self) -> dict[str, Any]:
         return {
@@ -257,7 +345,8 @@ class ClusterEngine:
         return await asyncio.gather(*refs, return_exceptions=True)
 
     async def replica_info(self) -> list[dict[str, Any]]:
-        live = [r for r in self.replicas if r.state != "dead"]
+        # Only serving replicas are asked: a call to a restarting one would wait for its model load.
+        live = self.serving()
         answers = await self._each(live, lambda r: r.actor.info.remote())
         for r, a in zip(live, answers, strict=True):
             if isinstance(a, BaseException):
@@ -274,7 +363,7 @@ class ClusterEngine:
                 "device": r.info.get("device"),
                 "gpu_uuids": r.info.get("gpu_uuids", []),
                 "weight_version": r.info.get("weight_version"),
-                "status": r.info.get("status") if r.state != "dead" else "dead",
+                "status": r.info.get("status") if r.state == "serving" else r.state,
                 "queue_depth": r.info.get("queue_depth"),
                 "outstanding_requests": r.load.requests,
                 "served_requests": r.load.served,
@@ -293,7 +382,7 @@ class ClusterEngine:
             status=self.status,
             weight_version=self.weight_version,
         )
-        live = [r for r in self.replicas if r.state != "dead"]
+        live = self.serving()
         texts = await self._each(live, lambda r: r.actor.metrics_text.remote())
         pairs = [(str(r.replica_id), t) for r, t in zip(live, texts, strict=True) if isinstance(t, str)]
         return merge(front, pairs)
@@ -328,17 +417,28 @@ class ClusterEngine:
             import_ray().cancel(ref)
             raise
         except Exception as exc:
-            err = unwrap(exc)
             if isinstance(exc, import_ray().exceptions.RayActorError):
                 self.replica_died(replica, exc)
-            raise err from None
+                raise ReplicaLostError(
+                    f"replica {replica.replica_id} died while running this request; no output was produced"
+                ) from None
+            raise unwrap(exc) from None
         finally:
             self.router.done(replica.load, work, ok)
+
+    async def _retried_once(self, work: int, call, request_id: str) -> Any:
+        try:
+            return await self._on_replica(work, call)
+        except ReplicaLostError as exc:
+            # Nothing of the request was produced (its outputs come back together or not at all):
+            # run it again, whole, on a serving replica.
+            logger.warning("request %s: %s; retrying once on another replica", request_id, exc.message)
+            return await self._on_replica(work, call)
 
     async def generate(self, params: GenerateParams) -> list[SampleResult]:
         self._check_ready()
         work = request_work(params.num_outputs_per_prompt, params.seeds)
-        results = await self._on_replica(work, lambda r: r.actor.generate.remote(params))
+        results = await self._retried_once(work, lambda r: r.actor.generate.remote(params), params.request_id)
         self.last_generate_ok_at = time.time()
         return results
 
@@ -358,5 +458,5 @@ class ClusterEngine:
 
     async def readiness_probe(self) -> None:
         self._check_ready()
-        await self._on_replica(1, lambda r: r.actor.readiness_probe.remote())
+        await self._retried_once(1, lambda r: r.actor.readiness_probe.remote(), "health_generate")
         self.last_generate_ok_at = time.time()

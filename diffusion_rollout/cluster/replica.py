@@ -18,6 +18,8 @@ Design decisions:
   rollback / finish) so the front can apply them on all replicas or on none. Bytes the front put in
   the object store once (HTTP uploads) arrive as the ``data`` argument: Ray resolves a top-level
   ``ObjectRef`` argument to its value in this process.
+- Restarts: Ray re-runs ``__init__`` in a new process; the front calls ``start`` again and then
+  ``import_state`` with a serving peer's ``export_state`` (``cluster/resync.py``).
 - Errors are the project's exceptions; Ray carries them to the front wrapped in ``RayTaskError``
   and the front re-raises the original (``cluster.engine.unwrap``).
 """
@@ -30,6 +32,7 @@ import os
 import socket
 from typing import Any
 
+from diffusion_rollout.cluster.resync import export_state, import_state
 from diffusion_rollout.cluster.transactions import FullUpdateTransactions
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import WeightUpdateError
@@ -183,6 +186,14 @@ class ReplicaServer:
     def finish(self, txn: str) -> None:
         self.transactions.finish(txn)
 
+    async def export_state(self, modules: list[str]) -> dict[str, Any]:
+        """This replica's weights, adapters and version, for a restarted peer (``resync``)."""
+        return await self.engine.run_exclusive(lambda: export_state(self.manager, modules))
+
+    async def import_state(self, state: dict[str, Any]) -> Any:
+        """Take a serving peer's weights, adapters and version (after a restart)."""
+        return await self.engine.run_exclusive(lambda: import_state(self.manager, state))
+
     def inject_copy_fault(self) -> None:
         """Fault injection for tests: the next in-place weight copy on this replica raises once."""
 
@@ -194,7 +205,13 @@ class ReplicaServer:
 
 
 def replica_actor_class(*, num_gpus: float, num_cpus: float, max_restarts: int = 0):
-    """``ReplicaServer`` as a Ray actor class with these resources (``.remote(config, replica_id)``)."""
+    """``ReplicaServer`` as a Ray actor class with these resources (``.remote(config, replica_id)``).
+
+    ``max_restarts``: how often Ray restarts a replica whose process died (it comes back with the
+    model from disk; the front re-syncs its weights from a peer). Calls in flight when it died fail
+    (no automatic task retries: the front decides what may be retried)."""
     import ray
 
-    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts)(ReplicaServer)
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0)(
+        ReplicaServer
+    )

@@ -12,6 +12,9 @@ Design decisions:
   running); if any refuses, none applies and the first refusal is the answer (400). Then, with the
   dispatch gate closed, every replica applies; if one fails, the replicas that applied roll back
   to the exact previous bytes and version, and the failure is the answer.
+- **Serving replicas.** Operations reach the replicas that serve; one that is restarting copies
+  the result from a serving peer before it serves again (``cluster/resync.py``), so it never
+  misses an update. Forming an update group needs every replica (a collective needs every rank).
 - **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
 - **Other operations** (LoRA, pause, memory, groups, checks) fan out at once. They validate before
   changing anything on each replica, and replicas hold the same model, so a refusal is the same
@@ -79,12 +82,10 @@ class ClusterWeights:
         return weight_version if weight_version is not None else self.cluster.updates_applied + 1
 
     def _replicas(self):
+        """The serving replicas: a restarting one copies the result from a peer when it is back."""
         replicas = self.cluster.serving()
-        if not replicas or len(replicas) != len(self.cluster.replicas):
-            down = [r.replica_id for r in self.cluster.replicas if r.state != "serving"]
-            raise ServiceUnavailableError(
-                f"replica(s) {down} are not serving; weight operations need every replica"
-            )
+        if not replicas:
+            raise ServiceUnavailableError("no replica is serving; weight operations need at least one")
         return replicas
 
     async def _gather(self, replicas, call) -> list[Any]:
@@ -121,11 +122,13 @@ class ClusterWeights:
         per_replica: Sequence[Mapping[str, Any]] | None = None,
         data: bytes | Lease | None = None,
         changes: bool = False,
+        replicas: Sequence[Any] | None = None,
     ) -> list[Any]:
-        """``method(**kwargs)`` on every replica's manager; raises unless every replica succeeded."""
-        replicas = self._replicas()
+        """``method(**kwargs)`` on every serving replica's manager (``per_replica``: arguments by
+        replica id); raises unless every one succeeded."""
+        replicas = list(replicas) if replicas is not None else self._replicas()
         ref = self._put(data)
-        args = per_replica or [kwargs or {}] * len(replicas)
+        args = per_replica or {r.replica_id: kwargs or {} for r in replicas}
 
         async def run():
             return await self._gather(
@@ -175,11 +178,12 @@ class ClusterWeights:
         source: str,
         per_replica: Sequence[dict[str, Any]],
         *,
+        modules: Sequence[str],
         weight_version: Version,
         flush_cache: bool,
         data: bytes | Lease | None = None,
     ) -> dict[str, Any]:
-        """Two-phase full-weight update on every replica (see the module docstring)."""
+        """Two-phase full-weight update on every serving replica (see the module docstring)."""
         async with self.cluster.admin_lock:
             replicas = self._replicas()
             ref = self._put(data)
@@ -211,6 +215,7 @@ class ClusterWeights:
                             f"back to version {self.weight_version}"
                         ) from exc
                     self.cluster.set_weight_version(version)
+                    self.cluster.touched_modules.update(modules)
             finally:
                 await self._gather(replicas, lambda r: r.actor.finish.remote(txn))
         return self.result(f"{prepared[0]} on {len(replicas)} replicas")
@@ -229,6 +234,7 @@ class ClusterWeights:
         return await self._full(
             "disk",
             [kwargs] * len(self.cluster.replicas),
+            modules=targets,
             weight_version=weight_version,
             flush_cache=flush_cache,
         )
@@ -259,6 +265,7 @@ class ClusterWeights:
         out = await self._full(
             "upload",
             [kwargs] * len(self.cluster.replicas),
+            modules=[target],
             weight_version=weight_version,
             flush_cache=flush_cache,
             data=body,
@@ -295,7 +302,7 @@ class ClusterWeights:
             )
         if weight_update_mode is None:
             return await self._full(
-                "tensor", per_replica, weight_version=weight_version, flush_cache=flush_cache
+                "tensor", per_replica, modules=targets, weight_version=weight_version, flush_cache=flush_cache
             )
         async with self.cluster.admin_lock:
             version = self._next_version(weight_version)
@@ -316,6 +323,10 @@ class ClusterWeights:
 
     # ------------------------------------------------------------------ update groups
     async def init_group(self, **kwargs: Any) -> dict[str, Any]:
+        down = [r.replica_id for r in self.cluster.replicas if r.state != "serving"]
+        if down:
+            # A collective needs every rank: a group formed without them would hang the trainer.
+            raise ServiceUnavailableError(f"replica(s) {down} are not serving; an update group needs all")
         ranks = replica_ranks(kwargs["rank_offset"], kwargs["world_size"], len(self.cluster.replicas))
         per_replica = [{**kwargs, "rank_offset": rank} for rank in ranks]
         async with self.cluster.admin_lock:
@@ -347,6 +358,7 @@ class ClusterWeights:
         return await self._full(
             "distributed",
             [kwargs] * len(self.cluster.replicas),
+            modules=self.targets(target_modules),
             weight_version=weight_version,
             flush_cache=flush_cache,
         )
@@ -361,16 +373,21 @@ class ClusterWeights:
         self, module_names: Sequence[str] | None, algorithm: str = "sglang"
     ) -> dict[str, str]:
         async with self.cluster.admin_lock:
-            sums = await self._fanout("checksums", {"module_names": module_names, "algorithm": algorithm})
+            replicas = self._replicas()
+            sums = await self._fanout(
+                "checksums", {"module_names": module_names, "algorithm": algorithm}, replicas=replicas
+            )
         reference = sums[0]
         differ = {
             r.replica_id: sorted(m for m in reference if s.get(m) != reference[m])
-            for r, s in zip(self.cluster.replicas, sums, strict=True)
+            for r, s in zip(replicas, sums, strict=True)
             if s != reference
         }
         if differ:
             detail = "; ".join(f"replica {rid}: {', '.join(mods)}" for rid, mods in differ.items())
-            raise ReplicasDivergedError(f"replicas hold different weights than replica 0: {detail}")
+            raise ReplicasDivergedError(
+                f"replicas hold different weights than replica {replicas[0].replica_id}: {detail}"
+            )
         return reference
 
     async def check_tensors(self, target_module: str, expected: Mapping[str, str]) -> dict[str, Any]:
