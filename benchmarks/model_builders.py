@@ -645,9 +645,49 @@ class BenchModel:
             for key in ("prompt", "negative_prompt"):
                 if kw.get(key) is not None:
                     kw[key] = [kw[key]] * n
+        if body.get("image_data"):
+            kw.update(self._stock_image_kwargs(pipe, body, kw, n))
         seeds = body.get("seeds") or [body["seed"] + i for i in range(n)]
         kw["generator"] = [torch.Generator(self.generator_device).manual_seed(s) for s in seeds]
         return kw
+
+    def _stock_image_kwargs(
+        self, pipe: Any, body: dict[str, Any], kw: dict[str, Any], n: int
+    ) -> dict[str, Any]:
+        """The input image of an image-conditioned request (base64 ``image_data``) as the stock
+        pipeline takes it, plus what the server's adapter fixes for the same call."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        params = inspect.signature(type(pipe).__call__).parameters
+        image = Image.open(io.BytesIO(base64.b64decode(body["image_data"][0]))).convert("RGB")
+        out: dict[str, Any] = {"image": image}
+        if "max_area" in params:  # Kontext: the server keeps the requested size (adapter's max_area)
+            out["max_area"] = body["height"] * body["width"]
+        transformer = getattr(pipe, "transformer", None)
+        if (
+            "image_embeds" in params
+            and transformer is not None
+            and transformer.config.get("image_dim")
+            and isinstance(kw.get("prompt"), str)
+            and n > 1
+        ):
+            # Wan 2.1 I2V repeats its CLIP image embedding by the number of prompts, not of videos, so
+            # several videos per prompt fail in the stock pipeline. A user hands it the batch's prompt
+            # embeddings instead: the prompt encoded once by the pipeline itself, repeated n times.
+            with torch.inference_mode():
+                pe, npe = pipe.encode_prompt(
+                    kw.pop("prompt"),
+                    negative_prompt=kw.pop("negative_prompt", None),
+                    do_classifier_free_guidance=kw.get("guidance_scale", 5.0) > 1,
+                    num_videos_per_prompt=n,
+                    max_sequence_length=kw.get("max_sequence_length", 512),
+                )
+            kw["num_videos_per_prompt"] = 1
+            out.update(prompt_embeds=pe, negative_prompt_embeds=npe)
+        return out
 
     def stock_output(self, pipe: Any, output: Any, decoded: bool) -> torch.Tensor:
         """The stock output in the server's per-sample layout (Wan videos [B, C, F, H, W])."""
@@ -687,7 +727,9 @@ _PROMPT_PER_OUTPUT = {"hunyuanvideo15"}
 def _tiny_defaults(family: str) -> dict[str, Any]:
     from diffusion_rollout.models import TINY_CALL_DEFAULTS
 
-    return dict(TINY_CALL_DEFAULTS[family])
+    defaults = dict(TINY_CALL_DEFAULTS[family])
+    defaults.pop("max_area", None)  # a pipeline argument (Kontext) the server derives from the size
+    return defaults
 
 
 def build(name: str, device: str = "cuda", dtype: torch.dtype | None = None, seed: int = 0) -> BenchModel:
@@ -708,6 +750,8 @@ def build(name: str, device: str = "cuda", dtype: torch.dtype | None = None, see
         dtype = dtype or torch.bfloat16
         pipe = build_real_pipeline(name, device, dtype, seed)
         defaults = dict(REAL_DEFAULTS[name])
+    if _needs_image(pipe):
+        defaults.setdefault("image_data", [input_image_b64(defaults["width"], defaults["height"])])
     stock = stock_twin(pipe)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -722,6 +766,34 @@ def build(name: str, device: str = "cuda", dtype: torch.dtype | None = None, see
         defaults=defaults,
         build_s=time.perf_counter() - t0,
     )
+
+
+def _needs_image(pipe: Any) -> bool:
+    from diffusion_rollout.errors import RequestError
+    from diffusion_rollout.server.families import adapter_for
+
+    try:
+        return adapter_for(pipe).image_inputs > 0
+    except RequestError:  # a family the server does not serve: nothing to send
+        return False
+
+
+def input_image_b64(width: int, height: int, seed: int = 0) -> str:
+    """A deterministic RGB PNG (smooth gradients plus noise) of the target size, as base64 text: the
+    input image of image-conditioned benchmark requests."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x / max(1, width - 1), y / max(1, height - 1), (x + y) / max(1, width + height - 2)], -1)
+    pixels = np.clip(base * 200 + rng.rand(height, width, 3) * 55, 0, 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def default_models(device: str) -> list[str]:

@@ -1,0 +1,269 @@
+"""Real-scale builders for the large and the image-conditioned models (public configs, random weights).
+
+Registered into ``model_builders`` on import (``REAL_MODELS``, builders, families, request defaults),
+so ``model_builders.build(name)`` and every benchmark built on it serve them:
+
+- ``qwen-image``: Qwen/Qwen-Image, the 20B MMDiT (``QwenImageTransformer2DModel``'s defaults are the
+  checkpoint's config: 60 layers, 24 x 128 heads, text width 3584), its VAE (``AutoencoderKLQwenImage``
+  defaults), a two-layer Qwen2.5-VL text encoder of the real width 3584. 1328x1328, true CFG 4.
+- ``wan2.2-a14b``: Wan-AI/Wan2.2-T2V-A14B, two 14B experts (``WanTransformer3DModel``'s defaults are the
+  14B config), the Wan 2.1 VAE, ``boundary_ratio`` 0.875, UniPC at shift 3; 480x832x81, guidance 4 / 3.
+- ``wan2.2-ti2v-5b``: Wan-AI/Wan2.2-TI2V-5B text-to-video: the 5B transformer (3072 wide, 30 layers,
+  48 latent channels), the Wan 2.2 VAE (16x spatial, 48 channels; its per-channel statistics are set
+  to 0/1, which only rescale random latents), per-token timesteps (``expand_timesteps``), shift 5.
+- ``flux.1-kontext-dev``: FLUX.1 Kontext [dev] (FLUX.1-dev's transformer and VAE) with a 1024x1024
+  input image; 1024x1024 output, guidance 2.5.
+- ``wan2.2-i2v-a14b``: Wan-AI/Wan2.2-I2V-A14B: two 14B experts with 36 input channels (16 noise + 4
+  mask + 16 first-frame latent), no image encoder, ``boundary_ratio`` 0.9, shift 5, guidance 3.5 / 3.5
+  (Wan2.2's ``wan_i2v_A14B.py``); 480x832x81 with a 480x832 input image.
+
+Text encoders are small (one or two layers) at the real output widths, as in ``model_builders``.
+Step counts are small (2 to 4) so the whole set runs within one device call; ms/step is per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from benchmarks import model_builders as mb
+from benchmarks.model_builders import build_module
+
+# Wan-AI/Wan2.2-TI2V-5B transformer/config.json.
+WAN22_TI2V_5B_TRANSFORMER = {
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 14336,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 48,
+    "num_attention_heads": 24,
+    "num_layers": 30,
+    "out_channels": 48,
+    "patch_size": (1, 2, 2),
+    "pos_embed_seq_len": None,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+# Wan-AI/Wan2.2-TI2V-5B vae/config.json, except latents_mean / latents_std (48 values each; 0 and 1
+# here: with random weights they only shift and scale random latents).
+WAN22_VAE = {
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "is_residual": True,
+    "latents_mean": [0.0] * 48,
+    "latents_std": [1.0] * 48,
+}
+WAN22_T2V_BOUNDARY = 0.875  # wan_t2v_A14B.py
+WAN22_I2V_BOUNDARY = 0.9  # wan_i2v_A14B.py
+QWEN25_VL_7B_HIDDEN = 3584
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen-image": {
+        "height": 1328,
+        "width": 1328,
+        "num_inference_steps": 4,
+        "true_cfg_scale": 4.0,
+        "negative_prompt": " ",
+    },
+    "wan2.2-a14b": {
+        "height": 480,
+        "width": 832,
+        "num_frames": 81,
+        "num_inference_steps": 2,
+        "guidance_scale": 4.0,
+        "guidance_scale_2": 3.0,
+    },
+    "wan2.2-ti2v-5b": {
+        "height": 704,
+        "width": 1280,
+        "num_frames": 81,
+        "num_inference_steps": 3,
+        "guidance_scale": 5.0,
+    },
+    "flux.1-kontext-dev": {"height": 1024, "width": 1024, "num_inference_steps": 4, "guidance_scale": 2.5},
+    "wan2.2-i2v-a14b": {
+        "height": 480,
+        "width": 832,
+        "num_frames": 81,
+        "num_inference_steps": 2,
+        "guidance_scale": 3.5,
+        "guidance_scale_2": 3.5,
+    },
+}
+FAMILY = {
+    "qwen-image": "qwenimage",
+    "wan2.2-a14b": "wan2.2",
+    "wan2.2-ti2v-5b": "wan",
+    "flux.1-kontext-dev": "flux-kontext",
+    "wan2.2-i2v-a14b": "wan-i2v",
+}
+
+
+def _qwen25_vl(tokenizer, *, seed: int, device: str, dtype) -> torch.nn.Module:
+    """Qwen2.5-VL at Qwen2.5-VL-7B's text width (3584, 28 heads, mRoPE 16/24/24), two small layers,
+    and a one-block vision tower projecting to that width."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from diffusion_rollout.models.tokenizers import QWEN_SPECIAL_TOKENS
+
+    ids = dict(
+        zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
+    )
+    cfg = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": -(-len(tokenizer) // 64) * 64,
+            "hidden_size": QWEN25_VL_7B_HIDDEN,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [16, 24, 24],
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": QWEN25_VL_7B_HIDDEN,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return build_module(lambda: Qwen2_5_VLForConditionalGeneration(cfg), device, dtype, seed)
+
+
+def _qwen_image(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_qwen2_tokenizer
+
+    tok = make_qwen2_tokenizer()
+    return QwenImagePipeline(
+        transformer=build_module(lambda: QwenImageTransformer2DModel(**overrides), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLQwenImage(), device, dtype, seed + 1),
+        text_encoder=_qwen25_vl(tok, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        scheduler=make_real_scheduler("qwenimage"),
+    )
+
+
+def _wan_scheduler(shift: float) -> Any:
+    from diffusion_rollout.models import make_real_scheduler
+
+    base = make_real_scheduler("wan")  # Wan's UniPC (flow sigmas), at the checkpoint's shift
+    return type(base).from_config(base.config, flow_shift=shift)
+
+
+def _wan_experts(
+    pipeline_cls,
+    device: str,
+    dtype,
+    seed: int,
+    overrides: dict[str, Any],
+    *,
+    in_channels: int,
+    boundary: float,
+) -> Any:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    from diffusion_rollout.models.tokenizers import make_t5_tokenizer
+
+    tok = make_t5_tokenizer()
+    tcfg = {"in_channels": in_channels, **overrides}  # the rest: WanTransformer3DModel's 14B defaults
+    kwargs = {
+        "transformer": build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed),
+        "transformer_2": build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed + 10),
+        "vae": build_module(lambda: AutoencoderKLWan(), device, dtype, seed + 1),
+        "text_encoder": mb._t5(tok, umt5=True, seed=seed + 2, device=device, dtype=dtype),
+        "tokenizer": tok,
+        "scheduler": _wan_scheduler(3.0 if boundary == WAN22_T2V_BOUNDARY else 5.0),
+        "boundary_ratio": boundary,
+    }
+    return pipeline_cls(**kwargs)
+
+
+def _wan22_a14b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import WanPipeline
+
+    return _wan_experts(
+        WanPipeline, device, dtype, seed, overrides, in_channels=16, boundary=WAN22_T2V_BOUNDARY
+    )
+
+
+def _wan22_i2v_a14b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import WanImageToVideoPipeline
+
+    return _wan_experts(
+        WanImageToVideoPipeline, device, dtype, seed, overrides, in_channels=36, boundary=WAN22_I2V_BOUNDARY
+    )
+
+
+def _wan22_ti2v_5b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+    from diffusion_rollout.models.tokenizers import make_t5_tokenizer
+
+    tok = make_t5_tokenizer()
+    tcfg = {**WAN22_TI2V_5B_TRANSFORMER, **overrides}
+    return WanPipeline(
+        transformer=build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLWan(**WAN22_VAE), device, dtype, seed + 1),
+        text_encoder=mb._t5(tok, umt5=True, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        scheduler=_wan_scheduler(5.0),
+        expand_timesteps=True,
+    )
+
+
+def _flux1_kontext_dev(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import FluxKontextPipeline
+
+    flux = mb._flux1_dev(device, dtype, seed, overrides)  # same transformer, VAE and encoders
+    return FluxKontextPipeline(**{k: v for k, v in flux.components.items()})
+
+
+BUILDERS = {
+    "qwen-image": _qwen_image,
+    "wan2.2-a14b": _wan22_a14b,
+    "wan2.2-ti2v-5b": _wan22_ti2v_5b,
+    "flux.1-kontext-dev": _flux1_kontext_dev,
+    "wan2.2-i2v-a14b": _wan22_i2v_a14b,
+}
+
+
+def register() -> None:
+    """Make ``model_builders.build`` know these models (idempotent)."""
+    mb._REAL_BUILDERS.update(BUILDERS)
+    mb._REAL_FAMILY.update(FAMILY)
+    mb.REAL_DEFAULTS.update({k: dict(v) for k, v in DEFAULTS.items()})
+    mb.REAL_MODELS = tuple(dict.fromkeys((*mb.REAL_MODELS, *BUILDERS)))
+
+
+register()
