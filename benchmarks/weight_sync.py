@@ -84,6 +84,7 @@ COLUMNS = [
     ("mb", "MB", ".1f"),
     ("seconds", "seconds", ".4f"),
     ("gb_per_s", "GB/s", ".2f"),
+    ("transfer_gb_per_s", "GB/s w/o apply", ".2f"),
     ("vs_h2d", "vs H2D pinned", ".2f"),
     ("note", "note", ""),
 ]
@@ -314,10 +315,13 @@ def http_push(
                         "server_cpu_s": server_cpu,
                         "server_cpu_s_per_gb": server_cpu / _gb(total),
                         "trainer_cpu_s": report["cpu_s"],
+                        "apply_s": report["apply_s"],
+                        # Receiving, parsing, checking and staging every part, without the final copy.
+                        "transfer_gb_per_s": _gb(total) / (seconds - (report["apply_s"] or 0.0)),
                         "rep": rep,
                         "buffers_allocated": new,
                         "buffers_reused": reused,
-                        "note": f"server CPU {server_cpu / _gb(total):.2f} s/GB, trainer CPU {report['cpu_s']:.1f} s"
+                        "note": f"apply {report['apply_s'] or 0:.2f}s; server CPU {server_cpu / _gb(total):.2f} s/GB"
                         + (f"; buffers {new} new, {reused} reused" if mode == "stream" else ""),
                     }
                 )
@@ -350,11 +354,11 @@ def http_trainer_main(spec_path: str) -> int:
         t0 = time.perf_counter()
         if spec["mode"] == "stream":
             with RolloutClient(spec["url"], timeout=1200.0) as client:
-                push_weights(
+                message = push_weights(
                     client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
                     upload_id=tag, flush_cache=False, verify=False, concurrency=spec["concurrency"],
                     partial=True,  # --http-gb may cap the payload below the whole module
-                )  # fmt: skip
+                ).message  # fmt: skip
         else:
             parts = _parts(named, spec["part_bytes"])
             with httpx.Client(base_url=spec["url"], timeout=httpx.Timeout(1200.0)) as client:
@@ -373,9 +377,14 @@ def http_trainer_main(spec_path: str) -> int:
                     if r.status_code != 200:
                         print(f"answered {r.status_code}: {r.text[:2000]}", flush=True)
                         return 2
+                    message = r.json()["message"]
                     del body
         seconds = time.perf_counter() - t0
-        print(json.dumps({"seconds": seconds, "cpu_s": time.process_time() - cpu0}), flush=True)
+        # The final answer says how long the server's validate-and-copy on its worker took.
+        applied = re.search(r"MiB in ([0-9.]+) s", message)
+        report = {"seconds": seconds, "cpu_s": time.process_time() - cpu0}
+        report["apply_s"] = float(applied.group(1)) if applied else None
+        print(json.dumps(report), flush=True)
     return 0
 
 

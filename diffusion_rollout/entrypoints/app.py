@@ -12,18 +12,16 @@ import asyncio
 import contextlib
 import logging
 import threading
-import uuid
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from diffusion_rollout import __version__
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.auth_gate import AuthGateMiddleware, route_key_levels
 from diffusion_rollout.entrypoints.body_limit import BodyLimitMiddleware
-from diffusion_rollout.entrypoints.http_errors import error_body, install_error_handlers
+from diffusion_rollout.entrypoints.http_errors import install_error_handlers
+from diffusion_rollout.entrypoints.request_context import RequestContextMiddleware
 from diffusion_rollout.entrypoints.routers import ROUTERS
-from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.server.engine import Engine
 from diffusion_rollout.server.engine_api import RolloutEngine
 
@@ -80,40 +78,13 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     key_levels: dict[str, str] = {}
     app.add_middleware(AuthGateMiddleware, config=config, levels=key_levels)
 
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        token = request_id_var.set(rid)
-        request.state.request_id = rid
-        try:
-            limit, limit_name = body_limit(request.url.path)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                engine.metrics.http_response(request.method, "unmatched", 413)
-                return JSONResponse(
-                    error_body(
-                        f"request body of {length} bytes exceeds the limit of {limit} bytes"
-                        f" (limit {limit_name})",
-                        "payload_too_large",
-                        413,
-                    ),
-                    status_code=413,
-                    headers={"X-Request-Id": rid},
-                )
-            response = await call_next(request)
-            response.headers["X-Request-Id"] = rid
-            # The route template, not the path: bounded label values for /metrics.
-            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
-            engine.metrics.http_response(request.method, route, response.status_code)
-            return response
-        finally:
-            request_id_var.reset(token)
-
     def body_limit(path: str) -> tuple[int, str]:
         if path in UPLOAD_PATHS:  # exact: /update_weights_from_disk is a small JSON body
             return config.max_upload_bytes, "max_upload_bytes"
         return config.max_body_bytes, "max_body_bytes"
 
+    # Request ids, the Content-Length limit and metrics (added after the key gate: outside it).
+    app.add_middleware(RequestContextMiddleware, engine=engine, limit_for=body_limit)
     # Chunked bodies carry no Content-Length: counted as they are read.
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limit)
     for router in ROUTERS:
