@@ -56,6 +56,7 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -118,7 +119,7 @@ FAMILIES: tuple[str, ...] = (
     "hunyuanvideo15",
 )
 #: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
-IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v")
+IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit")
 
 _TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
 _LATENT_CHANNELS = 16
@@ -750,6 +751,19 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
                 "max_sequence_length": 16,
             },
         ),
+        "qwenimage-edit": _FamilySpec(
+            QwenImageEditPipeline,
+            lambda seed: tiny_image_cond.qwenimage_edit_components(seed, _qwenimage_components, _seeded),
+            # Multiples of 64 (32x VAE, 2x2 packing); true CFG needs the negative prompt.
+            {
+                "height": 64,
+                "width": 64,
+                "num_inference_steps": 4,
+                "true_cfg_scale": 4.0,
+                "negative_prompt": " ",
+                "max_sequence_length": 16,
+            },
+        ),
     }
 )
 
@@ -788,6 +802,13 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     """
     out = Path(out_dir)
     pipeline = build_tiny_pipeline(family, seed)
+    processor = pipeline.components.get("processor")
+    if processor is not None and getattr(processor, "video_processor", False) is None:
+        # tiny_image_cond.make_qwen2vl_processor without torchvision: usable in memory only.
+        raise RuntimeError(
+            f"saving the tiny {family} model needs torchvision (transformers 5's Qwen2-VL processor "
+            "saves and loads a video processor); build_tiny_pipeline gives it in memory"
+        )
     pipeline.save_pretrained(out)
     logger.info("saved tiny random %s model (seed %d) to %s", family, seed, out)
     return out

@@ -99,3 +99,55 @@ def wan_i2v_components(seed: int, wan_components, seeded, text_dim: int) -> dict
         image_std=[0.26862954, 0.26130258, 0.27577711],
     )
     return components
+
+
+def make_qwen2vl_processor(tokenizer, image_processor):
+    """A ``Qwen2VLProcessor`` over ``tokenizer`` and ``image_processor``.
+
+    transformers 5 requires a video processor in every Qwen2-VL processor, and video processors need
+    torchvision; without it the constructor itself fails. QwenImageEditPipeline only ever calls the
+    processor on text and images, so without torchvision the processor is assembled without one (the
+    attributes its constructor would set, nothing else). Such a pipeline runs in memory; saving and
+    loading its folder needs torchvision, as the real Qwen-Image-Edit checkpoint does.
+    """
+    from transformers import Qwen2VLProcessor
+
+    try:
+        return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    except (AttributeError, ImportError, TypeError, ValueError):
+        processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+        processor.chat_template = None
+        processor.image_token = "<|image_pad|>"
+        processor.video_token = "<|video_pad|>"
+        processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+        processor.video_token_id = tokenizer.convert_tokens_to_ids(processor.video_token)
+        processor.tokenizer = tokenizer
+        processor.image_processor = image_processor
+        processor.video_processor = None
+        return processor
+
+
+def qwenimage_edit_components(seed: int, qwenimage_components, seeded) -> dict[str, Any]:
+    """Qwen-Image's parts, a 32x downsampling VAE (the pipeline resizes every input image to about
+    1024x1024: 256 image tokens here instead of 16k) and a Qwen2-VL processor whose image processor
+    keeps the vision tower's input to a few patches."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2VLImageProcessorPil
+
+    components = qwenimage_components(seed)
+    components["vae"] = seeded(
+        seed,
+        "vae",
+        lambda: AutoencoderKLQwenImage(
+            base_dim=2,  # the encoder runs at ~1024x1024: the narrowest widths keep a CPU call short
+            z_dim=_LATENT_CHANNELS,
+            dim_mult=[1, 2, 4, 4, 8, 8],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True, True, True],  # 2 ** 5 = 32x
+        ),
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    components["processor"] = make_qwen2vl_processor(components["tokenizer"], image_processor)
+    return components

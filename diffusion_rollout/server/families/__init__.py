@@ -11,6 +11,7 @@ from diffusion_rollout.server.families.flux2_klein import Flux2KleinAdapter
 from diffusion_rollout.server.families.flux_kontext import FluxKontextAdapter
 from diffusion_rollout.server.families.hunyuanvideo15 import HunyuanVideo15Adapter
 from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
+from diffusion_rollout.server.families.qwenimage_edit import QwenImageEditAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
 from diffusion_rollout.server.families.wan import WanAdapter
 from diffusion_rollout.server.families.wan_i2v import WanI2VAdapter
@@ -26,7 +27,7 @@ ADAPTERS: list[type[FamilyAdapter]] = [
     HunyuanVideo15Adapter,
 ]
 # Image-conditioned families (families/image_cond.py).
-ADAPTERS += [FluxKontextAdapter, WanI2VAdapter]
+ADAPTERS += [FluxKontextAdapter, WanI2VAdapter, QwenImageEditAdapter]
 
 
 def register(adapter: type[FamilyAdapter]) -> None:
