@@ -114,7 +114,10 @@ def test_gpu_suite_dry_run_on_tiny_models(tmp_path):
 
 def test_family_gate_dry_run_on_tiny_models(tmp_path):
     """The one-command GPU check of FLUX.2 klein and Z-Image, on their tiny zoo models."""
-    assert family_gate.main(["--device", "cpu", "--tiny", "--reps", "1", "--out", str(tmp_path)]) == 0
+    assert (
+        family_gate.main(["--device", "cpu", "--tiny", "--reps", "1", "--steps", "2", "--out", str(tmp_path)])
+        == 0
+    )
     doc = _doc(tmp_path, "family_gate")
     assert doc["ok"] and not doc["failures"]
     gate = doc["ode_gate"]
