@@ -207,6 +207,32 @@ def test_full_update_fans_out_all_or_nothing(cluster, served):
     assert checksum(client) == start_sum
 
 
+def test_checksum_names_the_replica_that_differs(cluster, served):
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    reference = served("sd3").engine.pipe.transformer
+    params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    name = next(iter(params))
+    changed = {name: params[name] + 1}
+    replica1 = engine.replicas[1].actor
+    start = checksum(client)
+    # Behind the front's back (an operator's mistake, a fault): replica 1 alone gets new values.
+    kwargs = {"target_module": "transformer", "partial": True}
+    ray.get(replica1.manager_call.remote("upload_part", kwargs, save(changed)))
+    r = client.post("/get_weights_checksum", json={"module_names": ["transformer"]})
+    assert r.status_code == 500 and "replica 1: transformer" in r.json()["error"]["message"], r.text
+    ray.get(replica1.manager_call.remote("upload_part", kwargs, save({name: params[name]})))
+    assert checksum(client) == start
+
+
+def test_too_many_replicas_fail_at_once(cluster, tiny_model_path):
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.config import ServerConfig
+
+    config = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", replicas=8, gpus_per_replica=0)
+    with pytest.raises(ValueError, match="8 replicas need CPU 8 but the Ray cluster has CPU 2"):
+        ClusterEngine(config).start()
+
+
 def test_lora_load_and_activate_fan_out(cluster):
     client, engine, ray = cluster.client, cluster.engine, cluster.ray
     import json

@@ -16,6 +16,6 @@ server never imports it. Modules, one job each:
 - ``metrics_merge``: totals plus per-replica series (a ``replica`` label) in one exposition text.
 """
 
-from diffusion_rollout.cluster.engine import ClusterEngine
+from diffusion_rollout.cluster.engine import ClusterEngine, ray_session
 
-__all__ = ["ClusterEngine"]
+__all__ = ["ClusterEngine", "ray_session"]

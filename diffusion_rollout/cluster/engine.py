@@ -82,6 +82,31 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def ray_init_kwargs(config: ServerConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"include_dashboard": False}
+    if config.ray_address:
+        kwargs["address"] = config.ray_address
+    return kwargs
+
+
+@contextlib.contextmanager
+def ray_session(config: ServerConfig):
+    """Start Ray (or join ``config.ray_address``) in the calling thread, shut it down on exit.
+
+    ``serve`` uses this from the main thread: Ray started from another thread (the app's loader)
+    leaves its dashboard and runtime-env agent processes running after ``ray.shutdown()``. A
+    ``ClusterEngine`` started inside finds Ray running and leaves it to this session."""
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(**ray_init_kwargs(config))
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
 class ReplicaLostError(ServiceUnavailableError):
     """The replica running a call died; the call may be retried once elsewhere (503 if it escapes)."""
 
@@ -159,10 +184,8 @@ class ClusterEngine:
 
         ray = import_ray()
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False}
-            if self.config.ray_address:
-                kwargs["address"] = self.config.ray_address
-            ray.init(**kwargs)
+            # Best started by the caller in the main thread (``ray_session``); see there why.
+            ray.init(**ray_init_kwargs(self.config))
             self._owns_ray = True
         gpus = self.config.resolved_gpus_per_replica()
         if gpus > 1:
@@ -177,8 +200,19 @@ class ClusterEngine:
         logger.info(
             "starting %d replicas (%g GPU, %g CPU each) on Ray", n, gpus, self.config.cpus_per_replica
         )
-        actors = [actor_cls.remote(rcfg, i) for i in range(n)]
-        infos = ray.get([a.start.remote() for a in actors])
+        actors: list[Any] = []
+        try:
+            self._check_resources(ray, n, gpus)
+            actors = [actor_cls.remote(rcfg, i) for i in range(n)]
+            infos = ray.get([a.start.remote() for a in actors])
+        except BaseException:
+            # Nothing half-started stays behind: the app reports the load as failed.
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            if self._owns_ray:
+                ray.shutdown()
+            raise
         self.replicas = [
             Replica(i, actor, Load(i), info)
             for i, (actor, info) in enumerate(zip(actors, infos, strict=True))
@@ -194,6 +228,20 @@ class ClusterEngine:
                 info["node"],
                 info["device"],
                 info["pid"],
+            )
+
+    def _check_resources(self, ray, n: int, gpus: float) -> None:
+        """Fail at once (instead of waiting forever for actors Ray cannot place) when the cluster
+        has fewer GPUs or CPUs in total than the replicas ask for."""
+        total = ray.cluster_resources()
+        need = {"GPU": n * gpus, "CPU": n * self.config.cpus_per_replica}
+        short = {k: v for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
+        if short:
+            have = ", ".join(f"{k} {total.get(k, 0.0):g}" for k in short)
+            want = ", ".join(f"{k} {v:g}" for k, v in short.items())
+            raise ValueError(
+                f"{n} replicas need {want} but the Ray cluster has {have}; lower --replicas, "
+                "--gpus-per-replica or --cpus-per-replica, or add hosts (ray start --address=...)"
             )
 
     def begin_shutdown(self, grace_s: float | None = None) -> float:

@@ -85,12 +85,18 @@ def serve(config: ServerConfig) -> None:
         path = ensure_demo_model(config.cache_dir)
         logger.warning("no --model given: serving the built-in RANDOM demo model (tiny SD3) from %s", path)
         config = config.model_copy(update={"model": str(path)})
-    app = create_app(config)
-    # Drains on SIGINT/SIGTERM: new rollouts get 503, in-flight ones finish within shutdown_grace_s.
-    server = make_server(app, config)
-    # uvicorn re-raises a captured SIGINT once it has shut down; uvicorn.run swallows it too.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+    with contextlib.ExitStack() as stack:
+        if config.replicas is not None:
+            # Replicas: Ray starts (or is joined) here, in the main thread, and stops after the server.
+            from diffusion_rollout.cluster import ray_session
+
+            stack.enter_context(ray_session(config))
+        app = create_app(config)
+        # Drains on SIGINT/SIGTERM: new rollouts get 503, in-flight ones finish within shutdown_grace_s.
+        server = make_server(app, config)
+        # uvicorn re-raises a captured SIGINT once it has shut down; uvicorn.run swallows it too.
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE: the port was taken, or the app failed to start
 
