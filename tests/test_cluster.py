@@ -216,12 +216,14 @@ def test_checksum_names_the_replica_that_differs(cluster, served):
     replica1 = engine.replicas[1].actor
     start = checksum(client)
     # Behind the front's back (an operator's mistake, a fault): replica 1 alone gets new values.
-    kwargs = {"target_module": "transformer", "partial": True}
+    # (With the front's version, so only the bytes differ.)
+    kwargs = {"target_module": "transformer", "partial": True, "weight_version": engine.weight_version}
     ray.get(replica1.manager_call.remote("upload_part", kwargs, save(changed)))
     r = client.post("/get_weights_checksum", json={"module_names": ["transformer"]})
     assert r.status_code == 500 and "replica 1: transformer" in r.json()["error"]["message"], r.text
     ray.get(replica1.manager_call.remote("upload_part", kwargs, save({name: params[name]})))
     assert checksum(client) == start
+    assert_versions_agree(client)
 
 
 def test_too_many_replicas_fail_at_once(cluster, tiny_model_path):
