@@ -452,12 +452,56 @@ def run(args) -> dict[str, Any]:
     with_compile = args.compile if args.compile is not None else not tiny
 
     def phase(name: str, estimate: float) -> bool:
+        save()
         if deadline.allows(estimate):
             log(f"speed_options: {name} ({deadline.elapsed():.0f} s elapsed)")
             return True
         notes.append(f"{name}: skipped, time budget ({deadline.left():.0f} s left, needs ~{estimate:.0f} s)")
         log(notes[-1])
         return False
+
+    def save(final: bool = False) -> dict[str, Any]:
+        # Written after every phase too, so a run cut short by the device's time limit keeps its figures.
+        tables = []
+        if final:
+            tables = [
+                print_table(
+                    "Speed: Flow-GRPO request, batch-1 rollouts, FLUX", speed_rows, THROUGHPUT_COLUMNS
+                ),
+                print_table("Exactness gates (torch.equal)", gate_rows, GATE_COLUMNS),
+                print_table(
+                    "Drift per speed option (vs the eager server, same seeds)", drift_rows, DRIFT_COLUMNS
+                ),
+            ]
+        ok = all(g["exact"] for g in gate_rows) and all(
+            r.get("ode_gate_exact") and r.get("replay_ratio_max_dev") == 0.0
+            for r in drift_rows
+            if r.get("exact") is True
+        )
+        doc = document(
+            "speed_options",
+            device,
+            {
+                "models": [sd_name, flux_name if args.flux else None],
+                "group": args.group,
+                "reps": args.reps,
+                "reps_batch1": args.reps_b1,
+                "backends": backends,
+                "compile": with_compile,
+                "budget_s": args.budget,
+                "rollout": ROLLOUT,
+                "prompt": PROMPT,
+                "elapsed_s": deadline.elapsed(),
+            },
+            [*speed_rows, *gate_rows, *drift_rows],
+            ok=ok,
+            notes=notes,
+        )
+        doc["complete"] = final
+        doc["speed"], doc["gates"], doc["drift"] = speed_rows, gate_rows, drift_rows
+        doc["table"] = "\n\n".join(tables)
+        write_json(args.out, "speed_options", doc)
+        return doc
 
     model = build(sd_name, device)
     try:
@@ -504,39 +548,7 @@ def run(args) -> dict[str, Any]:
                 )
         finally:
             model.close()
-    tables = [
-        print_table("Speed: Flow-GRPO request, batch-1 rollouts, FLUX", speed_rows, THROUGHPUT_COLUMNS),
-        print_table("Exactness gates (torch.equal)", gate_rows, GATE_COLUMNS),
-        print_table("Drift per speed option (vs the eager server, same seeds)", drift_rows, DRIFT_COLUMNS),
-    ]
-    ok = all(g["exact"] for g in gate_rows) and all(
-        r.get("ode_gate_exact") and r.get("replay_ratio_max_dev") == 0.0
-        for r in drift_rows
-        if r.get("exact") is True
-    )
-    doc = document(
-        "speed_options",
-        device,
-        {
-            "models": [sd_name, flux_name if args.flux else None],
-            "group": args.group,
-            "reps": args.reps,
-            "reps_batch1": args.reps_b1,
-            "backends": backends,
-            "compile": with_compile,
-            "budget_s": args.budget,
-            "rollout": ROLLOUT,
-            "prompt": PROMPT,
-            "elapsed_s": deadline.elapsed(),
-        },
-        [*speed_rows, *gate_rows, *drift_rows],
-        ok=ok,
-        notes=notes,
-    )
-    doc["speed"], doc["gates"], doc["drift"] = speed_rows, gate_rows, drift_rows
-    doc["table"] = "\n\n".join(tables)
-    write_json(args.out, "speed_options", doc)
-    return doc
+    return save(final=True)
 
 
 def main(argv: list[str] | None = None) -> int:
