@@ -714,8 +714,23 @@ class BenchModel:
             has_negative_prompt=body.get("negative_prompt") is not None,
         )
         with torch.inference_mode():
-            enc = adapter.encode(prompt, body.get("negative_prompt"), settings)
+            if body.get("image_data") and adapter.encoding_uses_images():  # Qwen-Image-Edit
+                enc = adapter.encode_with_images(
+                    prompt, body.get("negative_prompt"), settings, _request_images(body)
+                )
+            else:
+                enc = adapter.encode(prompt, body.get("negative_prompt"), settings)
         return {k: v for k, v in enc.items() if v is not None}
+
+
+def _request_images(body: dict[str, Any]) -> tuple:
+    """The request's ``image_data`` decoded as the server decodes it."""
+    import base64
+
+    from diffusion_rollout.server.images import ImageLimits, load_images
+
+    data = [base64.b64decode(d) for d in body["image_data"]]
+    return load_images(None, data, ImageLimits(max_bytes=2**31, max_pixels=2**31, path_root=None))
 
 
 # Families whose stock pipeline is called with one prompt per output: HunyuanVideo 1.5's own

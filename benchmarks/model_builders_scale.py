@@ -13,9 +13,12 @@ so ``model_builders.build(name)`` and every benchmark built on it serve them:
   to 0/1, which only rescale random latents), per-token timesteps (``expand_timesteps``), shift 5.
 - ``flux.1-kontext-dev``: FLUX.1 Kontext [dev] (FLUX.1-dev's transformer and VAE) with a 1024x1024
   input image; 1024x1024 output, guidance 2.5.
+- ``qwen-image-edit``: Qwen/Qwen-Image-Edit: Qwen-Image's 20B transformer and VAE, the Qwen2.5-VL
+  text encoder above reading the prompt with the input image (Qwen2.5-VL's image processor
+  settings), a 1024x1024 input image and output, true CFG 4.
 - ``wan2.2-i2v-a14b``: Wan-AI/Wan2.2-I2V-A14B: two 14B experts with 36 input channels (16 noise + 4
   mask + 16 first-frame latent), no image encoder, ``boundary_ratio`` 0.9, shift 5, guidance 3.5 / 3.5
-  (Wan2.2's ``wan_i2v_A14B.py``); 480x832x81 with a 480x832 input image.
+  (Wan2.2's ``wan_i2v_A14B.py``); 480x832x33 with a 480x832 input image.
 
 Text encoders are small (one or two layers) at the real output widths, as in ``model_builders``.
 Step counts are small (2 to 4) so the whole set runs within one device call; ms/step is per step.
@@ -96,10 +99,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "guidance_scale": 5.0,
     },
     "flux.1-kontext-dev": {"height": 1024, "width": 1024, "num_inference_steps": 4, "guidance_scale": 2.5},
+    # The input image is 1024x1024, so the default output is too; true CFG 4 as Qwen-Image-Edit's card.
+    "qwen-image-edit": {
+        "height": 1024,
+        "width": 1024,
+        "num_inference_steps": 4,
+        "true_cfg_scale": 4.0,
+        "negative_prompt": " ",
+    },
+    # 33 frames (not 81) keeps the image-to-video row within the device call; 81 is wan2.2-a14b's.
     "wan2.2-i2v-a14b": {
         "height": 480,
         "width": 832,
-        "num_frames": 81,
+        "num_frames": 33,
         "num_inference_steps": 2,
         "guidance_scale": 3.5,
         "guidance_scale_2": 3.5,
@@ -110,6 +122,7 @@ FAMILY = {
     "wan2.2-a14b": "wan2.2",
     "wan2.2-ti2v-5b": "wan",
     "flux.1-kontext-dev": "flux-kontext",
+    "qwen-image-edit": "qwenimage-edit",
     "wan2.2-i2v-a14b": "wan-i2v",
 }
 
@@ -170,6 +183,29 @@ def _qwen_image(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any
         vae=build_module(lambda: AutoencoderKLQwenImage(), device, dtype, seed + 1),
         text_encoder=_qwen25_vl(tok, seed=seed + 2, device=device, dtype=dtype),
         tokenizer=tok,
+        scheduler=make_real_scheduler("qwenimage"),
+    )
+
+
+def _qwen_image_edit(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2VLImageProcessorPil
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tiny_image_cond import make_qwen2vl_processor
+    from diffusion_rollout.models.tokenizers import make_qwen2_tokenizer
+
+    tok = make_qwen2_tokenizer()
+    # Qwen2.5-VL's image processor settings (14 px patches, 2x2 merge, up to 12845056 pixels).
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    return QwenImageEditPipeline(
+        transformer=build_module(lambda: QwenImageTransformer2DModel(**overrides), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLQwenImage(), device, dtype, seed + 1),
+        text_encoder=_qwen25_vl(tok, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        processor=make_qwen2vl_processor(tok, image_processor),
         scheduler=make_real_scheduler("qwenimage"),
     )
 
@@ -254,6 +290,7 @@ BUILDERS = {
     "wan2.2-a14b": _wan22_a14b,
     "wan2.2-ti2v-5b": _wan22_ti2v_5b,
     "flux.1-kontext-dev": _flux1_kontext_dev,
+    "qwen-image-edit": _qwen_image_edit,
     "wan2.2-i2v-a14b": _wan22_i2v_a14b,
 }
 

@@ -4,6 +4,9 @@ For each model (``benchmarks/model_builders_scale.py``: Qwen-Image 20B at 1328x1
 at 480x832x81, Wan 2.2 TI2V-5B, FLUX.1 Kontext [dev] and Wan 2.2 I2V-A14B with an input image; all
 random weights in bf16, built on the device), in this order:
 
+Models: Qwen-Image, FLUX.1 Kontext [dev], Qwen-Image-Edit, Wan 2.2 TI2V-5B, Wan 2.2 I2V-A14B
+(480x832x33), Wan 2.2 A14B (480x832x81), cheapest first.
+
 1. **ODE gate** (``ode_regression.check_model``): the stock pipeline vs the server with
    ``rollout=false`` and with an all-ODE rollout, latents and decoded outputs; every max |difference|
    must be 0. Image-conditioned models send the image as ``image_data`` and hand the same image to
@@ -46,8 +49,17 @@ from benchmarks.common import (
 )
 from benchmarks.model_builders import BenchModel, build
 
-DEFAULT_MODELS = tuple(model_builders_scale.BUILDERS)
-TINY_MODELS = ("tiny-qwenimage", "tiny-wan2.2", "tiny-flux-kontext", "tiny-wan-i2v")
+# The cheap models first, so a run stopped at its time limit keeps the most rows.
+DEFAULT_MODELS: tuple[str, ...] = (
+    "qwen-image",
+    "flux.1-kontext-dev",
+    "qwen-image-edit",
+    "wan2.2-ti2v-5b",
+    "wan2.2-i2v-a14b",
+    "wan2.2-a14b",
+)
+assert set(DEFAULT_MODELS) == set(model_builders_scale.BUILDERS)  # importing it registers the builders
+TINY_MODELS = ("tiny-qwenimage", "tiny-wan2.2", "tiny-flux-kontext", "tiny-wan-i2v", "tiny-qwenimage-edit")
 # One output per gate request where a call is heavy (14B experts at 81 frames).
 GATE_OUTPUTS = {"wan2.2-a14b": 1, "wan2.2-i2v-a14b": 1}
 SDE = {

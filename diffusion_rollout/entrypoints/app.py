@@ -20,6 +20,7 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.auth_gate import AuthGateMiddleware, route_key_levels
 from diffusion_rollout.entrypoints.body_limit import BodyLimitMiddleware
 from diffusion_rollout.entrypoints.http_errors import install_error_handlers
+from diffusion_rollout.entrypoints.msgpack_body import MsgpackBodyMiddleware
 from diffusion_rollout.entrypoints.request_context import RequestContextMiddleware
 from diffusion_rollout.entrypoints.routers import ROUTERS
 from diffusion_rollout.server.engine import Engine
@@ -74,6 +75,8 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     app.state.config = config
     app.state.engine = engine
     install_error_handlers(app)
+    # msgpack rollout bodies become JSON innermost: after the key gate and the body limits.
+    app.add_middleware(MsgpackBodyMiddleware)
     # Keys before bodies (inside request_context, so refusals carry request ids and are counted).
     key_levels: dict[str, str] = {}
     app.add_middleware(AuthGateMiddleware, config=config, levels=key_levels)
