@@ -70,6 +70,35 @@ def test_abort_drops_queued_work_of_that_rid_only(fresh_server):
     assert box["response"].json()[0]["request_id"] == "keep"
 
 
+def test_the_trainer_client_aborts_its_own_tail(fresh_server):
+    from diffusion_rollout.client import RolloutClient
+    from diffusion_rollout.errors import RequestAbortedError
+
+    srv = fresh_server("sd3")
+    client = RolloutClient("http://testserver", http_client=srv.client)
+    srv.engine.worker.pause()
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            client.generate(
+                "a red cat", seed=1, rid="tail-1", **{k: v for k, v in GEN.items() if k != "prompt"}
+            )
+        except RequestAbortedError as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    try:
+        t.start()
+        wait_until(lambda: srv.engine.worker.depth == 1)
+        result = client.abort_request("tail-1")
+        assert result.success and next(iter(result.responses.values()))["dropped"] == 1
+    finally:
+        srv.engine.worker.resume()
+    t.join(30)
+    assert box["error"].status_code == 499 and box["error"].error_type == "request_aborted"
+
+
 def test_abort_leaves_a_running_batch_to_finish(fresh_server):
     srv = fresh_server("sd3")
     entered, release = threading.Event(), threading.Event()

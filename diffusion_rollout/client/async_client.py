@@ -28,6 +28,7 @@ import httpx
 from diffusion_rollout import wire
 from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
 from diffusion_rollout.client.calls import (
+    _abort_call,
     _activate_call,
     _admin_switch_call,
     _Call,
@@ -204,6 +205,13 @@ class AsyncRolloutClient(_ClientBase):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    async def abort_request(
+        self, rid: str | None = None, *, abort_all: bool = False, server: int | None = None
+    ) -> UpdateResult:
+        """Drop the queued work of the rollout sent with ``rid=...`` (on every server: any may hold
+        it); it answers 499 ``request_aborted``, a batch already running finishes."""
+        return await self._all(_abort_call(rid, abort_all), server)
 
     async def pause_generation(self, *, server: int | None = None) -> UpdateResult:
         return await self._all(_admin_switch_call("/pause_generation"), server)

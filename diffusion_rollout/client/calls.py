@@ -126,6 +126,12 @@ def _admin_switch_call(path: str) -> _Call:
     return _Call("POST", path, "admin", "never")
 
 
+def _abort_call(rid: str | None, abort_all: bool) -> _Call:
+    """SGLang's ``/abort_request``: one request needs the API key, ``abort_all`` the admin key."""
+    body = {"rid": rid or "", "abort_all": abort_all}
+    return _Call("POST", "/abort_request", "admin" if abort_all else "api", "never", json=body)
+
+
 # ---------------------------------------------------------------------------- rollouts
 def _generate_call(prompt: str, fields: Mapping[str, Any], timeout) -> tuple[_Call, ReplaySettings]:
     body = {"prompt": prompt, **{k: _jsonable(v) for k, v in _drop_none(fields).items()}}

@@ -29,6 +29,7 @@ from diffusion_rollout import wire
 from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
 from diffusion_rollout.client.calls import (
     _NOT_FIELDS,
+    _abort_call,
     _activate_call,
     _admin_switch_call,
     _Call,
@@ -265,6 +266,13 @@ class RolloutClient(_ClientBase):
                 raise
 
     # ------------------------------------------------------------------ pause and memory (admin)
+    def abort_request(
+        self, rid: str | None = None, *, abort_all: bool = False, server: int | None = None
+    ) -> UpdateResult:
+        """Drop the queued work of the rollout sent with ``rid=...`` (on every server: any may hold
+        it); it answers 499 ``request_aborted``, a batch already running finishes."""
+        return self._all(_abort_call(rid, abort_all), server)
+
     def pause_generation(self, *, server: int | None = None) -> UpdateResult:
         """Stop starting new batches; returns once the batch in flight has finished."""
         return self._all(_admin_switch_call("/pause_generation"), server)
