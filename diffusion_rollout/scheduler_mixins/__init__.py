@@ -7,6 +7,8 @@
 - ``scheduler``: ``RolloutFlowMatchEulerScheduler`` and ``rollout_context``, which binds a state to the
   current context so the shared scheduler object holds no request state.
 - ``sigmas``: custom-schedule validation and the ``flow_shift`` schedule.
+- ``streams``: ``MultiStreamRolloutState`` for pipelines that step several latents jointly (one
+  scheduler per stream, LTX-2's video and audio) and ``joint_log_prob``.
 
 Each module's docstring states its design decisions (dtype rules, RNG order, why a ContextVar).
 """
@@ -19,11 +21,13 @@ from .scheduler import (
 )
 from .sigmas import flow_shift_sigmas, shift_sigmas, validate_sigmas
 from .state import RolloutSettings, RolloutState
+from .streams import MultiStreamRolloutState, joint_log_prob
 from .transition import LOG_PROB_FORMS, STEP_KINDS, TransitionResult, transition
 
 __all__ = [
     "LOG_PROB_FORMS",
     "STEP_KINDS",
+    "MultiStreamRolloutState",
     "RolloutFlowMatchEulerScheduler",
     "RolloutSchedulerMixin",
     "RolloutSettings",
@@ -31,6 +35,7 @@ __all__ = [
     "TransitionResult",
     "active_rollout_state",
     "flow_shift_sigmas",
+    "joint_log_prob",
     "rollout_context",
     "shift_sigmas",
     "transition",

@@ -145,6 +145,9 @@ class RolloutSchedulerMixin:
         state's per-sample generators.
         """
         state = _ACTIVE_STATE.get()
+        if state is not None:
+            # A multi-stream state hands each scheduler's call its own stream (streams.py).
+            state = state.for_step()
         if state is None or not state.settings.record:
             output = super().step(
                 model_output,

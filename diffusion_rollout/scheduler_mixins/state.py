@@ -253,6 +253,10 @@ class RolloutState:
         """The loop index of the next step to run (0 before the first)."""
         return self._loop_index
 
+    def for_step(self) -> RolloutState:
+        """The state a scheduler's ``step`` call records into: this one (see ``streams.py``)."""
+        return self
+
     @property
     def started(self) -> bool:
         return self.num_steps is not None
