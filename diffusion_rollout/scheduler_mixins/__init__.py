@@ -21,7 +21,7 @@ from .scheduler import (
 )
 from .sigmas import flow_shift_sigmas, shift_sigmas, validate_sigmas
 from .state import RolloutSettings, RolloutState
-from .streams import MultiStreamRolloutState, joint_log_prob
+from .streams import MultiStreamRolloutState, joint_log_prob, make_rollout_state
 from .transition import LOG_PROB_FORMS, STEP_KINDS, TransitionResult, transition
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "active_rollout_state",
     "flow_shift_sigmas",
     "joint_log_prob",
+    "make_rollout_state",
     "rollout_context",
     "shift_sigmas",
     "transition",

@@ -39,7 +39,7 @@ import torch
 
 from .state import RolloutSettings, RolloutState
 
-__all__ = ["MultiStreamRolloutState", "joint_log_prob"]
+__all__ = ["MultiStreamRolloutState", "joint_log_prob", "make_rollout_state"]
 
 
 def joint_log_prob(per_stream: Sequence[torch.Tensor], numels: Sequence[int]) -> torch.Tensor:
@@ -56,6 +56,22 @@ def joint_log_prob(per_stream: Sequence[torch.Tensor], numels: Sequence[int]) ->
     for values, n in zip(per_stream[1:], numels[1:], strict=True):
         acc = acc + values.to(torch.float32) * float(n)
     return acc / total
+
+
+def make_rollout_state(
+    settings: RolloutSettings,
+    generators: Sequence[torch.Generator] | None,
+    *,
+    streams: Sequence[str] = (),
+    sigmas: Sequence[float] | None = None,
+    step_generators: Sequence[Callable[[int], torch.Generator] | None] | None = None,
+) -> RolloutState | MultiStreamRolloutState:
+    """A :class:`RolloutState`, or a :class:`MultiStreamRolloutState` for two or more ``streams``."""
+    if len(streams) > 1:
+        return MultiStreamRolloutState(
+            settings, generators, streams=streams, sigmas=sigmas, step_generators=step_generators
+        )
+    return RolloutState(settings, generators, sigmas=sigmas, step_generators=step_generators)
 
 
 class MultiStreamRolloutState:

@@ -56,7 +56,7 @@ from diffusion_rollout.errors import (
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.scheduler_mixins import (
     RolloutSettings,
-    RolloutState,
+    make_rollout_state,
     rollout_context,
 )
 from diffusion_rollout.server.engine_api import QueueStats
@@ -410,9 +410,10 @@ class Engine:
             settings = p0.settings if p0.rollout else RolloutSettings(record=False)
             need_state = p0.rollout or first.schedule is not None
             state = (
-                RolloutState(
+                make_rollout_state(
                     settings,
                     generators,
+                    streams=a.streams,
                     sigmas=first.schedule,
                     step_generators=step_generators if any(step_generators) else None,
                 )
@@ -568,6 +569,15 @@ class Engine:
                             "rollout_noise_std_devs": copier.copy(view["noise_std_devs"]),
                             "rollout_model_outputs": copier.copy(view["model_outputs"]),
                         }
+                        if "streams" in view:  # jointly denoised streams (LTX-2): each one's own
+                            debug["streams"] = {
+                                name: {
+                                    "rollout_variance_noises": copier.copy(v["variance_noises"]),
+                                    "rollout_prev_sample_means": copier.copy(v["prev_sample_means"]),
+                                    "rollout_model_outputs": copier.copy(v["model_outputs"]),
+                                }
+                                for name, v in view["streams"].items()
+                            }
                     if p.return_dit_trajectory:
                         # The trajectory keeps the dtype the pipeline stored its latents in (bf16 for a
                         # bf16 model, float32 where the pipeline keeps float32 latents): lossless.
@@ -577,6 +587,14 @@ class Engine:
                             "sigmas": schedule[1],
                             "latent_step_indices": list(state.latent_step_indices),
                         }
+                        if "streams" in view:  # jointly denoised streams (LTX-2): each one's own
+                            traj["streams"] = {
+                                name: {
+                                    "latents": copier.copy(v["trajectory_latents"]),
+                                    "log_probs": copier.copy(v["log_probs"].float()),
+                                }
+                                for name, v in view["streams"].items()
+                            }
                     if p.return_denoising_env and env_rows is not None:
                         env = copier.copy_tree(env_rows[row])
                         if experts is not None:
