@@ -494,6 +494,7 @@ _TINY_PIPELINE_CLASS = {
     "flux2-klein": "Flux2KleinPipeline",
     "zimage": "ZImagePipeline",
     "hunyuanvideo15": "HunyuanVideo15Pipeline",
+    "ltx2": "LTX2Pipeline",
 }
 _REAL_BUILDERS = {
     "sd3.5-medium": _sd35_medium,
@@ -577,7 +578,7 @@ class BenchModel:
 
     @property
     def is_video(self) -> bool:
-        return self.family.startswith("wan") or self.family in _PROMPT_PER_OUTPUT
+        return self.family.startswith("wan") or self.family in _PROMPT_PER_OUTPUT or self.family == "ltx2"
 
     @property
     def decodes_one_video_per_call(self) -> bool:
@@ -647,6 +648,11 @@ class BenchModel:
                     kw[key] = [kw[key]] * n
         if body.get("image_data"):
             kw.update(self._stock_image_kwargs(pipe, body, kw, n))
+        if self.family == "ltx2":
+            # What the LTX-2 adapter runs: plain CFG on both streams, no STG/modality/rescale.
+            from diffusion_rollout.server.families.ltx2 import fixed_guidance_kwargs
+
+            kw.update(fixed_guidance_kwargs(float(body.get("guidance_scale", 3.0))))
         seeds = body.get("seeds") or [body["seed"] + i for i in range(n)]
         kw["generator"] = [torch.Generator(self.generator_device).manual_seed(s) for s in seeds]
         return kw
@@ -744,6 +750,11 @@ def _tiny_defaults(family: str) -> dict[str, Any]:
 
     defaults = dict(TINY_CALL_DEFAULTS[family])
     defaults.pop("max_area", None)  # a pipeline argument (Kontext) the server derives from the size
+    if family == "ltx2":  # its fixed guidance settings are the adapter's, not request fields
+        from diffusion_rollout.server.families.ltx2 import fixed_guidance_kwargs
+
+        for key in fixed_guidance_kwargs(1.0):
+            defaults.pop(key, None)
     return defaults
 
 

@@ -51,6 +51,17 @@ ROLLOUT = {
     "rollout_return_denoising_env": True,
     "rollout_debug_mode": False,
 }
+
+
+def rollout_fields(model: BenchModel) -> dict[str, Any]:
+    """``ROLLOUT``, without ``denoising_env`` for a family that cannot return it yet (LTX-2)."""
+    from diffusion_rollout.server.families import adapter_for
+
+    if adapter_for(model.pipe).supports_denoising_env:
+        return dict(ROLLOUT)
+    return {**ROLLOUT, "rollout_return_denoising_env": False}
+
+
 COLUMNS = [
     ("model", "model", ""),
     ("size", "size", ""),
@@ -104,7 +115,7 @@ def measure_model(model: BenchModel, *, reps: int, steps: int | None = None) -> 
     variants = {
         "stock": None,
         "server_plain": {**body, "rollout": False},
-        "server_rollout": {**body, **ROLLOUT},
+        "server_rollout": {**body, **rollout_fields(model)},
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     sizes: dict[str, int] = {}

@@ -21,6 +21,7 @@ from diffusers import (
     Flux2KleinPipeline,
     FluxPipeline,
     HunyuanVideo15Pipeline,
+    LTX2Pipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
@@ -51,6 +52,7 @@ PIPELINE_CLASSES = {
     "flux2-klein": Flux2KleinPipeline,
     "zimage": ZImagePipeline,
     "hunyuanvideo15": HunyuanVideo15Pipeline,
+    "ltx2": LTX2Pipeline,
 }
 
 # Latents as the pipelines return them with output_type="latent" at the default call settings:
@@ -66,6 +68,7 @@ LATENT_SHAPES = {
     "flux2-klein": (1, 16, 8, 8),
     "zimage": (1, 16, 8, 8),
     "hunyuanvideo15": (1, 16, 2, 2, 2),  # (B, 16, (F - 1) / 4 + 1, H/16, W/16)
+    "ltx2": (1, 4, 5, 16, 16),  # the video latent (the audio one is output.audio)
 }
 DECODED_SHAPES = {
     "sd3": (1, 3, 32, 32),
@@ -76,6 +79,7 @@ DECODED_SHAPES = {
     "flux2-klein": (1, 3, 32, 32),
     "zimage": (1, 3, 32, 32),
     "hunyuanvideo15": (1, 5, 3, 32, 32),
+    "ltx2": (1, 9, 3, 32, 32),
 }
 
 
@@ -109,6 +113,7 @@ def test_families_and_call_defaults_cover_the_same_names():
         "flux2-klein",
         "zimage",
         "hunyuanvideo15",
+        "ltx2",
     )
     assert set(FAMILIES) == set(REAL_SCHEDULER_CONFIGS)
     assert set(TINY_CALL_DEFAULTS) == set(FAMILIES) | set(IMAGE_FAMILIES)
@@ -332,7 +337,7 @@ def test_build_leaves_the_callers_global_rng_alone():
 def test_unknown_family_is_rejected_with_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2, flux2-klein, zimage, hunyuanvideo15",
+        match=r"unknown model family 'sdxl'.*sd3, flux, qwenimage, wan, wan2\.2, flux2-klein, zimage, hunyuanvideo15, ltx2",
     ):
         build_tiny_pipeline("sdxl")
 

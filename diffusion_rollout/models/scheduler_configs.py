@@ -121,6 +121,19 @@ _ZIMAGE = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": Fa
 _HUNYUANVIDEO15_480P = {"num_train_timesteps": 1000, "shift": 5.0}
 HUNYUANVIDEO15_480P_GUIDANCE = 6.0
 
+# Lightricks/LTX-2 (diffusers' scripts/convert_ltx2_to_diffusers.py, the non-distilled pipeline):
+# dynamic shifting with base/max shift 0.95/2.05 over 1024..4096 video tokens, stretched so the last
+# sigma is 0.1.
+_LTX2 = {
+    "base_image_seq_len": 1024,
+    "base_shift": 0.95,
+    "max_image_seq_len": 4096,
+    "max_shift": 2.05,
+    "num_train_timesteps": 1000,
+    "shift_terminal": 0.1,
+    "use_dynamic_shifting": True,
+}
+
 #: family -> (scheduler class, its real config). Read-only; copy before changing.
 REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], MappingProxyType[str, Any]]] = (
     MappingProxyType(
@@ -133,6 +146,7 @@ REAL_SCHEDULER_CONFIGS: MappingProxyType[str, tuple[type[SchedulerMixin], Mappin
             "flux2-klein": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_FLUX2)),
             "zimage": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_ZIMAGE)),
             "hunyuanvideo15": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_HUNYUANVIDEO15_480P)),
+            "ltx2": (FlowMatchEulerDiscreteScheduler, MappingProxyType(_LTX2)),
         }
     )
 )

@@ -45,6 +45,8 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     ClassifierFreeGuidance,
@@ -56,6 +58,8 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
     QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -72,6 +76,8 @@ from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -92,6 +98,7 @@ from .tokenizers import (
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     make_clip_tokenizer,
+    make_gemma_tokenizer,
     make_qwen2_tokenizer,
     make_qwen3_tokenizer,
     make_t5_tokenizer,
@@ -117,6 +124,7 @@ FAMILIES: tuple[str, ...] = (
     "flux2-klein",
     "zimage",
     "hunyuanvideo15",
+    "ltx2",
 )
 #: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
 IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit")
@@ -619,6 +627,161 @@ def _hunyuanvideo15_components(seed: int) -> dict[str, Any]:
     }
 
 
+def _ltx2_components(seed: int) -> dict[str, Any]:
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    tokenizer = make_gemma_tokenizer()
+    text_layers = 2
+    return {
+        # Video (4 latent channels) and audio (2 channels x 2 latent mel bins, packed to 4) streams,
+        # denoised jointly; the real LTX-2 has 128 and 8 x 16.
+        "transformer": _seeded(
+            seed,
+            "transformer",
+            lambda: LTX2VideoTransformer3DModel(
+                in_channels=4,
+                out_channels=4,
+                patch_size=1,
+                patch_size_t=1,
+                num_attention_heads=2,
+                attention_head_dim=8,
+                cross_attention_dim=16,
+                audio_in_channels=4,
+                audio_out_channels=4,
+                audio_num_attention_heads=2,
+                audio_attention_head_dim=4,
+                audio_cross_attention_dim=8,
+                num_layers=2,
+                qk_norm="rms_norm_across_heads",
+                caption_channels=_TEXT_DIM,
+                rope_double_precision=False,
+                rope_type="split",
+            ),
+        ),
+        # Gemma 3 (the pipeline stacks every hidden state, embeddings included, on the last dim).
+        "text_encoder": _seeded(
+            seed,
+            "text_encoder",
+            lambda: Gemma3ForConditionalGeneration(
+                Gemma3Config(
+                    text_config={
+                        "vocab_size": _padded_vocab(tokenizer),
+                        "hidden_size": _TEXT_DIM,
+                        "intermediate_size": 32,
+                        "num_hidden_layers": text_layers,
+                        "num_attention_heads": 2,
+                        "num_key_value_heads": 1,
+                        "head_dim": 16,
+                        "max_position_embeddings": 1024,
+                        "sliding_window": 64,
+                        "pad_token_id": tokenizer.pad_token_id,
+                        "eos_token_id": tokenizer.eos_token_id,
+                        "bos_token_id": tokenizer.bos_token_id,
+                    },
+                    vision_config={
+                        "hidden_size": 16,
+                        "intermediate_size": 16,
+                        "num_hidden_layers": 1,
+                        "num_attention_heads": 2,
+                        "image_size": 28,
+                        "patch_size": 14,
+                    },
+                    mm_tokens_per_image=4,
+                )
+            ),
+        ),
+        "connectors": _seeded(
+            seed,
+            "connectors",
+            lambda: LTX2TextConnectors(
+                caption_channels=_TEXT_DIM,
+                text_proj_in_factor=text_layers + 1,
+                video_connector_num_attention_heads=4,
+                video_connector_attention_head_dim=8,
+                video_connector_num_layers=1,
+                video_connector_num_learnable_registers=None,
+                audio_connector_num_attention_heads=4,
+                audio_connector_attention_head_dim=8,
+                audio_connector_num_layers=1,
+                audio_connector_num_learnable_registers=None,
+                connector_rope_base_seq_len=32,
+                rope_theta=10000.0,
+                rope_double_precision=False,
+                causal_temporal_positioning=False,
+                rope_type="split",
+            ),
+        ),
+        # 2x spatial and 2x temporal compression (the real video VAE: 32x and 8x).
+        "vae": _seeded(
+            seed,
+            "vae",
+            lambda: AutoencoderKLLTX2Video(
+                in_channels=3,
+                out_channels=3,
+                latent_channels=4,
+                block_out_channels=(8,),
+                decoder_block_out_channels=(8,),
+                layers_per_block=(1,),
+                decoder_layers_per_block=(1, 1),
+                spatio_temporal_scaling=(True,),
+                decoder_spatio_temporal_scaling=(True,),
+                decoder_inject_noise=(False, False),
+                downsample_type=("spatial",),
+                upsample_residual=(False,),
+                upsample_factor=(1,),
+                timestep_conditioning=False,
+                patch_size=1,
+                patch_size_t=1,
+                encoder_causal=True,
+                decoder_causal=False,
+            ),
+        ),
+        "audio_vae": _seeded(
+            seed,
+            "audio_vae",
+            lambda: AutoencoderKLLTX2Audio(
+                base_channels=4,
+                output_channels=2,
+                ch_mult=(1,),
+                num_res_blocks=1,
+                attn_resolutions=None,
+                in_channels=2,
+                resolution=32,
+                latent_channels=2,
+                norm_type="pixel",
+                causality_axis="height",
+                dropout=0.0,
+                mid_block_add_attention=False,
+                sample_rate=16000,
+                mel_hop_length=160,
+                is_causal=True,
+                mel_bins=8,
+            ),
+        ),
+        "vocoder": _seeded(
+            seed,
+            "vocoder",
+            lambda: LTX2Vocoder(
+                in_channels=16,  # the audio VAE's output channels x mel bins
+                hidden_channels=32,
+                out_channels=2,
+                upsample_kernel_sizes=[4, 4],
+                upsample_factors=[2, 2],
+                resnet_kernel_sizes=[3],
+                resnet_dilations=[[1, 3, 5]],
+                leaky_relu_negative_slope=0.1,
+                output_sampling_rate=16000,
+            ),
+        ),
+        "scheduler": make_real_scheduler("ltx2"),
+        "tokenizer": tokenizer,
+        "processor": None,
+        "prompt_enhancer": None,
+        "duration_head": None,
+    }
+
+
 @dataclass(frozen=True)
 class _FamilySpec:
     pipeline_class: type[DiffusionPipeline]
@@ -761,6 +924,28 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
                 "num_inference_steps": 4,
                 "true_cfg_scale": 4.0,
                 "negative_prompt": " ",
+                "max_sequence_length": 16,
+            },
+        ),
+        "ltx2": _FamilySpec(
+            LTX2Pipeline,
+            _ltx2_components,
+            # 9 frames -> 5 latent frames (the tiny VAE compresses time by 2; the real one 8x: 8k + 1
+            # frames), 32 px -> 16 latent px; audio: 9 frames at 24 fps -> 9 latent audio frames. Plain
+            # CFG on both streams; STG, modality isolation and the rescale off (server/families/ltx2.py).
+            {
+                "height": 32,
+                "width": 32,
+                "num_frames": 9,
+                "num_inference_steps": 2,
+                "guidance_scale": 3.0,
+                "audio_guidance_scale": 3.0,
+                "stg_scale": 0.0,
+                "audio_stg_scale": 0.0,
+                "modality_scale": 1.0,
+                "audio_modality_scale": 1.0,
+                "guidance_rescale": 0.0,
+                "audio_guidance_rescale": 0.0,
                 "max_sequence_length": 16,
             },
         ),

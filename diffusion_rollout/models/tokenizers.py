@@ -35,13 +35,14 @@ import itertools
 import random
 import re
 
-from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
+from transformers import CLIPTokenizer, GemmaTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 __all__ = [
     "QWEN_CHAT_TEMPLATE",
     "QWEN_IMAGE_TEMPLATE_PREFIX",
     "QWEN_SPECIAL_TOKENS",
     "make_clip_tokenizer",
+    "make_gemma_tokenizer",
     "make_qwen2_tokenizer",
     "make_qwen3_tokenizer",
     "make_t5_tokenizer",
@@ -207,6 +208,25 @@ def _complete_merges(words: list[list[str]], merges: list[tuple[str, str]]) -> l
             out.append(pair)
             parts = _bpe(word, ranks)
     return out
+
+
+def make_gemma_tokenizer(model_max_length: int = 1024) -> GemmaTokenizer:
+    """Gemma-style BPE (LTX-2's Gemma 3): ``▁`` marks a space, unknown bytes fall back to ``<0xNN>``.
+
+    Ids 0..4 are ``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``, ``<mask>`` as in Gemma's vocabulary, then
+    the 256 byte-fallback pieces, ``▁``, printable ASCII, and merges that spell the prompt words.
+    """
+    vocab: dict[str, int] = {}
+    for special in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"):
+        vocab[special] = len(vocab)
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for symbol in ("\u2581", *(chr(c) for c in range(33, 127))):
+        vocab.setdefault(symbol, len(vocab))
+    merges = _chain_merges([["\u2581", *w] for w in _PROMPT_WORDS])
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
 def make_clip_tokenizer(pad_token: str = "<|endoftext|>", model_max_length: int = 77) -> CLIPTokenizer:

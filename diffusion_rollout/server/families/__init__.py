@@ -10,6 +10,7 @@ from diffusion_rollout.server.families.flux import FluxAdapter
 from diffusion_rollout.server.families.flux2_klein import Flux2KleinAdapter
 from diffusion_rollout.server.families.flux_kontext import FluxKontextAdapter
 from diffusion_rollout.server.families.hunyuanvideo15 import HunyuanVideo15Adapter
+from diffusion_rollout.server.families.ltx2 import LTX2Adapter
 from diffusion_rollout.server.families.qwenimage import QwenImageAdapter
 from diffusion_rollout.server.families.qwenimage_edit import QwenImageEditAdapter
 from diffusion_rollout.server.families.sd3 import SD3Adapter
@@ -25,6 +26,7 @@ ADAPTERS: list[type[FamilyAdapter]] = [
     Flux2KleinAdapter,
     ZImageAdapter,
     HunyuanVideo15Adapter,
+    LTX2Adapter,
 ]
 # Image-conditioned families (families/image_cond.py).
 ADAPTERS += [FluxKontextAdapter, WanI2VAdapter, QwenImageEditAdapter]
