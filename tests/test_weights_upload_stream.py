@@ -288,3 +288,21 @@ def test_lora_upload_through_the_stream_returns_its_buffer(fresh_server):
     assert "s" in str(listed)
     # The second push replaced the tensors in place and reused the first push's buffer.
     assert pool.stats.allocated == 1 and pool.stats.reused == 1 and pool.stats.abandoned == 0
+
+
+def test_a_refused_part_among_concurrent_ones_fails_the_push_and_applies_nothing(fresh_server):
+    from diffusion_rollout.client.exceptions import ServerWeightUpdateError
+
+    server = fresh_server("sd3")
+    master = new_weights(server, seed=26)
+    names = sorted(master)
+    bad = dict(master)
+    bad[names[len(names) // 2]] = torch.zeros(3)  # a wrong shape in a middle part
+    original = checksum(server)
+    with live_server(server) as (url, _), RolloutClient(url, timeout=60) as client:
+        with pytest.raises(ServerWeightUpdateError, match="shape mismatch"):
+            push_weights(client, bad, dtype=torch.float32, max_part_bytes=4096, concurrency=3, verify=False)
+        assert get_weight_manager(server.engine).staging.ids() == []
+        # The same client pushes the correct weights afterwards (a new upload id).
+        push_weights(client, master, dtype=torch.float32, max_part_bytes=4096, concurrency=3)
+    assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original

@@ -9,7 +9,8 @@ per-request timeout is the engine's (``request_timeout_s`` -> 504).
 
 Why a watcher on ``receive()`` and not ``request.is_disconnected()``: the latter peeks with an
 already-cancelled scope, which never gets through the task group of a ``BaseHTTPMiddleware`` (the
-app's request-id middleware), so it never reports a disconnect there. Once the body has been read,
+app's request-id middleware was one until it became pure ASGI), so it cannot be relied on under
+any middleware stack. Once the body has been read,
 the only message ``receive()`` can still deliver is ``http.disconnect``, so waiting on it costs
 nothing and needs no polling.
 """
