@@ -396,10 +396,11 @@ class ClusterEngine:
         # Only serving replicas are asked: a call to a restarting one would wait for its model load.
         live = self.serving()
         answers = await self._each(live, lambda r: r.actor.info.remote())
+        actor_error = import_ray().exceptions.RayActorError
         for r, a in zip(live, answers, strict=True):
-            if isinstance(a, BaseException):
+            if isinstance(a, actor_error):
                 self.replica_died(r, a)
-            else:
+            elif not isinstance(a, BaseException):
                 r.info = a
         return [
             {
