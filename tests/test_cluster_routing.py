@@ -82,3 +82,20 @@ def test_metrics_merge_sums_replicas_and_labels_them():
     assert fams["diffusion_rollout_queue_depth"].samples[("diffusion_rollout_queue_depth", "")] == 3
     # Each family once, HELP and TYPE first (what Prometheus parsers require).
     assert text.count("# TYPE diffusion_rollout_images_total counter") == 1
+
+
+def test_replicas_config_builds_a_cluster_engine_behind_the_same_app(tiny_model_path):
+    # What `serve --replicas 2` builds (the engine starts with the app; here it is only built).
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.app import create_app
+    from diffusion_rollout.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--gpus-per-replica", "0.5"])
+    assert (args.replicas, args.gpus_per_replica) == (2, 0.5)
+    config = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", replicas=2)
+    app = create_app(config)
+    assert isinstance(app.state.engine, ClusterEngine) and app.state.engine.status == "loading"
+    assert config.resolved_gpus_per_replica() == 0.0  # a CPU front: CPU replicas
+    assert app.state.engine.replica_config().device == "cpu"
+    assert app.state.engine.replica_config().replicas is None
