@@ -50,6 +50,7 @@ REAL_MODELS = (
     "flux.2-klein-4b",
     "z-image-turbo",
     "hunyuanvideo-1.5-480p",
+    "ltx-2",
 )
 
 # Transformer configs, as in each checkpoint's transformer/config.json.
@@ -187,6 +188,137 @@ HUNYUANVIDEO15_480P_TRANSFORMER = {
     "task_type": "t2v",
 }
 
+# Lightricks/LTX-2 (2.0), from diffusers' scripts/convert_ltx2_to_diffusers.py: the audio-video
+# transformer (48 layers; video 32 x 128 wide, audio 32 x 64), the text connectors (Gemma 3 12B's
+# 49 stacked hidden states of width 3840), the video VAE (32x spatial, 8x temporal, 128 channels),
+# the audio VAE (8 channels x 16 latent mel bins) and the vocoder.
+LTX2_TRANSFORMER = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "vae_scale_factors": (8, 32, 32),
+    "pos_embed_max_pos": 20,
+    "base_height": 2048,
+    "base_width": 2048,
+    "gated_attn": False,
+    "cross_attn_mod": False,
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_patch_size": 1,
+    "audio_patch_size_t": 1,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "audio_scale_factor": 4,
+    "audio_pos_embed_max_pos": 20,
+    "audio_sampling_rate": 16000,
+    "audio_hop_length": 160,
+    "audio_gated_attn": False,
+    "audio_cross_attn_mod": False,
+    "num_layers": 48,
+    "activation_fn": "gelu-approximate",
+    "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "caption_channels": 3840,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "causal_offset": 1,
+    "timestep_scale_multiplier": 1000,
+    "cross_attn_timestep_scale_multiplier": 1000,
+    "rope_type": "split",
+    "use_prompt_embeddings": True,
+    "perturbed_attn": False,
+}
+LTX2_CONNECTORS = {
+    "caption_channels": 3840,
+    "text_proj_in_factor": 49,
+    "video_connector_num_attention_heads": 30,
+    "video_connector_attention_head_dim": 128,
+    "video_connector_num_layers": 2,
+    "video_connector_num_learnable_registers": 128,
+    "video_gated_attn": False,
+    "audio_connector_num_attention_heads": 30,
+    "audio_connector_attention_head_dim": 128,
+    "audio_connector_num_layers": 2,
+    "audio_connector_num_learnable_registers": 128,
+    "audio_gated_attn": False,
+    "connector_rope_base_seq_len": 4096,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "causal_temporal_positioning": False,
+    "rope_type": "split",
+    "per_modality_projections": False,
+    "proj_bias": False,
+}
+LTX2_VIDEO_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 128,
+    "block_out_channels": (256, 512, 1024, 2048),
+    "down_block_types": ("LTX2VideoDownBlock3D",) * 4,
+    "decoder_block_out_channels": (256, 512, 1024),
+    "layers_per_block": (4, 6, 6, 2, 2),
+    "decoder_layers_per_block": (5, 5, 5, 5),
+    "spatio_temporal_scaling": (True, True, True, True),
+    "decoder_spatio_temporal_scaling": (True, True, True),
+    "decoder_inject_noise": (False, False, False, False),
+    "downsample_type": ("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    "upsample_type": ("spatiotemporal", "spatiotemporal", "spatiotemporal"),
+    "upsample_residual": (True, True, True),
+    "upsample_factor": (2, 2, 2),
+    "timestep_conditioning": False,
+    "patch_size": 4,
+    "patch_size_t": 1,
+    "resnet_norm_eps": 1e-6,
+    "encoder_causal": True,
+    "decoder_causal": False,
+    "encoder_spatial_padding_mode": "zeros",
+    "decoder_spatial_padding_mode": "reflect",
+    "spatial_compression_ratio": 32,
+    "temporal_compression_ratio": 8,
+}
+LTX2_AUDIO_VAE = {
+    "base_channels": 128,
+    "output_channels": 2,
+    "ch_mult": (1, 2, 4),
+    "num_res_blocks": 2,
+    "attn_resolutions": None,
+    "in_channels": 2,
+    "resolution": 256,
+    "latent_channels": 8,
+    "norm_type": "pixel",
+    "causality_axis": "height",
+    "dropout": 0.0,
+    "mid_block_add_attention": False,
+    "sample_rate": 16000,
+    "mel_hop_length": 160,
+    "is_causal": True,
+    "mel_bins": 64,
+    "double_z": True,
+}
+LTX2_VOCODER = {
+    "in_channels": 128,
+    "hidden_channels": 1024,
+    "out_channels": 2,
+    "upsample_kernel_sizes": [16, 15, 8, 4, 4],
+    "upsample_factors": [6, 5, 2, 2, 2],
+    "resnet_kernel_sizes": [3, 7, 11],
+    "resnet_dilations": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+    "act_fn": "leaky_relu",
+    "leaky_relu_negative_slope": 0.1,
+    "antialias": False,
+    "final_act_fn": "tanh",
+    "final_bias": True,
+    "output_sampling_rate": 24000,
+}
+
 REAL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sd3.5-medium": {"height": 512, "width": 512, "num_inference_steps": 10, "guidance_scale": 4.5},
     "flux.1-dev": {"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5},
@@ -203,6 +335,8 @@ REAL_DEFAULTS: dict[str, dict[str, Any]] = {
     "z-image-turbo": {"height": 1024, "width": 1024, "num_inference_steps": 9, "guidance_scale": 0.0},
     # A modest 480p clip: 33 frames (9 latent frames of 30x53 tokens), the checkpoint's guider (6.0).
     "hunyuanvideo-1.5-480p": {"height": 480, "width": 848, "num_frames": 33, "num_inference_steps": 4},
+    # 41 frames at 512x768 (6 latent frames of 16x24 tokens, ~43 audio tokens); plain CFG at 3.0.
+    "ltx-2": {"height": 512, "width": 768, "num_frames": 41, "num_inference_steps": 4, "guidance_scale": 3.0},
 }
 
 
@@ -485,6 +619,77 @@ def _hunyuanvideo15_480p(device: str, dtype, seed: int, overrides: dict[str, Any
     )
 
 
+def _accepted(cls: type, config: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``config`` that ``cls.__init__`` takes (configs of newer diffusers carry more)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in config.items() if k in params}
+
+
+def _ltx2(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from diffusion_rollout.models import make_real_scheduler
+    from diffusion_rollout.models.tokenizers import make_gemma_tokenizer
+
+    tok = make_gemma_tokenizer()
+    tcfg = _accepted(LTX2VideoTransformer3DModel, {**LTX2_TRANSFORMER, **overrides})
+    ccfg = _accepted(LTX2TextConnectors, LTX2_CONNECTORS)
+    # Gemma 3 12B's width (3840) and depth (48 layers: 49 stacked hidden states, what the connectors
+    # project), with a small MLP and few heads: the text encoder runs once per prompt (cached).
+    layers = ccfg["text_proj_in_factor"] - 1
+    gemma = Gemma3Config(
+        text_config={
+            "vocab_size": -(-len(tok) // 64) * 64,
+            "hidden_size": ccfg["caption_channels"],
+            "intermediate_size": 256,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "max_position_embeddings": 2048,
+            "pad_token_id": tok.pad_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "bos_token_id": tok.bos_token_id,
+        },
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+    )
+    return LTX2Pipeline(
+        transformer=build_module(lambda: LTX2VideoTransformer3DModel(**tcfg), device, dtype, seed),
+        vae=build_module(
+            lambda: AutoencoderKLLTX2Video(**_accepted(AutoencoderKLLTX2Video, LTX2_VIDEO_VAE)),
+            device,
+            dtype,
+            seed + 1,
+        ),
+        audio_vae=build_module(
+            lambda: AutoencoderKLLTX2Audio(**_accepted(AutoencoderKLLTX2Audio, LTX2_AUDIO_VAE)),
+            device,
+            dtype,
+            seed + 2,
+        ),
+        text_encoder=build_module(lambda: Gemma3ForConditionalGeneration(gemma), device, dtype, seed + 3),
+        tokenizer=tok,
+        connectors=build_module(lambda: LTX2TextConnectors(**ccfg), device, dtype, seed + 4),
+        vocoder=build_module(
+            lambda: LTX2Vocoder(**_accepted(LTX2Vocoder, LTX2_VOCODER)), device, dtype, seed + 5
+        ),
+        scheduler=make_real_scheduler("ltx2"),
+    )
+
+
 _TINY_PIPELINE_CLASS = {
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
@@ -503,6 +708,7 @@ _REAL_BUILDERS = {
     "flux.2-klein-4b": _flux2_klein_4b,
     "z-image-turbo": _zimage_turbo,
     "hunyuanvideo-1.5-480p": _hunyuanvideo15_480p,
+    "ltx-2": _ltx2,
 }
 _REAL_FAMILY = {
     "sd3.5-medium": "sd3",
@@ -511,6 +717,7 @@ _REAL_FAMILY = {
     "flux.2-klein-4b": "flux2-klein",
     "z-image-turbo": "zimage",
     "hunyuanvideo-1.5-480p": "hunyuanvideo15",
+    "ltx-2": "ltx2",
 }
 
 

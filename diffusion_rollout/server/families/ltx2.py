@@ -94,6 +94,14 @@ class LTX2Adapter(FamilyAdapter):
                 f"{(frames - 1) // k * k + 1} or {((frames - 1) // k + 1) * k + 1}",
                 field="num_frames",
             )
+        registers = self.pipe.connectors.config.get("video_connector_num_learnable_registers")
+        msl = self._max_sequence_length(settings)
+        if registers and msl % int(registers):
+            raise RequestError(
+                f"max_sequence_length={msl} must be a multiple of {registers} (the text connectors' "
+                "learnable registers)",
+                field="max_sequence_length",
+            )
         if settings.guidance_scale_2 is not None:
             raise RequestError("guidance_scale_2 applies to two-expert models only", field="guidance_scale_2")
         if settings.true_cfg_scale is not None:
