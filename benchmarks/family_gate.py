@@ -81,7 +81,7 @@ def peak_memory(model: BenchModel) -> dict[str, Any]:
     torch.cuda.synchronize()
     row["peak_stock_gib"] = _gib(torch.cuda.max_memory_allocated())
     torch.cuda.reset_peak_memory_stats()
-    model.server().remote().time_one({**body, **rollout_overhead.rollout_fields(model)})
+    model.server().remote().time_one({**body, **rollout_overhead.ROLLOUT})
     torch.cuda.synchronize()
     row["peak_rollout_gib"] = _gib(torch.cuda.max_memory_allocated())
     return row

@@ -53,15 +53,6 @@ ROLLOUT = {
 }
 
 
-def rollout_fields(model: BenchModel) -> dict[str, Any]:
-    """``ROLLOUT``, without ``denoising_env`` for a family that cannot return it yet (LTX-2)."""
-    from diffusion_rollout.server.families import adapter_for
-
-    if adapter_for(model.pipe).supports_denoising_env:
-        return dict(ROLLOUT)
-    return {**ROLLOUT, "rollout_return_denoising_env": False}
-
-
 COLUMNS = [
     ("model", "model", ""),
     ("size", "size", ""),
@@ -115,7 +106,7 @@ def measure_model(model: BenchModel, *, reps: int, steps: int | None = None) -> 
     variants = {
         "stock": None,
         "server_plain": {**body, "rollout": False},
-        "server_rollout": {**body, **rollout_fields(model)},
+        "server_rollout": {**body, **ROLLOUT},
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     sizes: dict[str, int] = {}

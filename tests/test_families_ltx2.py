@@ -14,7 +14,7 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusion_rollout.client.replay import replay_log_prob
+from diffusion_rollout.client.replay import replay_log_prob, replay_stream_model_outputs
 from diffusion_rollout.scheduler_mixins import joint_log_prob, transition
 
 FAMILY = "ltx2"
@@ -156,6 +156,49 @@ def test_both_streams_step_with_the_shared_transition_and_the_joint_log_prob_rep
     assert out["rollout_log_probs"][0].item() != 0.0
 
 
+def test_replay_reproduces_both_streams_model_outputs_and_the_joint_log_prob(served):
+    srv = served(FAMILY)
+    (out,) = srv.generate(
+        body(
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+            rollout_debug_mode=True,
+            return_generated_output=False,
+        )
+    )
+    traj, env, debug = out["dit_trajectory"], out["denoising_env"], out["rollout_debug_tensors"]
+    assert env["streams"] == ["video", "audio"] and env["guidance"]["rule"] == "ltx2_cfg_x0"
+    assert env["neg_cond_kwargs"] is not None and "audio_encoder_hidden_states" in env["pos_cond_kwargs"]
+    streams = traj["streams"]
+    numels = [VIDEO_TOKENS[0] * VIDEO_TOKENS[1], AUDIO_TOKENS[0] * AUDIO_TOKENS[1]]
+    for step in range(T):
+        x = {name: streams[name]["latents"][step : step + 1] for name in ("video", "audio")}
+        with torch.no_grad():
+            v = replay_stream_model_outputs(
+                srv.engine.pipe.transformer, x, traj["timesteps"][step], traj["sigmas"][step], env
+            )
+        scores = []
+        for name in ("video", "audio"):
+            assert torch.equal(v[name][0], debug["streams"][name]["rollout_model_outputs"][step]), (
+                name,
+                step,
+            )
+            x_next = streams[name]["latents"][step + 1 : step + 2]
+            scores.append(
+                replay_log_prob("sde", x[name], v[name], x_next, traj["sigmas"], step, eta=0.7).log_prob
+            )
+        joint = joint_log_prob(scores, numels)
+        assert torch.equal(joint[0], out["rollout_log_probs"][step]), step
+    # The guidance scale enters the combination: another one gives other outputs (not vacuous).
+    x = {name: streams[name]["latents"][:1] for name in ("video", "audio")}
+    wrong = {**env, "guidance": {**env["guidance"], "guidance_scale": 2.0, "audio_guidance_scale": 2.0}}
+    with torch.no_grad():
+        v = replay_stream_model_outputs(
+            srv.engine.pipe.transformer, x, traj["timesteps"][0], traj["sigmas"][0], wrong
+        )
+    assert not torch.equal(v["video"][0], debug["streams"]["video"]["rollout_model_outputs"][0])
+
+
 def test_noise_is_drawn_video_then_audio_from_each_outputs_generator(served):
     (out,) = served(FAMILY).generate(
         body(rollout_sde_step_indices=[0], rollout_debug_mode=True, return_generated_output=False)
@@ -175,7 +218,6 @@ def test_noise_is_drawn_video_then_audio_from_each_outputs_generator(served):
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ({"rollout_return_denoising_env": True}, "rollout_return_denoising_env"),
         ({"num_frames": 8}, "num_frames"),
         ({"width": 33}, "width"),
         ({"true_cfg_scale": 4.0}, "true_cfg_scale"),

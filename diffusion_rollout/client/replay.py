@@ -26,6 +26,11 @@ pipeline does), and ``negate=true`` means the pipeline hands the scheduler the n
 Channel-concatenated model input (HunyuanVideo 1.5): ``env["model_input_concat"]`` holds channels
 the pipeline concatenates after the latent (dim 1) before every model call; replay does the same.
 
+Jointly denoised streams (LTX-2): :func:`replay_stream_model_outputs` calls the transformer once on
+every stream's latent and returns each stream's guided velocity (rule ``ltx2_cfg_x0``: CFG combined in
+x0 space with the step's sigma); score each stream with :func:`replay_log_prob` and combine them with
+``joint_log_prob`` for the response's ``rollout_log_probs``.
+
 Two experts (Wan 2.2): ``env["expert_per_step"][step]`` names the module that ran the step; steps of
 ``transformer_2`` use ``guidance["guidance_scale_2"]``.
 
@@ -233,3 +238,69 @@ def replay_log_prob(
         next_sample=next_latents,
         log_prob_form=log_prob_form,
     )
+
+
+def replay_stream_model_outputs(
+    transformer: torch.nn.Module,
+    latents: Mapping[str, torch.Tensor],
+    timestep: float | torch.Tensor,
+    sigma: float | torch.Tensor,
+    env: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """Each stream's guided velocity for one step of a jointly denoised model (LTX-2).
+
+    ``latents`` maps the stream names of ``env["streams"]`` to their trajectory entries of the step
+    (``dit_trajectory.latents`` for the first, ``dit_trajectory.streams[name].latents`` for all);
+    ``timestep`` and ``sigma`` are ``dit_trajectory.timesteps[step]`` and ``.sigmas[step]``. The
+    arithmetic is the pipeline's, in its order: one call on ``[uncond; cond]`` rows, float32
+    outputs, ``x0 = x - v * sigma`` per branch, ``x0_c + (s - 1) * (x0_c - x0_u)`` (the guidance
+    terms the server turns off add exact zeros), back to ``(x - x0) / sigma``.
+    """
+    names = list(env["streams"])
+    guidance = env["guidance"]
+    rule = guidance["rule"]
+    if rule not in ("ltx2_cfg_x0", "none"):
+        raise ValueError(f"replay_stream_model_outputs does not replay guidance rule {rule!r}")
+    first = latents[names[0]]
+    device = first.device
+    in_dtype = _dtype(env.get("model_input_dtype", "torch.float32"))
+    t_dtype = _dtype(env.get("timestep_dtype", "torch.float32"))
+    image = _move(env.get("image_kwargs") or {}, device)
+    pos = _move(env["pos_cond_kwargs"], device)
+    neg = _move(env.get("neg_cond_kwargs"), device)
+    cfg = rule == "ltx2_cfg_x0" and neg is not None
+    keys = set(env.get("batch_kwargs", ()))
+    kwargs = {k: (torch.cat([neg[k], v], dim=0) if k in keys else v) for k, v in pos.items()} if cfg else pos
+    inputs = [latents[n] for n in names]
+    if cfg:
+        inputs = [torch.cat([x, x], dim=0) for x in inputs]
+    t_value = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    t = t_value.to(device=device, dtype=t_dtype).reshape(()).expand(inputs[0].shape[0])
+    video_out, audio_out = transformer(
+        hidden_states=inputs[0].to(in_dtype),
+        audio_hidden_states=inputs[1].to(in_dtype),
+        timestep=t,
+        sigma=t,
+        **image,
+        **kwargs,
+        return_dict=False,
+    )
+    s = (sigma if isinstance(sigma, torch.Tensor) else torch.tensor(float(sigma))).to(device, torch.float32)
+    scales = [
+        float(guidance["guidance_scale"]),
+        float(guidance.get("audio_guidance_scale", guidance["guidance_scale"])),
+    ]
+    out: dict[str, torch.Tensor] = {}
+    for name, x, pred, scale in zip(
+        names, (latents[n] for n in names), (video_out, audio_out), scales, strict=True
+    ):
+        pred = pred.float()
+        if cfg:
+            uncond, cond = pred.chunk(2)
+            cond = x - cond * s
+            uncond = x - uncond * s
+            guided = cond + (scale - 1) * (cond - uncond) + 0 + 0
+        else:
+            guided = (x - pred * s) + 0 + 0 + 0
+        out[name] = (x - guided) / s
+    return out

@@ -172,12 +172,6 @@ class RequestPlanner:
             allow_inexact=p.allow_inexact,
         )
 
-        if p.rollout and p.return_denoising_env and not a.supports_denoising_env:
-            raise RequestError(
-                f"rollout_return_denoising_env is not available for {a.name} yet: its joint transformer "
-                "call has no replay; score the recorded steps with rollout_debug_mode instead",
-                field="rollout_return_denoising_env",
-            )
         if p.rollout:
             p.settings.validate(steps)
             size = self.response_tensor_bytes(p, call, n)

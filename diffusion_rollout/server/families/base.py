@@ -50,8 +50,6 @@ class FamilyAdapter:
     # Latent streams the pipeline steps jointly, one scheduler.step each per loop step, in order
     # (LTX-2: video then audio); empty for the usual single latent.
     streams: ClassVar[tuple[str, ...]] = ()
-    # Whether rollouts can return denoising_env (the replay conditioning) for this family.
-    supports_denoising_env: ClassVar[bool] = True
     # Kwargs that describe the image geometry rather than the prompt (denoising_env.image_kwargs).
     image_kwarg_names: ClassVar[tuple[str, ...]] = ()
     # True when prepare_latents draws [C, h, w] noise and packs 2x2 patches into tokens (FLUX and

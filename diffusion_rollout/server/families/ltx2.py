@@ -26,8 +26,15 @@ Design decisions:
 - **Guidance.** Only plain CFG on both streams (``guidance_scale`` for video and audio; one batched
   call on ``[uncond; cond]``, combined by the pipeline in x0 space): spatio-temporal guidance,
   modality isolation and the guidance rescale are switched off (each would add a transformer pass or
-  a rescale that rollouts do not record). ``denoising_env`` (replaying the joint transformer call) is
-  not built yet and is refused (400).
+  a rescale that rollouts do not record).
+- **denoising_env.** The step's one transformer call (``[uncond; cond]`` rows with CFG): per-sample
+  ``pos_cond_kwargs``/``neg_cond_kwargs`` (the connectors' video and audio text states and masks, the
+  video and audio position ids), geometry in ``image_kwargs`` (latent frames, height, width, fps,
+  audio frames, ``use_cross_timestep``...), ``streams`` (the stream order), ``model_input_dtype``
+  (the pipeline casts its float32 latents to the text embeddings' dtype for the model) and the rule
+  ``ltx2_cfg_x0``: both outputs are turned into x0 with the step's sigma, combined
+  ``x0_c + (s - 1) * (x0_c - x0_u)`` and turned back into velocities, in the pipeline's order.
+  ``replay_stream_model_outputs`` in the client reproduces both streams' model outputs bit for bit.
 - **Output.** ``generated_output`` is the video (``[C, F, H, W]`` in [0, 1], or the denormalised
   ``[C, F', H', W']`` latent); the audio waveform is not returned.
 """
@@ -66,7 +73,31 @@ class LTX2Adapter(FamilyAdapter):
     is_video = True
     cfg_layout = "batched"
     streams: ClassVar[tuple[str, ...]] = ("video", "audio")
-    supports_denoising_env: ClassVar[bool] = False
+    batch_kwargs = (
+        "encoder_hidden_states",
+        "audio_encoder_hidden_states",
+        "encoder_attention_mask",
+        "audio_encoder_attention_mask",
+        "video_coords",
+        "audio_coords",
+    )
+    skip_kwargs = (
+        "hidden_states",
+        "audio_hidden_states",
+        "timestep",
+        "sigma",
+        "return_dict",
+        "attention_kwargs",
+    )
+    image_kwarg_names = (
+        "num_frames",
+        "height",
+        "width",
+        "fps",
+        "audio_num_frames",
+        "isolate_modalities",
+        "use_cross_timestep",
+    )
 
     # ---------------------------------------------------------------- geometry and defaults
     def spatial_factor(self) -> int:
@@ -166,6 +197,15 @@ class LTX2Adapter(FamilyAdapter):
             torch.device(device),
             generator,
         )
+
+    def split_env(self, calls, batch, settings, timestep_dtype):
+        envs = super().split_env(calls, batch, settings, timestep_dtype)
+        x = calls[0].get("hidden_states") if calls else None
+        for env in envs:
+            env["streams"] = list(self.streams)
+            if isinstance(x, torch.Tensor):
+                env["model_input_dtype"] = str(x.dtype)
+        return envs
 
     def output_tensor(self, output: Any, *, decoded: bool = True) -> torch.Tensor | None:
         frames = output.frames
