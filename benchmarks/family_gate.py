@@ -18,6 +18,8 @@ limit keeps what finished. Exit status 1 when the gate found a difference, 2 whe
 
     python -m benchmarks.family_gate --device cuda --out $OUT     # FLUX.2 klein 4B, Z-Image-Turbo
     python -m benchmarks.family_gate --device cpu --tiny           # the same on the tiny zoo models
+    python -m benchmarks.family_gate --device cuda --models hunyuanvideo-1.5-480p,ltx-2 --out $OUT
+    python -m benchmarks.family_gate --device cpu --models tiny-hunyuanvideo15,tiny-ltx2   # its dry run
 """
 
 from __future__ import annotations
