@@ -275,3 +275,30 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
 def test_model_info_names_the_family(served):
     info = served(FAMILY).client.get("/model_info").json()
     assert info["family"] == FAMILY and info["pipeline_class"] == "HunyuanVideo15Pipeline"
+
+
+def test_bf16_replay_uses_the_timestep_in_the_models_dtype(fresh_server):
+    # The pipeline hands the model its timestep cast to the latents' (model's) dtype.
+    srv = fresh_server(FAMILY, dtype="bfloat16")
+    (out,) = srv.generate(
+        body(
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+            rollout_debug_mode=True,
+            return_generated_output=False,
+        )
+    )
+    traj, env = out["dit_trajectory"], out["denoising_env"]
+    assert env["timestep_dtype"] == "torch.bfloat16" and traj["latents"].dtype == torch.bfloat16
+    recorded = out["rollout_debug_tensors"]["rollout_model_outputs"]
+    for step in range(T):
+        with torch.no_grad():
+            v = replay_model_output(
+                srv.engine.pipe.transformer, traj["latents"][step : step + 1], traj["timesteps"][step], env
+            )
+        assert torch.equal(v[0], recorded[step]), step
+        x_next = traj["latents"][step + 1 : step + 2]
+        lp = replay_log_prob(
+            "sde", traj["latents"][step : step + 1], v, x_next, traj["sigmas"], step, eta=0.7
+        )
+        assert torch.equal(lp.log_prob[0], out["rollout_log_probs"][step]), step

@@ -233,3 +233,26 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
 def test_model_info_names_the_family(served):
     info = served(FAMILY).client.get("/model_info").json()
     assert info["family"] == FAMILY and info["pipeline_class"] == "LTX2Pipeline"
+
+
+def test_bf16_replay_casts_the_float32_latents_like_the_pipeline(fresh_server):
+    # The latents stay float32; the model input is cast to the text embeddings' dtype.
+    srv = fresh_server(FAMILY, dtype="bfloat16")
+    (out,) = srv.generate(
+        body(
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+            rollout_debug_mode=True,
+            return_generated_output=False,
+        )
+    )
+    traj, env, debug = out["dit_trajectory"], out["denoising_env"], out["rollout_debug_tensors"]
+    assert env["model_input_dtype"] == "torch.bfloat16" and traj["latents"].dtype == torch.float32
+    streams = traj["streams"]
+    x = {name: streams[name]["latents"][1:2] for name in ("video", "audio")}
+    with torch.no_grad():
+        v = replay_stream_model_outputs(
+            srv.engine.pipe.transformer, x, traj["timesteps"][1], traj["sigmas"][1], env
+        )
+    for name in ("video", "audio"):
+        assert torch.equal(v[name][0], debug["streams"][name]["rollout_model_outputs"][1]), name
