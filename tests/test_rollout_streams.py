@@ -55,10 +55,12 @@ def denoise(video_scheduler, video, audio, *, sigmas=None):
     return video, audio
 
 
-def rollout(settings, seeds=(0, 1), dtype=torch.float32, sigmas=None):
+def rollout(settings, seeds=(0, 1), dtype=torch.float32, sigmas=None, step_generators=None):
     scheduler = RolloutFlowMatchEulerScheduler.from_config(FlowMatchEulerDiscreteScheduler(**CONFIG).config)
     video, audio, gens = draw(seeds, dtype)
-    state = MultiStreamRolloutState(settings, gens, streams=("video", "audio"), sigmas=sigmas)
+    state = MultiStreamRolloutState(
+        settings, gens, streams=("video", "audio"), sigmas=sigmas, step_generators=step_generators
+    )
     with rollout_context(state):
         final = denoise(scheduler, video, audio)
     return state, final, gens
@@ -139,6 +141,21 @@ def test_noise_order_is_video_then_audio_per_sample_and_step():
         assert torch.equal(audio_noise[i], randn_tensor((1, *AUDIO), generator=g)[0])
     # ODE steps drew nothing in either stream.
     assert not state.by_stream["audio"].variance_noises[:, 0].any()
+
+
+def test_a_per_step_generator_is_shared_by_the_streams_of_its_step():
+    # denoise_seeds: a fresh generator per (sample, step); the audio eps continues the video's draw.
+    def per_step(base):
+        return lambda step: torch.Generator().manual_seed(1000 * base + step)
+
+    settings = RolloutSettings(kind="sde", eta=0.6, sde_step_indices=(2,), debug=True)
+    state, _, _ = rollout(settings, seeds=(7, 9), step_generators=[per_step(1), per_step(2)])
+    for i, base in enumerate((1, 2)):
+        g = torch.Generator().manual_seed(1000 * base + 2)
+        video = state.by_stream["video"].variance_noises[i, 2]
+        audio = state.by_stream["audio"].variance_noises[i, 2]
+        assert torch.equal(video, randn_tensor((1, *VIDEO), generator=g)[0])
+        assert torch.equal(audio, randn_tensor((1, *AUDIO), generator=g)[0])
 
 
 def test_exact_sigmas_run_in_both_schedulers():

@@ -16,7 +16,9 @@ Design decisions:
   :func:`~diffusion_rollout.scheduler_mixins.transition`.
 - **RNG order.** The streams share the samples' generators. At a stochastic loop step, sample ``i``
   draws its ``eps`` for ``streams[0]`` first, then for ``streams[1]``, ... (the call order); ODE steps
-  draw nothing in any stream. A sample's numbers still depend on its own generator only.
+  draw nothing in any stream. A sample's numbers still depend on its own generator only. Per-step
+  generators (``denoise_seeds``) are made once per sample and loop step and shared by the streams in
+  the same order, so the audio ``eps`` continues the video's draw instead of repeating it.
 - **Joint log-prob.** A joint step's density is the product of the streams' densities; with
   math.md's mean-over-elements rule its per-sample value is the mean over *all* elements of all
   streams, which :func:`joint_log_prob` computes from the per-stream means as
@@ -74,6 +76,19 @@ def make_rollout_state(
     return RolloutState(settings, generators, sigmas=sigmas, step_generators=step_generators)
 
 
+def _once_per_step(make: Callable[[int], torch.Generator]) -> Callable[[int], torch.Generator]:
+    """``make`` called once per loop step; every stream of that step gets the same generator."""
+    current: dict[int, torch.Generator] = {}
+
+    def get(step: int) -> torch.Generator:
+        if step not in current:
+            current.clear()  # steps only move forward: keep the one in use
+            current[step] = make(step)
+        return current[step]
+
+    return get
+
+
 class MultiStreamRolloutState:
     """Per-call rollout state of a pipeline that steps ``len(streams)`` schedulers per loop step.
 
@@ -98,6 +113,8 @@ class MultiStreamRolloutState:
             raise ValueError(f"streams must name two or more distinct streams, got {names!r}")
         self.streams = names
         self.settings = settings
+        if step_generators is not None:
+            step_generators = [None if fn is None else _once_per_step(fn) for fn in step_generators]
         self.by_stream: dict[str, RolloutState] = {
             name: RolloutState(settings, generators, sigmas=sigmas, step_generators=step_generators)
             for name in names
