@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusion_rollout.client.replay import replay_log_prob, replay_stream_model_outputs
+from diffusion_rollout.client.results import RolloutOutput
 from diffusion_rollout.scheduler_mixins import joint_log_prob, transition
 
 FAMILY = "ltx2"
@@ -168,6 +169,8 @@ def test_replay_reproduces_both_streams_model_outputs_and_the_joint_log_prob(ser
     )
     traj, env, debug = out["dit_trajectory"], out["denoising_env"], out["rollout_debug_tensors"]
     assert env["streams"] == ["video", "audio"] and env["guidance"]["rule"] == "ltx2_cfg_x0"
+    parsed = RolloutOutput.from_dict(out).dit_trajectory  # the typed client keeps every stream
+    assert torch.equal(parsed.streams["audio"]["latents"], traj["streams"]["audio"]["latents"])
     assert env["neg_cond_kwargs"] is not None and "audio_encoder_hidden_states" in env["pos_cond_kwargs"]
     streams = traj["streams"]
     numels = [VIDEO_TOKENS[0] * VIDEO_TOKENS[1], AUDIO_TOKENS[0] * AUDIO_TOKENS[1]]

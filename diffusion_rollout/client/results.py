@@ -57,12 +57,15 @@ class DitTrajectory:
 
     ``latents[k]`` is the latent entering loop step ``latent_step_indices[k]`` (index ``T`` is the
     final latent); ``timesteps`` and ``sigmas`` are never filtered (``T + 1`` values each).
+    ``streams`` (models that denoise several latents jointly, LTX-2): per stream name, its own
+    ``latents`` (same entries) and per-step ``log_probs``; ``latents`` above is the first stream's.
     """
 
     latents: torch.Tensor
     timesteps: torch.Tensor
     sigmas: torch.Tensor
     latent_step_indices: list[int]
+    streams: dict[str, dict[str, torch.Tensor]] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -91,6 +94,7 @@ class DitTrajectory:
             timesteps=d["timesteps"],
             sigmas=d["sigmas"],
             latent_step_indices=[int(i) for i in d["latent_step_indices"]],
+            streams=d.get("streams"),
         )
 
 
