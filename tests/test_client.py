@@ -55,7 +55,8 @@ EXPECTED_ALL = [
     "build_update_weights_from_tensor_request", "clipped_policy_loss", "gaussian_kl", "group_advantages",
     "group_by_server_batch",
     "lora_checksum", "lora_config_dict", "lora_state_dict", "push_lora", "push_weights", "push_weights_ipc",
-    "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "safetensors_parts",
+    "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "replay_stream_model_outputs",
+    "safetensors_parts",
     "stack_envs", "trainable_steps", "verify_lora", "verify_weights_checksum",
 ]  # fmt: skip
 

@@ -14,7 +14,11 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusion_rollout.client.replay import replay_log_prob, replay_stream_model_outputs
+from diffusion_rollout.client.replay import (
+    replay_log_prob,
+    replay_model_output,
+    replay_stream_model_outputs,
+)
 from diffusion_rollout.client.results import RolloutOutput
 from diffusion_rollout.scheduler_mixins import joint_log_prob, transition
 
@@ -169,6 +173,8 @@ def test_replay_reproduces_both_streams_model_outputs_and_the_joint_log_prob(ser
     )
     traj, env, debug = out["dit_trajectory"], out["denoising_env"], out["rollout_debug_tensors"]
     assert env["streams"] == ["video", "audio"] and env["guidance"]["rule"] == "ltx2_cfg_x0"
+    with pytest.raises(ValueError, match="replay_stream_model_outputs"):  # the one-stream helper refuses
+        replay_model_output(srv.engine.pipe.transformer, traj["latents"][:1], traj["timesteps"][0], env)
     parsed = RolloutOutput.from_dict(out).dit_trajectory  # the typed client keeps every stream
     assert torch.equal(parsed.streams["audio"]["latents"], traj["streams"]["audio"]["latents"])
     assert env["neg_cond_kwargs"] is not None and "audio_encoder_hidden_states" in env["pos_cond_kwargs"]

@@ -23,7 +23,12 @@ from diffusion_rollout.client.exceptions import (
     RolloutHTTPError,
     RolloutTimeoutError,
 )
-from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
+from diffusion_rollout.client.replay import (
+    replay_log_prob,
+    replay_model_output,
+    replay_stream_model_outputs,
+    stack_envs,
+)
 from diffusion_rollout.client.results import (
     DitTrajectory,
     ReplaySettings,
@@ -86,6 +91,7 @@ __all__ = [
     "replay_model_output",
     "replay_step",
     "replay_steps",
+    "replay_stream_model_outputs",
     "safetensors_parts",
     "stack_envs",
     "trainable_steps",

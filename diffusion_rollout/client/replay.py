@@ -132,6 +132,11 @@ def replay_model_output(
     is ``dit_trajectory.timesteps[step]``; ``env`` is one sample's ``denoising_env`` or
     :func:`stack_envs` of several.
     """
+    if env.get("streams"):
+        raise ValueError(
+            f"this denoising_env is of a model that denoises the streams {env['streams']} jointly: replay "
+            "its steps with replay_stream_model_outputs"
+        )
     transformers = transformer if isinstance(transformer, Mapping) else {"transformer": transformer}
     module, expert = _expert_for(env, step, transformers)
     device = latents.device
