@@ -144,10 +144,13 @@ class Replica:
 class ClusterEngine:
     """Replicas of ``Engine`` as Ray actors behind one front; see the module docstring."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, pipeline_factory: Any = None) -> None:
+        """``pipeline_factory``: a picklable callable each replica calls to build its pipeline
+        (instead of loading ``config.model``); see ``ReplicaServer``."""
         if not config.replicas:
             raise ValueError("ClusterEngine needs config.replicas >= 1")
         self.config = config
+        self.pipeline_factory = pipeline_factory
         self.status = "loading"
         self.metrics = Metrics()
         self.model_path: str | None = config.model
@@ -203,7 +206,7 @@ class ClusterEngine:
         actors: list[Any] = []
         try:
             self._check_resources(ray, n, gpus)
-            actors = [actor_cls.remote(rcfg, i) for i in range(n)]
+            actors = [actor_cls.remote(rcfg, i, self.pipeline_factory) for i in range(n)]
             infos = ray.get([a.start.remote() for a in actors])
         except BaseException:
             # Nothing half-started stays behind: the app reports the load as failed.

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from diffusion_rollout.cluster.resync import export_state, import_state
@@ -90,9 +91,14 @@ def _node_id() -> str | None:
 class ReplicaServer:
     """The body of a replica actor: one engine, its weight manager, two-phase full updates."""
 
-    def __init__(self, config: ServerConfig, replica_id: int) -> None:
+    def __init__(
+        self, config: ServerConfig, replica_id: int, pipeline_factory: Callable[[], Any] | None = None
+    ) -> None:
         self.replica_id = replica_id
         self.config = config
+        # Builds the pipeline in this process instead of loading config.model (benchmarks with
+        # random-weight architectures, trainers that hold a pipeline object); must be picklable.
+        self.pipeline_factory = pipeline_factory
         self.engine = Engine(config)
         self.manager = get_weight_manager(self.engine)
         self.transactions = FullUpdateTransactions(self.manager)
@@ -101,8 +107,23 @@ class ReplicaServer:
     async def start(self) -> dict[str, Any]:
         """Load the model and start the worker; returns :meth:`info`."""
         if self.engine.status == "loading":
+            if self.pipeline_factory is not None and self.engine.loaded is None:
+                await asyncio.to_thread(self._build_pipeline)
             await asyncio.to_thread(self.engine.start)
         return self.info()
+
+    def _build_pipeline(self) -> None:
+        from diffusion_rollout.server.loader import prepare_pipeline
+
+        cfg = self.config
+        self.engine.loaded = prepare_pipeline(
+            self.pipeline_factory(),
+            device=self.engine.device,
+            compile=cfg.compile,
+            attention_backend=cfg.attention_backend,
+            cuda_graphs=cfg.cuda_graphs,
+            cuda_graph_max_buckets=cfg.cuda_graph_max_buckets,
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)
