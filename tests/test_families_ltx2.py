@@ -208,6 +208,25 @@ def test_replay_reproduces_both_streams_model_outputs_and_the_joint_log_prob(ser
     assert not torch.equal(v["video"][0], debug["streams"]["video"]["rollout_model_outputs"][0])
 
 
+def test_training_replay_step_gives_a_ratio_of_exactly_one_for_a_batch(served):
+    from diffusion_rollout.client import ReplaySettings, replay_steps
+
+    req = body(
+        num_outputs_per_prompt=2,
+        rollout_sde_step_indices=[0],
+        rollout_return_dit_trajectory=True,
+        rollout_return_denoising_env=True,
+        return_generated_output=False,
+    )
+    outs = [
+        RolloutOutput.from_dict(o, ReplaySettings.from_request(req)) for o in served(FAMILY).generate(req)
+    ]
+    (replayed,) = list(replay_steps(served(FAMILY).engine.pipe.transformer, outs))
+    assert replayed.step == 0 and set(replayed.streams) == {"video", "audio"}
+    assert torch.equal(replayed.log_prob, replayed.old_log_prob)
+    assert torch.equal(replayed.ratio, torch.ones(2))
+
+
 def test_noise_is_drawn_video_then_audio_from_each_outputs_generator(served):
     (out,) = served(FAMILY).generate(
         body(rollout_sde_step_indices=[0], rollout_debug_mode=True, return_generated_output=False)

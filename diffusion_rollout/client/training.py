@@ -36,8 +36,14 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
+from diffusion_rollout.client.replay import (
+    replay_log_prob,
+    replay_model_output,
+    replay_stream_model_outputs,
+    stack_envs,
+)
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
+from diffusion_rollout.scheduler_mixins import TransitionResult, joint_log_prob
 
 __all__ = [
     "ReplayBatch",
@@ -65,6 +71,9 @@ class ReplayedStep:
         mean: ``mu`` ``[B, ...]`` float32; ``std``, ``sqrt_dt``, ``g``: 0-dim float32 (``std = g * sqrt_dt``).
         model_output: the guided velocity ``v`` the trainer's model gave.
         latents, next_latents: the recorded ``x`` and stored ``x'`` (on the model's device).
+        streams: for models that denoise several latents jointly (LTX-2), each stream's scored
+            transition; ``log_prob`` is then their joint value (``joint_log_prob``) and the other
+            fields are the first stream's.
     """
 
     step: int
@@ -78,6 +87,7 @@ class ReplayedStep:
     model_output: torch.Tensor
     latents: torch.Tensor
     next_latents: torch.Tensor
+    streams: dict[str, TransitionResult] | None = None
 
     @property
     def log_ratio(self) -> torch.Tensor:
@@ -155,6 +165,16 @@ class ReplayBatch:
         """The stacked trajectory entry ``step`` ([B, ...])."""
         return torch.stack([o.dit_trajectory.latent(step) for o in self.outputs])  # type: ignore[union-attr]
 
+    def stream_latents(self, name: str, step: int) -> torch.Tensor:
+        """Stream ``name``'s stacked trajectory entry ``step`` ([B, ...]; jointly denoised models)."""
+        rows = []
+        for o in self.outputs:
+            traj = o.dit_trajectory
+            if traj is None or not traj.streams:
+                raise ValueError("these outputs carry no dit_trajectory.streams")
+            rows.append(traj.streams[name]["latents"][traj.latent_step_indices.index(step)])
+        return torch.stack(rows)
+
     def old_log_probs(self, step: int) -> torch.Tensor:
         return torch.stack([o.rollout_log_probs[step] for o in self.outputs])  # type: ignore[index]
 
@@ -191,6 +211,8 @@ def replay_step(
     if not 0 <= step < batch.num_steps:
         raise ValueError(f"step {step} is outside 0..{batch.num_steps - 1}")
     device = batch.device or _device_of(transformer)
+    if batch.env.get("streams"):
+        return _replay_joint_step(transformer, batch, step, device)
     x = batch.latents(step).to(device)
     x_next = batch.latents(step + 1).to(device)
     v = replay_model_output(transformer, x, batch.timesteps[step], batch.env, step=step)
@@ -217,6 +239,46 @@ def replay_step(
         model_output=v,
         latents=x,
         next_latents=x_next,
+    )
+
+
+def _replay_joint_step(transformer: Transformer, batch: ReplayBatch, step: int, device) -> ReplayedStep:
+    """:func:`replay_step` for jointly denoised streams: one model call, every stream scored."""
+    module = transformer["transformer"] if isinstance(transformer, Mapping) else transformer
+    names = list(batch.env["streams"])
+    xs = {n: batch.stream_latents(n, step).to(device) for n in names}
+    nexts = {n: batch.stream_latents(n, step + 1).to(device) for n in names}
+    sigmas = batch.sigmas.to(device)
+    v = replay_stream_model_outputs(module, xs, batch.timesteps[step], sigmas[step], batch.env)
+    kind = batch.kind_at(step)
+    results = {
+        n: replay_log_prob(
+            kind,
+            xs[n],
+            v[n],
+            nexts[n],
+            sigmas,
+            step,
+            eta=batch.settings.eta,
+            log_prob_form=batch.settings.log_prob_form,
+        )
+        for n in names
+    }
+    numels = [xs[n][0].numel() for n in names]
+    first = results[names[0]]
+    return ReplayedStep(
+        step=step,
+        kind=kind,
+        log_prob=joint_log_prob([results[n].log_prob for n in names], numels),
+        old_log_prob=batch.old_log_probs(step).to(device),
+        mean=first.mean,
+        std=first.std,
+        sqrt_dt=first.sqrt_dt,
+        g=first.g,
+        model_output=v[names[0]],
+        latents=xs[names[0]],
+        next_latents=nexts[names[0]],
+        streams=results,
     )
 
 
