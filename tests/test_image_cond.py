@@ -25,7 +25,7 @@ from diffusion_rollout.models import TINY_CALL_DEFAULTS, build_tiny_pipeline, fa
 from tests.conftest import ServedModel
 
 T = 4
-FAMILIES = ["flux-kontext", "wan-i2v"]
+FAMILIES = ["flux-kontext", "wan-i2v", "wan2.2-ti2v-i2v"]
 ODE = {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True}
 
 
@@ -175,6 +175,12 @@ def test_replay_rebuilds_the_transformer_input_exactly(image_server, family):
     pipe = srv.engine.pipe
     for out in outs:
         env = out["denoising_env"]
+        if family == "wan2.2-ti2v-i2v":  # the image's latent is the model input's first frame
+            first = env["latent_first_frame"]
+            assert tuple(first["latents"].shape) == (1, 16, 1, 4, 4) and "latent_condition" not in env
+            assert first["zero_timestep_tokens"] == 4 and env["timestep_tokens"] == 8  # 2x2 of 2 frames
+            assert out["dit_trajectory"]["timesteps"][0] > 900  # the noisy frames' timestep, not 0
+            continue
         cond = env["latent_condition"]
         assert cond["dim"] == 1 and cond["latents"].shape[0] == 1
         if family == "wan-i2v":  # channels: 4 mask + 16 first-frame latent; the output is not cut
@@ -197,8 +203,8 @@ def test_replay_rebuilds_the_transformer_input_exactly(image_server, family):
             assert torch.equal(res.log_prob[0], old), (i, step)
             assert torch.exp(res.log_prob[0] - old).item() == 1.0
     # The image latents are really part of the input: other ones give another model output.
-    cond = envs["latent_condition"]
-    blank = {**envs, "latent_condition": {**cond, "latents": torch.zeros_like(cond["latents"])}}
+    key = "latent_first_frame" if family == "wan2.2-ti2v-i2v" else "latent_condition"
+    blank = {**envs, key: {**envs[key], "latents": torch.zeros_like(envs[key]["latents"])}}
     x0 = torch.stack([t["latents"][0] for t in traj])
     with torch.no_grad():
         v = replay_model_output(pipe.transformer, x0, traj[0]["timesteps"][0], blank, step=0)

@@ -86,6 +86,11 @@ def stack_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         stacked["model_input_concat"] = torch.cat([e["model_input_concat"] for e in envs], dim=0)
     stacked["pos_cond_kwargs"] = merge("pos_cond_kwargs")
     stacked["neg_cond_kwargs"] = merge("neg_cond_kwargs")
+    if first.get("latent_first_frame") is not None:
+        stacked["latent_first_frame"] = {
+            **first["latent_first_frame"],
+            "latents": torch.cat([e["latent_first_frame"]["latents"] for e in envs], dim=0),
+        }
     if first.get("latent_condition") is not None:
         stacked["latent_condition"] = {
             **first["latent_condition"],
@@ -166,10 +171,19 @@ def replay_model_output(
     # the image latents concatenated, and token-concatenating ones cut the output back to x_t's part.
     condition = env.get("latent_condition")
     cond_latents = _move(condition["latents"], device) if condition is not None else None
+    # Wan 2.2 TI2V image-to-video: the image's latent replaces the first latent frame, whose tokens
+    # run at timestep 0.
+    first_frame = env.get("latent_first_frame")
+    first_latents = _move(first_frame["latents"], device) if first_frame is not None else None
 
     def call(x: torch.Tensor, kwargs: Mapping[str, Any]) -> torch.Tensor:
         t = t_value.to(device=device, dtype=t_dtype).reshape(())
         t = t.expand(x.shape[0]) if tokens is None else t.expand(x.shape[0], int(tokens))
+        if first_latents is not None:
+            t = t.clone()
+            t[:, : int(first_frame["zero_timestep_tokens"])] = 0
+            f = first_latents.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1)
+            x = torch.cat([f, x[:, :, 1:]], dim=2)
         if cond_latents is not None:
             dim = int(condition["dim"])
             c = cond_latents.to(x.dtype)

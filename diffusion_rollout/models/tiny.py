@@ -127,7 +127,7 @@ FAMILIES: tuple[str, ...] = (
     "ltx2",
 )
 #: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
-IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit")
+IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit", "wan2.2-ti2v-i2v")
 
 _TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
 _LATENT_CHANNELS = 16
@@ -914,6 +914,18 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
                 "max_sequence_length": 16,
             },
         ),
+        "wan2.2-ti2v-i2v": _FamilySpec(
+            WanImageToVideoPipeline,
+            lambda seed: tiny_image_cond.wan_ti2v_i2v_components(seed, _wan_components),
+            {
+                "height": 32,
+                "width": 32,
+                "num_frames": 5,
+                "num_inference_steps": 4,
+                "guidance_scale": 5.0,
+                "max_sequence_length": 16,
+            },
+        ),
         "qwenimage-edit": _FamilySpec(
             QwenImageEditPipeline,
             lambda seed: tiny_image_cond.qwenimage_edit_components(seed, _qwenimage_components, _seeded),
@@ -1003,7 +1015,7 @@ def family_of(pipeline: DiffusionPipeline) -> str:
     """The zoo family a loaded pipeline belongs to (``wan2.2`` when it has two experts and a boundary)."""
     name = type(pipeline).__name__
     if name == "WanImageToVideoPipeline":
-        return "wan-i2v"
+        return "wan2.2-ti2v-i2v" if pipeline.config.get("expand_timesteps") else "wan-i2v"
     if name == "WanPipeline":
         two_experts = getattr(pipeline, "transformer_2", None) is not None
         return "wan2.2" if two_experts and pipeline.config.get("boundary_ratio") is not None else "wan"

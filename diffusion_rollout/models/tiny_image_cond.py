@@ -151,3 +151,14 @@ def qwenimage_edit_components(seed: int, qwenimage_components, seeded) -> dict[s
     )
     components["processor"] = make_qwen2vl_processor(components["tokenizer"], image_processor)
     return components
+
+
+def wan_ti2v_i2v_components(seed: int, wan_components) -> dict[str, Any]:
+    """Wan 2.2 TI2V-5B's image-to-video layout: the text-to-video parts (no image encoder, 16 input
+    channels) in ``WanImageToVideoPipeline`` with per-token timesteps (``expand_timesteps``), which
+    writes the image's latent over the first latent frame instead of concatenating it."""
+    components = wan_components(seed, two_experts=False)
+    components.pop("boundary_ratio", None)
+    components.pop("transformer_2", None)
+    components["expand_timesteps"] = True
+    return components

@@ -54,7 +54,9 @@ class TransformerCallRecorder:
                 if t is None and len(args) > 1:
                     t = args[1]
                 if isinstance(t, torch.Tensor):
-                    self.timesteps[step] = t.reshape(-1)[0].detach().float()
+                    # The last entry: per-token timesteps (Wan 2.2 TI2V image-to-video) give the
+                    # conditioning first frame's tokens 0; every other pipeline passes one value.
+                    self.timesteps[step] = t.reshape(-1)[-1].detach().float()
                     self.timestep_dtype = t.dtype
                 self.experts[step] = name
             if step == 0 and name == self.experts.get(0):

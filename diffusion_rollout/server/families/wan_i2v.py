@@ -14,8 +14,12 @@ Design decisions:
   the same for both guidance branches), recorded per sample; Wan 2.2 A14B I2V has no image encoder.
 - **Noise.** x_T is the pipeline's draw (``randn_tensor`` of the latent shape in float32 from the
   sample's generator), made here without the image encoding ``prepare_latents`` would also run.
-- **Not served:** per-token timesteps (``expand_timesteps``, Wan 2.2 TI2V-5B image-to-video) blend the
-  first frame into x_t instead of concatenating it; such a model answers 400 naming ``model``.
+- **Wan 2.2 TI2V-5B image-to-video** (``expand_timesteps``) does not concatenate: the pipeline writes
+  the image's latent over the first latent frame of the model input, gives that frame's tokens
+  timestep 0, and writes it over the final latents too. ``denoising_env.latent_first_frame``
+  (``{latents, zero_timestep_tokens}``) holds that frame as the model saw it and how many leading
+  tokens run at timestep 0; replay rebuilds the same input and timesteps. The rollout's trajectory is
+  the scheduler's latents (their first frame is noise the model never reads).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.image_cond import LatentConcatMixin
 from diffusion_rollout.server.families.wan import WanAdapter
 
@@ -40,17 +43,30 @@ class WanI2VAdapter(LatentConcatMixin, WanAdapter):
         super().__init__(pipe)
         if self.has_experts():
             self.name = "wan2.2-i2v"
+        elif self._first_frame_blend():
+            self.name = "wan2.2-ti2v-i2v"
 
     def latent_extent(self, settings) -> int:
         return int(self.pipe.vae.config.z_dim)
 
-    def validate(self, settings) -> None:
-        super().validate(settings)
-        if self.pipe.config.get("expand_timesteps"):
-            raise RequestError(
-                "image-to-video with per-token timesteps (expand_timesteps, Wan 2.2 TI2V) is not served",
-                field="model",
-            )
+    def _first_frame_blend(self) -> bool:
+        return bool(self.pipe.config.get("expand_timesteps"))
+
+    def split_env(self, calls, batch, settings, timestep_dtype):
+        if not self._first_frame_blend():
+            return super().split_env(calls, batch, settings, timestep_dtype)
+        envs = WanAdapter.split_env(self, calls, batch, settings, timestep_dtype)  # no concatenation
+        x = calls[0].get("hidden_states") if calls else None
+        t = calls[0].get("timestep") if calls else None
+        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor):
+            return envs
+        for row, env in enumerate(envs):
+            env["latent_first_frame"] = {
+                "latents": x[row : row + 1, :, :1],
+                # Step 0's timestep is positive, so its zeros are exactly the first frame's tokens.
+                "zero_timestep_tokens": int((t[row] == 0).sum()),
+            }
+        return envs
 
     def initial_latents(self, settings, generator, dtype, device):
         t = int(self.pipe.vae_scale_factor_temporal)
