@@ -198,6 +198,23 @@ class LTX2Adapter(FamilyAdapter):
             generator,
         )
 
+    def noise_shape(self, settings: CallSettings) -> tuple[int, ...]:
+        """The video x_T before packing, ``[C, F', H', W']``, as ``prepare_latents`` draws it."""
+        p = self.pipe
+        frames = (settings.num_frames - 1) // int(p.vae_temporal_compression_ratio) + 1
+        return (
+            int(p.transformer.config.in_channels),
+            frames,
+            settings.height // int(p.vae_spatial_compression_ratio),
+            settings.width // int(p.vae_spatial_compression_ratio),
+        )
+
+    def pack_noise(self, settings: CallSettings, noise: torch.Tensor) -> torch.Tensor:
+        p = self.pipe
+        return p._pack_latents(
+            noise.unsqueeze(0), p.transformer_spatial_patch_size, p.transformer_temporal_patch_size
+        )
+
     def split_env(self, calls, batch, settings, timestep_dtype):
         envs = super().split_env(calls, batch, settings, timestep_dtype)
         x = calls[0].get("hidden_states") if calls else None
