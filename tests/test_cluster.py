@@ -362,6 +362,37 @@ def test_abort_and_set_lora_from_tensor_fan_out(cluster):
     assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
 
 
+def test_trainer_placed_actors_are_adopted_and_called_without_http(cluster, served, tiny_model_path):
+    """A trainer on Ray creates the replica actor itself (its own options) and drives the front
+    in-process; the front leaves the actor to its owner when it stops."""
+    import asyncio
+
+    from diffusion_rollout.cluster import ClusterEngine, replica_actor_class
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+
+    ray = cluster.ray
+    config = ServerConfig(
+        model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=1, gpus_per_replica=0
+    )
+    # Zero CPUs: the module's Ray instance has its two given to the fixture's replicas.
+    actor = replica_actor_class(num_gpus=0, num_cpus=0).remote(ClusterEngine(config).replica_config(), 0)
+    front = ClusterEngine(config, actors=[actor])
+    try:
+        front.start()
+        params = GenerateRequest(**BODY).to_params("in-process")
+        [out] = asyncio.run(front.generate(params))
+        [reference] = served("sd3").generate(BODY)
+        assert torch.equal(out.generated_output, reference["generated_output"])
+        assert torch.equal(out.rollout_log_probs, reference["rollout_log_probs"])
+        [direct] = ray.get(actor.generate.remote(params))
+        assert torch.equal(direct.generated_output, reference["generated_output"])
+        front.stop(grace_s=1)
+        assert ray.get(actor.info.remote())["status"] == "ready"  # still the owner's, still serving
+    finally:
+        ray.kill(actor)
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

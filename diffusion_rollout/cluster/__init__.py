@@ -14,8 +14,31 @@ server never imports it. Modules, one job each:
 - ``transactions``: prepare / commit / rollback / finish of a full-weight update on one replica.
 - ``routing``: least-outstanding choice, IPC entry per replica GPU, update-group ranks (pure).
 - ``metrics_merge``: totals plus per-replica series (a ``replica`` label) in one exposition text.
+- ``resync``: a restarted replica copies the current weights, adapters and version from a peer.
+
+Trainers already on Ray place the replicas themselves and call them without HTTP::
+
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from diffusion_rollout.cluster import ClusterEngine, replica_actor_class
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+
+    config = ServerConfig(model=path, replicas=len(bundles))
+    front = ClusterEngine(config, actors=[
+        replica_actor_class(num_gpus=1, num_cpus=1)
+        .options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+        .remote(ClusterEngine(config).replica_config(), i)
+        for i in range(len(bundles))
+    ])
+    front.start()                                       # loads the model on every replica
+    outputs = await front.generate(GenerateRequest(prompt="...", seed=0).to_params("rid-0"))
+    await front.weights().update_from_distributed(...)  # every weight operation, fanned out
+
+``front`` is what the HTTP app serves (``create_app(config, engine=front)`` gives the same endpoint);
+each actor can also be called alone (``actor.generate.remote(params)``).
 """
 
 from diffusion_rollout.cluster.engine import ClusterEngine, ray_session
+from diffusion_rollout.cluster.replica import ReplicaServer, replica_actor_class
 
-__all__ = ["ClusterEngine", "ray_session"]
+__all__ = ["ClusterEngine", "ReplicaServer", "ray_session", "replica_actor_class"]

@@ -144,13 +144,23 @@ class Replica:
 class ClusterEngine:
     """Replicas of ``Engine`` as Ray actors behind one front; see the module docstring."""
 
-    def __init__(self, config: ServerConfig, *, pipeline_factory: Any = None) -> None:
+    def __init__(
+        self, config: ServerConfig, *, pipeline_factory: Any = None, actors: list[Any] | None = None
+    ) -> None:
         """``pipeline_factory``: a picklable callable each replica calls to build its pipeline
-        (instead of loading ``config.model``); see ``ReplicaServer``."""
+        (instead of loading ``config.model``); see ``ReplicaServer``.
+
+        ``actors``: replica actors the caller created and placed itself (a trainer on Ray puts them
+        in its own placement groups, next to its training ranks: ``replica_actor_class(...)
+        .options(...).remote(engine.replica_config(), i)``). The front adopts them in this order,
+        starts their engines, and on ``stop`` leaves them to their owner."""
         if not config.replicas:
             raise ValueError("ClusterEngine needs config.replicas >= 1")
+        if actors is not None and len(actors) != config.replicas:
+            raise ValueError(f"config.replicas is {config.replicas} but {len(actors)} actors were given")
         self.config = config
         self.pipeline_factory = pipeline_factory
+        self._adopted = list(actors) if actors is not None else None
         self.status = "loading"
         self.metrics = Metrics()
         self.model_path: str | None = config.model
@@ -203,14 +213,15 @@ class ClusterEngine:
         logger.info(
             "starting %d replicas (%g GPU, %g CPU each) on Ray", n, gpus, self.config.cpus_per_replica
         )
-        actors: list[Any] = []
+        actors: list[Any] = list(self._adopted or [])
         try:
-            self._check_resources(ray, n, gpus)
-            actors = [actor_cls.remote(rcfg, i, self.pipeline_factory) for i in range(n)]
+            if self._adopted is None:
+                self._check_resources(ray, n, gpus)
+                actors = [actor_cls.remote(rcfg, i, self.pipeline_factory) for i in range(n)]
             infos = ray.get([a.start.remote() for a in actors])
         except BaseException:
-            # Nothing half-started stays behind: the app reports the load as failed.
-            for actor in actors:
+            # Nothing half-started stays behind (adopted actors stay their owner's).
+            for actor in actors if self._adopted is None else []:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
             if self._owns_ray:
@@ -262,6 +273,11 @@ class ClusterEngine:
         ray = import_ray()
         for task in list(self._tasks):
             task.get_loop().call_soon_threadsafe(task.cancel)
+        if self._adopted is not None:
+            # The owner's actors: the front lets go of them and leaves them serving.
+            self.replicas = []
+            logger.info("cluster front stopped; %d adopted replicas left to their owner", len(self._adopted))
+            return
         left = max(0.0, deadline - time.monotonic())
         refs = [r.actor.stop.remote(left) for r in self.replicas if r.state == "serving"]
         with contextlib.suppress(Exception):
