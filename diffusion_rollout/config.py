@@ -189,5 +189,6 @@ class ServerConfig(BaseModel):
             "max_batch_size", "max_queue_depth", "max_steps", "max_pixels", "max_frames",
             "max_outputs_per_request", "max_body_bytes", "max_upload_bytes", "request_timeout_s",
             "max_trajectory_bytes", "max_prompt_chars", "max_prompt_tokens",
+            "max_image_bytes", "max_image_pixels",
         ]  # fmt: skip
         return {n: getattr(self, n) for n in names}

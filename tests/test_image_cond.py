@@ -277,6 +277,11 @@ def test_image_path_is_refused_without_a_root(fresh_server, image_root):
     assert "image_path_root" in msg
 
 
+def test_server_info_reports_the_image_limits(image_server):
+    limits = image_server("wan-i2v").client.get("/server_info").json()["limits"]
+    assert limits["max_image_bytes"] == 64 * 1024 and limits["max_image_pixels"] == 4096 * 4096
+
+
 def test_text_only_family_refuses_images(served):
     b = {"prompt": "a red cat", "seed": 7, "image_data": [IMAGE_B64], **TINY_CALL_DEFAULTS["flux"]}
     msg = _err(served("flux"), b, "image_data")
@@ -317,3 +322,17 @@ def test_msgpack_body_carries_raw_image_bytes(image_server):
     assert r.status_code == 400 and "msgpack" in r.json()["error"]["message"]
     r = srv.client.post("/rollout/generate", content=msgpack.packb({**raw, "sead": 1}), headers=headers)
     assert r.status_code == 422 and "sead" in r.text
+
+
+def test_trainer_client_sends_image_bytes(image_server):
+    """``RolloutClient.generate(image_data=[bytes])``: the client base64s the file; same output."""
+    from diffusion_rollout.client import RolloutClient
+
+    srv = image_server("wan-i2v")
+    ref = srv.generate(body("wan-i2v", rollout=False, return_generated_output=False))[0]["generated_output"]
+    client = RolloutClient("http://testserver", http_client=srv.client)
+    fields = {k: v for k, v in body("wan-i2v", rollout=False, return_generated_output=False).items()}
+    fields.pop("prompt")
+    fields["image_data"] = [IMAGE]
+    (out,) = client.generate("a red cat", **fields)
+    assert torch.equal(out.generated_output, ref)
