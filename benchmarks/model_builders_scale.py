@@ -11,6 +11,8 @@ so ``model_builders.build(name)`` and every benchmark built on it serve them:
 - ``wan2.2-ti2v-5b``: Wan-AI/Wan2.2-TI2V-5B text-to-video: the 5B transformer (3072 wide, 30 layers,
   48 latent channels), the Wan 2.2 VAE (16x spatial, 48 channels; its per-channel statistics are set
   to 0/1, which only rescale random latents), per-token timesteps (``expand_timesteps``), shift 5.
+- ``wan2.2-ti2v-5b-i2v``: the same TI2V-5B in ``WanImageToVideoPipeline`` with a 1280x704 input image
+  (its latent becomes the first latent frame, at timestep 0).
 - ``flux.1-kontext-dev``: FLUX.1 Kontext [dev] (FLUX.1-dev's transformer and VAE) with a 1024x1024
   input image; 1024x1024 output, guidance 2.5.
 - ``qwen-image-edit``: Qwen/Qwen-Image-Edit: Qwen-Image's 20B transformer and VAE, the Qwen2.5-VL
@@ -98,6 +100,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_inference_steps": 3,
         "guidance_scale": 5.0,
     },
+    # TI2V-5B's image-to-video call: the first latent frame is the input image's.
+    "wan2.2-ti2v-5b-i2v": {
+        "height": 704,
+        "width": 1280,
+        "num_frames": 81,
+        "num_inference_steps": 3,
+        "guidance_scale": 5.0,
+    },
     "flux.1-kontext-dev": {"height": 1024, "width": 1024, "num_inference_steps": 4, "guidance_scale": 2.5},
     # The input image is 1024x1024, so the default output is too; true CFG 4 as Qwen-Image-Edit's card.
     "qwen-image-edit": {
@@ -121,6 +131,7 @@ FAMILY = {
     "qwen-image": "qwenimage",
     "wan2.2-a14b": "wan2.2",
     "wan2.2-ti2v-5b": "wan",
+    "wan2.2-ti2v-5b-i2v": "wan2.2-ti2v-i2v",
     "flux.1-kontext-dev": "flux-kontext",
     "qwen-image-edit": "qwenimage-edit",
     "wan2.2-i2v-a14b": "wan-i2v",
@@ -278,6 +289,16 @@ def _wan22_ti2v_5b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> 
     )
 
 
+def _wan22_ti2v_5b_i2v(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import WanImageToVideoPipeline
+
+    t2v = _wan22_ti2v_5b(device, dtype, seed, overrides)  # the same model; the image-to-video call
+    parts = {
+        k: v for k, v in t2v.components.items() if k in ("transformer", "vae", "text_encoder", "tokenizer")
+    }
+    return WanImageToVideoPipeline(**parts, scheduler=t2v.scheduler, expand_timesteps=True)
+
+
 def _flux1_kontext_dev(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
     from diffusers import FluxKontextPipeline
 
@@ -289,6 +310,7 @@ BUILDERS = {
     "qwen-image": _qwen_image,
     "wan2.2-a14b": _wan22_a14b,
     "wan2.2-ti2v-5b": _wan22_ti2v_5b,
+    "wan2.2-ti2v-5b-i2v": _wan22_ti2v_5b_i2v,
     "flux.1-kontext-dev": _flux1_kontext_dev,
     "qwen-image-edit": _qwen_image_edit,
     "wan2.2-i2v-a14b": _wan22_i2v_a14b,

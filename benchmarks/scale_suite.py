@@ -58,7 +58,8 @@ DEFAULT_MODELS: tuple[str, ...] = (
     "wan2.2-i2v-a14b",
     "wan2.2-a14b",
 )
-assert set(DEFAULT_MODELS) == set(model_builders_scale.BUILDERS)  # importing it registers the builders
+# Importing model_builders_scale registers the builders; wan2.2-ti2v-5b-i2v runs on request (--models).
+assert set(DEFAULT_MODELS) <= set(model_builders_scale.BUILDERS)
 TINY_MODELS = ("tiny-qwenimage", "tiny-wan2.2", "tiny-flux-kontext", "tiny-wan-i2v", "tiny-qwenimage-edit")
 # One output per gate request where a call is heavy (14B experts at 81 frames).
 GATE_OUTPUTS = {"wan2.2-a14b": 1, "wan2.2-i2v-a14b": 1}
@@ -163,9 +164,10 @@ def _sde_facts(out: dict[str, Any], T: int) -> dict[str, Any]:
     }
     if experts:
         facts["one_window_per_expert"] = len({experts[i] for i in sde_steps}) == len(set(experts)) == 2
-    cond = (out.get("denoising_env") or {}).get("latent_condition")
-    if cond is not None:
-        facts["latent_condition_shape"] = list(cond["latents"].shape)
+    env = out.get("denoising_env") or {}
+    for key in ("latent_condition", "latent_first_frame"):  # the image part the transformer saw
+        if env.get(key) is not None:
+            facts[f"{key}_shape"] = list(env[key]["latents"].shape)
     return facts
 
 
