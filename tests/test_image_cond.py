@@ -277,6 +277,12 @@ def test_image_path_is_refused_without_a_root(fresh_server, image_root):
     assert "image_path_root" in msg
 
 
+@pytest.mark.parametrize("family", ["flux-kontext", "wan-i2v"])
+def test_readiness_probe_sends_an_image(image_server, family):
+    r = image_server(family).client.get("/health_generate")
+    assert r.status_code == 200, r.text[:500]
+
+
 def test_server_info_reports_the_image_limits(image_server):
     limits = image_server("wan-i2v").client.get("/server_info").json()["limits"]
     assert limits["max_image_bytes"] == 64 * 1024 and limits["max_image_pixels"] == 4096 * 4096

@@ -61,6 +61,7 @@ from diffusion_rollout.scheduler_mixins import (
 )
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
+from diffusion_rollout.server.images import probe_image_png
 from diffusion_rollout.server.initial_noise import sample_noise
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
 from diffusion_rollout.server.metrics import Metrics
@@ -318,6 +319,8 @@ class Engine:
         )
         if self.adapter.is_video:
             params.num_frames = 1
+        if self.adapter.image_inputs:  # image-conditioned families need their input image
+            params.image_data = [probe_image_png(side)]
         await self.generate(params)
 
     def _check_ready(self) -> None:

@@ -157,3 +157,12 @@ def image_limits(config: Any) -> ImageLimits:
         max_pixels=config.max_image_pixels,
         path_root=os.path.expanduser(root) if root else None,
     )
+
+
+def probe_image_png(side: int = 64) -> bytes:
+    """A plain grey PNG of ``side`` x ``side`` pixels: the input image of readiness probes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()
