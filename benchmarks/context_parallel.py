@@ -11,8 +11,10 @@ bits), and measures:
 2. **k = 2 (Ulysses, then ring)**: the same call on every rank with the transformer parallelised.
 
 Each timed call follows a warm-up call of the same shape. ms/step is the whole call (text
-embeddings precomputed) over ``--steps``. The k-GPU latents are compared with the 1-GPU ones on rank 0:
-``bit_identical`` (``torch.equal``) and max |difference|, and the ranks' outputs with each other.
+embeddings precomputed) over ``--steps``; ms/forward is one transformer call on a fixed input. The
+k-GPU latents are compared with the 1-GPU ones on rank 0 (``bit_identical``, ``torch.equal``, and max
+|difference|), so is that one transformer call (``forward_*``: what a 1-GPU replay of one step of a
+k-GPU rollout would reproduce), and the ranks' outputs with each other.
 Sharded attention sums in another order than one GPU, so the k-GPU result is not expected to be
 bit-identical to k = 1; the JSON says how far it is. Replay on one GPU of a k-GPU rollout then
 reproduces model outputs to that distance, not bit for bit (the ratio is 1 up to it).
@@ -81,6 +83,35 @@ def _call(pipe: Any, embeds: dict[str, torch.Tensor], args: dict[str, Any], devi
     return out, time.perf_counter() - t0
 
 
+def _forward_inputs(pipe: Any, opts: dict[str, Any], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed latent-sized model input (the same on every rank) and a timestep."""
+    cfg = pipe.transformer.config
+    shape = (
+        1,
+        int(cfg.in_channels),
+        (opts["frames"] - 1) // int(pipe.vae_scale_factor_temporal) + 1,
+        opts["height"] // int(pipe.vae_scale_factor_spatial),
+        opts["width"] // int(pipe.vae_scale_factor_spatial),
+    )
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(pipe.transformer.dtype)
+    return x, torch.tensor([999.0], device=device)
+
+
+def _forward(pipe: Any, x: torch.Tensor, t: torch.Tensor, pe: torch.Tensor, device: str) -> tuple[Any, float]:
+    """One call of the (high-noise) transformer, timed after one warm-up call."""
+    out = None
+    for _ in range(2):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=pe, return_dict=False)[
+                0
+            ]
+        _sync(device)
+    return out, time.perf_counter() - t0
+
+
 def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
@@ -112,12 +143,15 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
         size = f"{opts['width']}x{opts['height']}x{opts['frames']}"
         base = {"model": opts["model"], "size": size, "steps": opts["steps"], "world": world}
 
-        ref = None
+        x, t = _forward_inputs(pipe, opts, device)
+        ref = ref_forward = None
         if rank == 0:
             _call(pipe, embeds, args, device)  # warm-up
             ref, seconds = _call(pipe, embeds, args, device)
+            ref_forward, forward_s = _forward(pipe, x, t, pe, device)
             rows.append({**base, "k": 1, "mode": "single_gpu", "seconds": seconds,
-                         "ms_per_step": 1000 * seconds / opts["steps"]})  # fmt: skip
+                         "ms_per_step": 1000 * seconds / opts["steps"],
+                         "ms_per_forward": 1000 * forward_s})  # fmt: skip
         dist.barrier()
 
         modes = [("ulysses", {"ulysses_degree": world}), ("ring", {"ring_degree": world})]
@@ -141,16 +175,23 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                         m.enable_parallelism(config=ContextParallelConfig(**kw))
                 _call(pipe, embeds, args, device)  # warm-up
                 out, seconds = _call(pipe, embeds, args, device)
+                out_forward, forward_s = _forward(pipe, x, t, pe, device)
                 gathered = [torch.empty_like(out) for _ in range(world)]
                 dist.all_gather(gathered, out.contiguous())
                 if rank == 0:
                     diff = (out.float() - ref.float()).abs()
+                    fdiff = (out_forward.float() - ref_forward.float()).abs()
                     rows.append({
                         **base, "k": world, "mode": mode, "seconds": seconds,
                         "ms_per_step": 1000 * seconds / opts["steps"],
+                        "ms_per_forward": 1000 * forward_s,
                         "bit_identical_to_k1": bool(torch.equal(out, ref)),
                         "max_abs_diff_vs_k1": float(diff.max()),
                         "mean_abs_diff_vs_k1": float(diff.mean()),
+                        # One transformer call on the same input: what a 1-GPU replay of a k-GPU
+                        # rollout's step reproduces (the model output, before any step compounds it).
+                        "forward_bit_identical_to_k1": bool(torch.equal(out_forward, ref_forward)),
+                        "forward_max_abs_diff_vs_k1": float(fdiff.max()),
                         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
                     })  # fmt: skip
             except Exception as exc:  # one mode failing must not hide the other's figures
@@ -207,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = document("context_parallel", args.device, opts | {"gpus": args.gpus}, rows, ok=ok, notes=[])
     write_json(args.out, "context_parallel", doc)
     columns = [("mode", "mode", ""), ("k", "k", ""), ("ms_per_step", "ms/step", ".1f"),
-               ("bit_identical_to_k1", "bit-identical", ""), ("max_abs_diff_vs_k1", "max |diff|", ".3g"),
+               ("ms_per_forward", "ms/forward", ".1f"), ("bit_identical_to_k1", "bit-identical", ""),
+               ("max_abs_diff_vs_k1", "max |diff|", ".3g"), ("forward_max_abs_diff_vs_k1", "fwd max |diff|", ".3g"),
                ("error", "error", "")]  # fmt: skip
     print_table(
         f"Context parallel: {opts['model']} {opts['width']}x{opts['height']}x{opts['frames']}", rows, columns

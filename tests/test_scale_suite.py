@@ -61,4 +61,5 @@ def test_context_parallel_harness_on_cpu(tmp_path):
     doc = json.loads((tmp_path / "context_parallel.json").read_text())
     rows = {r["mode"]: r for r in doc["results"]}
     assert rows["single_gpu"]["k"] == 1 and rows["single_gpu"]["ms_per_step"] > 0
+    assert rows["single_gpu"]["ms_per_forward"] > 0
     assert rows["ulysses"]["cp"].startswith("skipped") and rows["ring"]["cp"].startswith("skipped")
