@@ -219,6 +219,7 @@ def test_path_base64_and_data_uri_are_the_same_image(image_server, image_root):
     variants = [
         {"image_data": None, "image_path": [str(image_root / "cat.png")]},
         {"image_data": None, "image_path": ["sub/cat.png"]},  # relative to image_path_root
+        {"image_data": None, "image_path": "cat.png"},  # one path, as SGLang's SamplingParams has it
         {"image_data": ["data:image/png;base64," + IMAGE_B64]},
     ]
     for extra in variants:

@@ -71,7 +71,8 @@ class GenerateRequest(BaseModel):
     rollout_return_dit_trajectory: bool = False
     rollout_sde_step_indices: list[int] | None = None
     rollout_return_step_indices: list[int] | None = None
-    image_path: list[str] | None = None
+    # A list (this API), or one path as SGLang's SamplingParams.image_path takes it.
+    image_path: list[str] | str | None = None
     # Inline image files (ext): base64 text (a data: URI is fine) in JSON, raw bytes in msgpack.
     image_data: list[str | bytes] | None = None
     suppress_logs: bool = False
@@ -187,7 +188,7 @@ class GenerateRequest(BaseModel):
             flow_shift=self.flow_shift,
             feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
             allow_inexact=self.allow_inexact,
-            image_path=list(self.image_path) if self.image_path else None,
+            image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
             image_data=image_data,
             request_id=request_id,
         )
