@@ -270,6 +270,7 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
     r = served(FAMILY).generate(body(**extra), expect=400)
     err = r.json()["error"]
     assert err["code"] == 400 and needle in err["message"], err
+    assert served(FAMILY).client.get("/health_generate").status_code == 200
 
 
 def test_model_info_names_the_family(served):
