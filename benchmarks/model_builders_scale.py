@@ -200,15 +200,14 @@ def _qwen_image(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any
 
 def _qwen_image_edit(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
     from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
-    from transformers import Qwen2VLImageProcessorPil
 
     from diffusion_rollout.models import make_real_scheduler
-    from diffusion_rollout.models.tiny_image_cond import make_qwen2vl_processor
+    from diffusion_rollout.models.tiny_image_cond import make_qwen2vl_processor, qwen2vl_image_processor
     from diffusion_rollout.models.tokenizers import make_qwen2_tokenizer
 
     tok = make_qwen2_tokenizer()
     # Qwen2.5-VL's image processor settings (14 px patches, 2x2 merge, up to 12845056 pixels).
-    image_processor = Qwen2VLImageProcessorPil(
+    image_processor = qwen2vl_image_processor(
         min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2, temporal_patch_size=2
     )
     return QwenImageEditPipeline(

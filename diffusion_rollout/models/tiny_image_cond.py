@@ -101,6 +101,16 @@ def wan_i2v_components(seed: int, wan_components, seeded, text_dim: int) -> dict
     return components
 
 
+def qwen2vl_image_processor(**kwargs):
+    """Qwen2-VL's image processor: the PIL backend where transformers has one (5.x, which would
+    otherwise warn that torchvision is missing), else the classic class (4.x)."""
+    try:
+        from transformers import Qwen2VLImageProcessorPil as cls
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as cls
+    return cls(**kwargs)
+
+
 def make_qwen2vl_processor(tokenizer, image_processor):
     """A ``Qwen2VLProcessor`` over ``tokenizer`` and ``image_processor``.
 
@@ -132,7 +142,6 @@ def qwenimage_edit_components(seed: int, qwenimage_components, seeded) -> dict[s
     1024x1024: 256 image tokens here instead of 16k) and a Qwen2-VL processor whose image processor
     keeps the vision tower's input to a few patches."""
     from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2VLImageProcessorPil
 
     components = qwenimage_components(seed)
     components["vae"] = seeded(
@@ -146,7 +155,7 @@ def qwenimage_edit_components(seed: int, qwenimage_components, seeded) -> dict[s
             temperal_downsample=[False, True, True, True, True],  # 2 ** 5 = 32x
         ),
     )
-    image_processor = Qwen2VLImageProcessorPil(
+    image_processor = qwen2vl_image_processor(
         min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
     )
     components["processor"] = make_qwen2vl_processor(components["tokenizer"], image_processor)
