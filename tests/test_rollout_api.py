@@ -224,6 +224,12 @@ def test_replay_reproduces_model_output_and_log_prob(served, family, form):
 
 
 # --------------------------------------------------------------------------- batching
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_outputs_do_not_depend_on_batching(fresh_server):
     srv = fresh_server("sd3", max_batch_size=16)
     reqs = [
@@ -231,8 +237,12 @@ def test_outputs_do_not_depend_on_batching(fresh_server):
         body(prompt="a blue dog", seed=200, num_outputs_per_prompt=3, rollout_return_dit_trajectory=True),
         body(prompt="a red cat", seed=300, rollout_return_dit_trajectory=True),
     ]
+    worker = srv.engine.worker
+    start = worker.batches_run
     alone = [srv.generate(r) for r in reqs]
-    batches_before = srv.engine.worker.batches_run
+    # Results reach the caller (results thread) before the worker counts its batch: wait for the count.
+    _wait_for(lambda: worker.batches_run == start + len(reqs) and not worker.busy)
+    batches_before = worker.batches_run
     srv.engine.worker.pause()
     results: list = [None] * len(reqs)
 
@@ -248,7 +258,8 @@ def test_outputs_do_not_depend_on_batching(fresh_server):
     srv.engine.worker.resume()
     for t in threads:
         t.join(60)
-    assert srv.engine.worker.batches_run == batches_before + 1, "the three requests should run as one batch"
+    _wait_for(lambda: worker.batches_run > batches_before and not worker.busy)
+    assert worker.batches_run == batches_before + 1, "the three requests should run as one batch"
     for a, b in zip(alone, results, strict=True):
         assert len(a) == len(b)
         for x, y in zip(a, b, strict=True):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -60,10 +61,14 @@ class PayloadDecoder:
         self.policy = policy
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ipc-decode")
 
-    async def decode(self, entry: str | bytes) -> Any:
+    async def decode(self, entry: str | bytes, cuda_device: int | None = None) -> Any:
+        """``cuda_device``: the local index the entry's CUDA handles map to (see ``own_gpu_index``)."""
         data = decode_base64(entry, "serialized_named_tensors")
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._pool, decode_tensor_pickle, data, self.policy)
+        policy = (
+            self.policy if cuda_device is None else dataclasses.replace(self.policy, cuda_device=cuda_device)
+        )
+        job = loop.run_in_executor(self._pool, decode_tensor_pickle, data, policy)
         try:
             # The socket operations inside are bounded too; this bounds the queue wait and the sum.
             return await asyncio.wait_for(job, timeout=self.policy.timeout_s * 3)
@@ -80,6 +85,14 @@ class PayloadDecoder:
 def decode_entry(entry: str | bytes, policy: FdPolicy | None = None) -> Any:
     """Base64 (or raw bytes) of a ForkingPickler pickle -> the object, checked (synchronous form)."""
     return decode_tensor_pickle(decode_base64(entry, "serialized_named_tensors"), policy or FdPolicy())
+
+
+def own_gpu_index(gpu_uuids: Sequence[str] | None, device: str) -> int | None:
+    """This server's local CUDA index when ``payload_gpu_uuids`` names its GPU, else None."""
+    if gpu_uuids is None or not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    index = torch.device(device).index or 0
+    return index if str(torch.cuda.get_device_properties(index).uuid) in gpu_uuids else None
 
 
 def select_entry(entries: Sequence[Any], gpu_uuids: Sequence[str] | None, device: str) -> Any:

@@ -100,7 +100,8 @@ class WeightManager(FullWeightOps, LoraOps):
         """Decode this server's entry into ``{module: [(name, tensor)]}``; nothing is applied."""
         targets = self.targets(target_modules)
         entry = ipc.select_entry(serialized_named_tensors, payload_gpu_uuids, self.engine.device)
-        decoded = await self._payload_decoder().decode(entry)
+        local = ipc.own_gpu_index(payload_gpu_uuids, self.engine.device)
+        decoded = await self._payload_decoder().decode(entry, cuda_device=local)
         return ipc.module_payloads(decoded, load_format, targets)
 
     # ------------------------------------------------------------------ memory and pause

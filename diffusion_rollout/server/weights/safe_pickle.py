@@ -389,6 +389,10 @@ class FdPolicy:
 
     allow_cpu_ipc: bool = False
     timeout_s: float = 10.0
+    # Set when the entry was chosen by this server's own GPU UUID: the sender numbers devices under
+    # its own CUDA_VISIBLE_DEVICES (a colocated trainer sees every GPU, a replica only its own), so
+    # the integer index in its handles means "the GPU with that UUID", which is this local index.
+    cuda_device: int | None = None
 
 
 def check_recipes(obj: Any, policy: FdPolicy) -> list[Any]:
@@ -502,7 +506,10 @@ def _build(recipe: Any, storages: dict[int, torch.UntypedStorage], policy: FdPol
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         args = list(recipe.args)
-        args[6] = _cuda_device_index(args[6])
+        if policy.cuda_device is not None and isinstance(args[6], int):
+            args[6] = policy.cuda_device
+        else:
+            args[6] = _cuda_device_index(args[6])
         return rebuild_cuda_tensor(*args).detach()
     source = recipe.storage
     storage = storages.get(id(source))
