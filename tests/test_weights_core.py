@@ -217,3 +217,15 @@ def test_staging_refuses_final_while_parts_are_in_flight():
     area.add_part("u", None, "transformer", {"a": torch.zeros(1)})
     with pytest.raises(WeightUpdateError, match="still arriving"):
         area.take_complete("u", None)
+
+
+def test_a_part_parsed_while_a_concurrent_part_failed_reports_that_failure():
+    """Concurrent parts: the one still being parsed when another fails names the failure (the cause)."""
+    area = StagingArea()
+    area.begin_part("u", 0)  # first part, still being parsed
+    area.begin_part("u", 1)  # a concurrent part, refused below
+    area.discard("u", "part 1 failed: shape mismatch (1): x: got (3,), expected (32,)")
+    with pytest.raises(WeightUpdateError, match=r"dropped \(part 1 failed: shape mismatch"):
+        area.add_part("u", 0, "transformer", {"a": torch.zeros(1)})
+    with pytest.raises(WeightUpdateError, match="was aborted"):  # and later parts are refused
+        area.begin_part("u", 2)

@@ -166,8 +166,13 @@ class StagingArea:
         with self._lock:
             upload = self._uploads.get(upload_id)
             if upload is None:
+                # A concurrent part that failed dropped the upload: name its failure, which is the
+                # cause the trainer must fix, not this part's bad luck.
+                aborted = self._aborted.get(upload_id)
+                why = f"it was dropped ({aborted[0]})" if aborted is not None else "it expired or was dropped"
                 raise WeightUpdateError(
-                    f"upload {upload_id!r} expired or was dropped while this part was parsed; start over",
+                    f"upload {upload_id!r}: {why} while this part was parsed; nothing of it was applied, "
+                    "start over",
                     field="upload_id",
                 )
             staged = upload.tensors.setdefault(module, {})
@@ -217,7 +222,7 @@ class StagingArea:
         """Drop an upload; ``abort`` (or parts already staged) also refuses its later parts for ``ttl_s``."""
         with self._lock:
             upload = self._uploads.pop(upload_id, None)
-            if abort or (upload is not None and upload.num_parts > 0):
+            if abort or (upload is not None and (upload.num_parts > 0 or upload.in_flight > 0)):
                 while len(self._aborted) >= MAX_ABORTED:
                     del self._aborted[next(iter(self._aborted))]
                 self._aborted[upload_id] = (reason[:200], self._clock())
