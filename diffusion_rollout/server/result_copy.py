@@ -2,9 +2,12 @@
 
 Design decisions:
 
-- **One copier per pipeline call.** On CUDA it owns a side stream that first waits for everything
-  the call queued on the compute stream, then copies each result tensor into page-locked (pinned)
-  host memory with ``non_blocking=True`` and records an event. The worker thread returns at once
+- **One copier per pipeline call.** On CUDA it owns a side stream. Before each copy the side stream
+  waits for everything queued so far on the compute stream (not only what the pipeline call queued:
+  the split of a batch into outputs queues its own casts, uint8 conversions and NaN checks, and a
+  copy issued before those kernels ran would read memory they have not written yet), then copies the
+  tensor into page-locked (pinned) host memory with ``non_blocking=True``; ``finish`` records an
+  event. The worker thread returns at once
   and starts the next batch; the copies overlap its kernels. ``wait()`` (on the results thread) blocks
   until the event has passed, after which the host tensors hold their final values.
 - **Memory safety.** A source tensor is marked used by the side stream (``record_stream``), so the
@@ -28,9 +31,8 @@ class HostCopier:
         self._stream = None
         self._event = None
         if self.cuda:
-            self._stream = torch.cuda.Stream(device=torch.device(device))
-            # Everything the call queued (denoising, decode, recordings) precedes every copy.
-            self._stream.wait_stream(torch.cuda.current_stream(torch.device(device)))
+            self._device = torch.device(device)
+            self._stream = torch.cuda.Stream(device=self._device)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A compact host copy of ``t`` (valid after ``wait()``); host tensors are cloned."""
@@ -40,6 +42,8 @@ class HostCopier:
         if not self.cuda:  # a non-CUDA accelerator: a plain synchronous copy
             return t.to("cpu", copy=True)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        # The kernel that produced ``t`` may have been queued after the previous copy (see above).
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream):
             out.copy_(t, non_blocking=True)
         t.record_stream(self._stream)
