@@ -222,10 +222,18 @@ def test_staging_refuses_final_while_parts_are_in_flight():
 def test_a_part_parsed_while_a_concurrent_part_failed_reports_that_failure():
     """Concurrent parts: the one still being parsed when another fails names the failure (the cause)."""
     area = StagingArea()
-    area.begin_part("u", 0)  # first part, still being parsed
-    area.begin_part("u", 1)  # a concurrent part, refused below
-    area.discard("u", "part 1 failed: shape mismatch (1): x: got (3,), expected (32,)")
-    with pytest.raises(WeightUpdateError, match=r"dropped \(part 1 failed: shape mismatch"):
-        area.add_part("u", 0, "transformer", {"a": torch.zeros(1)})
-    with pytest.raises(WeightUpdateError, match="was aborted"):  # and later parts are refused
-        area.begin_part("u", 2)
+    area.begin_part("u", 0)
+    area.add_part("u", 0, "transformer", {"a": torch.zeros(1)})
+    area.begin_part("u", 1)  # still being parsed
+    area.begin_part("u", 2)  # a concurrent part, refused below
+    area.discard("u", "part 2 failed: shape mismatch (1): x: got (3,), expected (32,)")
+    with pytest.raises(WeightUpdateError, match=r"dropped \(part 2 failed: shape mismatch"):
+        area.add_part("u", 1, "transformer", {"b": torch.zeros(1)})
+    with pytest.raises(WeightUpdateError, match="was aborted"):  # later parts are refused
+        area.begin_part("u", 3)
+    # An upload dropped before any part was staged may be sent again under its id.
+    area.begin_part("v", None)
+    area.discard("v", "part ? failed: bad")
+    area.begin_part("v", None)
+    area.add_part("v", None, "transformer", {"a": torch.zeros(1)})
+    assert area.get("v").num_tensors == 1

@@ -92,6 +92,9 @@ class StagingArea:
         self._clock = clock
         self._uploads: dict[str, Upload] = {}
         self._aborted: dict[str, tuple[str, float]] = {}  # upload id -> (why, when): refused for ttl_s
+        # upload id -> (why, when) of every recent drop, only to explain it to parts still in flight
+        # (an upload dropped before any part was staged may be sent again under the same id).
+        self._dropped: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ queries
@@ -131,6 +134,7 @@ class StagingArea:
                         field="upload_id",
                     )
                 self._make_room_locked()
+                self._dropped.pop(upload_id, None)  # a new upload under a reused id
                 now = self._clock()
                 upload = Upload(upload_id, created_at=now, touched_at=now)
                 self._uploads[upload_id] = upload
@@ -168,8 +172,8 @@ class StagingArea:
             if upload is None:
                 # A concurrent part that failed dropped the upload: name its failure, which is the
                 # cause the trainer must fix, not this part's bad luck.
-                aborted = self._aborted.get(upload_id)
-                why = f"it was dropped ({aborted[0]})" if aborted is not None else "it expired or was dropped"
+                dropped = self._dropped.get(upload_id)
+                why = f"it was dropped ({dropped[0]})" if dropped is not None else "it expired or was dropped"
                 raise WeightUpdateError(
                     f"upload {upload_id!r}: {why} while this part was parsed; nothing of it was applied, "
                     "start over",
@@ -222,10 +226,14 @@ class StagingArea:
         """Drop an upload; ``abort`` (or parts already staged) also refuses its later parts for ``ttl_s``."""
         with self._lock:
             upload = self._uploads.pop(upload_id, None)
-            if abort or (upload is not None and (upload.num_parts > 0 or upload.in_flight > 0)):
+            if abort or (upload is not None and upload.num_parts > 0):
                 while len(self._aborted) >= MAX_ABORTED:
                     del self._aborted[next(iter(self._aborted))]
                 self._aborted[upload_id] = (reason[:200], self._clock())
+            if upload is not None:
+                while len(self._dropped) >= MAX_ABORTED:
+                    del self._dropped[next(iter(self._dropped))]
+                self._dropped[upload_id] = (reason[:200], self._clock())
         if upload is not None:
             logger.warning("dropped staged upload %r (%d tensors): %s", upload_id, upload.num_tensors, reason)
             upload.release()
@@ -234,9 +242,10 @@ class StagingArea:
     # ------------------------------------------------------------------ bounds
     def _sweep_locked(self) -> None:
         now = self._clock()
-        for uid, (_, when) in list(self._aborted.items()):
-            if now - when > self.ttl_s:
-                del self._aborted[uid]
+        for table in (self._aborted, self._dropped):
+            for uid, (_, when) in list(table.items()):
+                if now - when > self.ttl_s:
+                    del table[uid]
         for uid, upload in list(self._uploads.items()):
             if now - upload.touched_at > self.ttl_s:
                 del self._uploads[uid]
