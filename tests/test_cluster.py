@@ -278,6 +278,57 @@ def test_lora_load_and_activate_fan_out(cluster):
     assert_same_output(generate(client, BODY)[0], base)
 
 
+def test_lora_change_failing_on_one_replica_rolls_back_every_replica(cluster):
+    """A LoRA change that fails on replica 1 while replica 0 applies it: both come back exactly."""
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    import json
+
+    cfg, tensors = adapter("default", seed=4)
+    _, replacement = adapter("default", seed=6)  # same layout: an in-place reload
+    _, other = adapter("default", seed=7)
+
+    def load(name: str, body: dict, **params) -> object:
+        return client.post(
+            "/lora/load",
+            content=save(body, metadata={"peft_config": json.dumps(cfg)}),
+            params={"name": name, **params},
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def state() -> tuple:
+        described = ray.get([r.actor.manager_call.remote("describe_lora", {}) for r in engine.replicas])
+        return described, assert_versions_agree(client), checksum(client)
+
+    def fails_and_rolls_back(send) -> None:
+        ray.get(engine.replicas[1].actor.inject_lora_fault.remote())
+        r = send()
+        error = r.json()["error"]
+        assert r.status_code == 500 and "replica 1" in error["message"], r.text
+        assert "every replica was rolled back" in error["message"], r.text
+        assert state() == before
+        assert client.get("/lora").json()["modules"] == before[0][0]
+
+    assert load("default", tensors, activate="true", weight_version="lora-a").status_code == 200
+    for mode in ("dynamic", "merged"):
+        r = client.post("/lora/activate", json={"name": "default", "mode": mode, "weight_version": mode})
+        assert r.status_code == 200, r.text
+        before = state()
+        assert before[0][0] == before[0][1] and before[0][0]["transformer"]["mode"] == mode
+        outs = [generate(client, BODY)[0] for _ in range(2)]  # one on each replica
+
+        fails_and_rolls_back(lambda: load("other", other, activate="true"))  # a new adapter
+        fails_and_rolls_back(lambda: load("default", replacement))  # old tensors back bit for bit
+        fails_and_rolls_back(lambda: client.post("/lora/activate", json={"name": None, "strength": None}))
+        fails_and_rolls_back(lambda: client.post("/lora/activate", json={"name": "default", "strength": 0.5}))
+        fails_and_rolls_back(lambda: client.post("/lora/unload", json={"name": "default"}))
+        again = [generate(client, BODY)[0] for _ in range(2)]
+        for a, b in zip(outs, again, strict=True):
+            assert_same_output(a, b)
+        assert_same_output(again[0], again[1])
+
+    assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

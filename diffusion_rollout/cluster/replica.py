@@ -15,7 +15,9 @@ Design decisions:
 - Weight operations: everything but full-weight updates is a plain call on the manager
   (:meth:`ReplicaServer.manager_call`, a fixed list of names); full-weight updates go through
   :class:`~diffusion_rollout.cluster.transactions.FullUpdateTransactions` (prepare / commit /
-  rollback / finish) so the front can apply them on all replicas or on none. Bytes the front put in
+  rollback / finish) so the front can apply them on all replicas or on none; LoRA changes go through
+  :class:`~diffusion_rollout.cluster.lora_transactions.LoraTransactions` (``lora_change`` /
+  ``lora_rollback`` / ``lora_finish``) for the same reason. Bytes the front put in
   the object store once (HTTP uploads) arrive as the ``data`` argument: Ray resolves a top-level
   ``ObjectRef`` argument to its value in this process.
 - Restarts: Ray re-runs ``__init__`` in a new process; the front calls ``start`` again and then
@@ -33,6 +35,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from diffusion_rollout.cluster.lora_transactions import LoraTransactions
 from diffusion_rollout.cluster.resync import export_state, import_state
 from diffusion_rollout.cluster.transactions import FullUpdateTransactions
 from diffusion_rollout.config import ServerConfig
@@ -102,6 +105,8 @@ class ReplicaServer:
         self.engine = Engine(config)
         self.manager = get_weight_manager(self.engine)
         self.transactions = FullUpdateTransactions(self.manager)
+        self.lora_transactions = LoraTransactions(self.manager)
+        self._lora_fault = False  # inject_lora_fault
 
     # ------------------------------------------------------------------ lifecycle and state
     async def start(self) -> dict[str, Any]:
@@ -207,6 +212,23 @@ class ReplicaServer:
     def finish(self, txn: str) -> None:
         self.transactions.finish(txn)
 
+    async def lora_change(self, txn: str, method: str, kwargs: dict[str, Any], data: Any = None) -> Any:
+        """A LoRA change (``manager_call``) that :meth:`lora_rollback` can undo until :meth:`lora_finish`."""
+
+        async def change() -> Any:
+            if self._lora_fault:
+                self._lora_fault = False
+                raise RuntimeError(f"injected LoRA fault in {method}")
+            return await self.manager_call(method, kwargs, data)
+
+        return await self.lora_transactions.apply(txn, method, kwargs, change)
+
+    async def lora_rollback(self, txn: str) -> bool:
+        return await self.lora_transactions.rollback(txn)
+
+    def lora_finish(self, txn: str) -> None:
+        self.lora_transactions.finish(txn)
+
     async def export_state(self, modules: list[str]) -> dict[str, Any]:
         """This replica's weights, adapters and version, for a restarted peer (``resync``)."""
         return await self.engine.run_exclusive(lambda: export_state(self.manager, modules))
@@ -223,6 +245,11 @@ class ReplicaServer:
             raise RuntimeError(f"injected copy fault at {module}.{name}")
 
         self.manager.before_copy = fail_once
+
+    def inject_lora_fault(self) -> None:
+        """Fault injection for tests: the next LoRA change on this replica fails once (before it
+        applies, after its undo state was captured)."""
+        self._lora_fault = True
 
 
 def replica_actor_class(*, num_gpus: float, num_cpus: float, max_restarts: int = 0):

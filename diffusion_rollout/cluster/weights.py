@@ -16,11 +16,14 @@ Design decisions:
   the result from a serving peer before it serves again (``cluster/resync.py``), so it never
   misses an update. Forming an update group needs every replica (a collective needs every rank).
 - **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
-- **Other operations** (LoRA, pause, memory, groups, checks) fan out at once. They validate before
-  changing anything on each replica, and replicas hold the same model, so a refusal is the same
-  everywhere and nothing changes. A failure on only some replicas after others changed (a device
-  fault) leaves them apart: the answer is 500 naming the replicas, and ``/get_weights_checksum``
-  says which differ. Undoing LoRA changes across replicas is not implemented.
+- **LoRA changes: all or nothing.** Loads (path, upload, tensors, ``lora_merge``), activation, mode
+  switches and unloads run on every replica at once with the dispatch gate closed, each replica
+  first keeping what the change can touch (``cluster/lora_transactions.py``). They validate before
+  changing anything and replicas hold the same model, so a refusal is the same everywhere and is
+  the answer (400). If the change fails on only some replicas (a device fault), every replica puts
+  back its adapters, their tensors, activation, mode (merged base weights included) and version,
+  and the answer is 500 naming the failure; rollouts never see the replicas apart.
+- **Other operations** (pause, memory, groups, checks) fan out at once and change no weights.
 - **Checksums** are read from every replica; if they differ the answer is 500 naming the replicas
   and modules that disagree with replica 0.
 - **Update groups.** Replica ``i`` joins as ``rank_offset + i`` (``routing.replica_ranks``), all at
@@ -121,57 +124,83 @@ class ClusterWeights:
         *,
         per_replica: Sequence[Mapping[str, Any]] | None = None,
         data: bytes | Lease | None = None,
-        changes: bool = False,
         replicas: Sequence[Any] | None = None,
     ) -> list[Any]:
         """``method(**kwargs)`` on every serving replica's manager (``per_replica``: arguments by
-        replica id); raises unless every one succeeded."""
+        replica id); raises unless every one succeeded. For operations that change no weights or
+        adapters (LoRA changes go through :meth:`_lora_change`)."""
         replicas = list(replicas) if replicas is not None else self._replicas()
         ref = self._put(data)
         args = per_replica or {r.replica_id: kwargs or {} for r in replicas}
-
-        async def run():
-            return await self._gather(
-                replicas, lambda r: r.actor.manager_call.remote(method, dict(args[r.replica_id]), ref)
-            )
-
-        if changes:
-            async with self.cluster.gate.closed():
-                results = await run()
-        else:
-            results = await run()
-        failed = [
-            (r.replica_id, res)
-            for r, res in zip(replicas, results, strict=True)
-            if isinstance(res, BaseException)
-        ]
-        if failed:
-            if len(failed) == len(replicas) or not changes:
-                raise failed[0][1]
-            ok = [
-                r.replica_id
-                for r, res in zip(replicas, results, strict=True)
-                if not isinstance(res, BaseException)
-            ]
-            raise ReplicasDivergedError(
-                f"{method} failed on replica(s) {[i for i, _ in failed]} ({failed[0][1]}) but succeeded on "
-                f"{ok}: the replicas now differ; repeat the operation or reload the weights"
-            )
+        results = await self._gather(
+            replicas, lambda r: r.actor.manager_call.remote(method, dict(args[r.replica_id]), ref)
+        )
+        refused = _first_error(results)
+        if refused is not None:
+            raise refused
         return results
+
+    async def _lora_change(
+        self,
+        method: str,
+        per_replica: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
+        *,
+        data: bytes | Lease | None = None,
+    ) -> dict[str, Any]:
+        """A LoRA change on every serving replica, all or nothing (see the module docstring);
+        ``per_replica``: arguments by replica id, each with the version the front chose."""
+        replicas = self._replicas()
+        ref = self._put(data)
+        txn = uuid.uuid4().hex
+        try:
+            async with self.cluster.gate.closed():
+                results = await self._gather(
+                    replicas,
+                    lambda r: r.actor.lora_change.remote(txn, method, dict(per_replica[r.replica_id]), ref),
+                )
+                failed = [
+                    (r.replica_id, res)
+                    for r, res in zip(replicas, results, strict=True)
+                    if isinstance(res, BaseException)
+                ]
+                if len(failed) == len(replicas):
+                    # Refused everywhere alike (validation runs before any change): nothing changed.
+                    raise failed[0][1]
+                if failed:
+                    # Every replica, the failed ones too: a change that failed half-way comes back as well.
+                    undone = await self._gather(replicas, lambda r: r.actor.lora_rollback.remote(txn))
+                    rid, exc = failed[0]
+                    msg = getattr(exc, "message", str(exc))
+                    stuck = [
+                        r.replica_id
+                        for r, u in zip(replicas, undone, strict=True)
+                        if isinstance(u, BaseException)
+                    ]
+                    if stuck:
+                        raise ReplicasDivergedError(
+                            f"{method} failed on replica {rid} ({msg}) and rolling back failed on replica(s) "
+                            f"{stuck} ({_first_error(undone)}); the replicas may differ: reload the adapters"
+                        ) from exc
+                    raise WeightApplyError(
+                        f"{method} failed on replica {rid} ({msg}); every replica was rolled back to "
+                        f"version {self.weight_version}"
+                    ) from exc
+        finally:
+            await self._gather(replicas, lambda r: r.actor.lora_finish.remote(txn))
+        return results[0]
 
     async def _changing(
         self, method: str, kwargs: dict[str, Any], *, data: bytes | Lease | None = None
     ) -> dict:
-        """A version-bumping fan-out (LoRA changes): explicit version, front version set after."""
+        """A version-bumping LoRA change: explicit version, front version set after."""
         async with self.cluster.admin_lock:
             version = self._next_version(kwargs.get("weight_version"))
-            results = await self._fanout(
-                method, {**kwargs, "weight_version": version}, data=data, changes=True
+            args = {**kwargs, "weight_version": version}
+            result = await self._lora_change(
+                method, {r.replica_id: args for r in self.cluster.replicas}, data=data
             )
             self.cluster.set_weight_version(version)
-        out = dict(results[0])
-        out["weight_version"] = self.weight_version
-        return out
+        return {**result, "weight_version": self.weight_version}
 
     async def _full(
         self,
@@ -313,13 +342,12 @@ class ClusterWeights:
                 "weight_version": version,
                 "flush_cache": flush_cache,
             }
-            results = await self._fanout(
-                "update_from_tensor", per_replica=[{**p, **extra} for p in per_replica], changes=True
+            result = await self._lora_change(
+                "update_from_tensor",
+                {r.replica_id: {**per_replica[r.replica_id], **extra} for r in self.cluster.replicas},
             )
             self.cluster.set_weight_version(version)
-        out = dict(results[0])
-        out["weight_version"] = self.weight_version
-        return out
+        return {**result, "weight_version": self.weight_version}
 
     # ------------------------------------------------------------------ update groups
     async def init_group(self, **kwargs: Any) -> dict[str, Any]:
