@@ -329,6 +329,38 @@ def test_lora_change_failing_on_one_replica_rolls_back_every_replica(cluster):
     assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
 
 
+def test_resync_restores_adapters_exactly(cluster):
+    """A replica that lost its adapters takes replica 0's (merged, with a strength) through
+    export_state / import_state, as after a restart."""
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    import json
+
+    cfg, tensors = adapter("default", seed=4)
+    r = client.post(
+        "/lora/load",
+        content=save(tensors, metadata={"peft_config": json.dumps(cfg)}),
+        params={"name": "default", "activate": "true", "mode": "merged", "strength": 0.7},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200, r.text
+    outs = [generate(client, BODY)[0] for _ in range(2)]
+    replica0, replica1 = (r.actor for r in engine.replicas)
+    kwargs = {"target_module": "transformer", "name": None, "weight_version": engine.weight_version}
+    ray.get(replica1.manager_call.remote("unload_lora", kwargs))
+    ray.get(replica1.import_state.remote(replica0.export_state.remote([])))
+    d0, d1 = ray.get([a.manager_call.remote("describe_lora", {}) for a in (replica0, replica1)])
+    assert (
+        d0 == d1
+        and d0["transformer"]["merged"]
+        and d0["transformer"]["adapters"]["default"]["strength"] == 0.7
+    )
+    checksum(client)  # 500 if the replicas' weights differ
+    assert_versions_agree(client)
+    for a, b in zip(outs, [generate(client, BODY)[0] for _ in range(2)], strict=True):
+        assert_same_output(a, b)
+    assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
