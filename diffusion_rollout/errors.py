@@ -118,7 +118,7 @@ class WeightApplyError(DiffusionRolloutError):
 
 
 class ReplicasDivergedError(WeightApplyError):
-    """Replicas of a cluster no longer hold the same weights (a change failed on only some of them),
-    or their checksums differ. The message names the replicas."""
+    """Replicas of a cluster no longer hold the same weights (a change failed on only some of them
+    and rolling it back failed too), or their checksums differ. The message names the replicas."""
 
     error_type = "replicas_diverged"

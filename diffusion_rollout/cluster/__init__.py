@@ -7,11 +7,12 @@ server never imports it. Modules, one job each:
   replicas: start/join Ray, route rollouts (least outstanding work, one request on one replica),
   the dispatch gate, state, ``/server_info`` replicas and merged ``/metrics``.
 - ``weights``: ``ClusterWeights``, the weight-manager facade that fans every update out to every
-  replica (full weights in two phases: all or nothing), checks checksums agree, forms one update
-  group of the trainer and every replica.
+  replica (full weights in two phases, LoRA changes with undo: all or nothing), checks checksums
+  agree, forms one update group of the trainer and every replica.
 - ``replica``: ``ReplicaServer``, the actor body (one ``Engine`` + its ``WeightManager``), and
   ``replica_actor_class`` to make it a Ray actor with given resources.
 - ``transactions``: prepare / commit / rollback / finish of a full-weight update on one replica.
+- ``lora_transactions``: a LoRA change on one replica that can be rolled back until finished.
 - ``routing``: least-outstanding choice, IPC entry per replica GPU, update-group ranks (pure).
 - ``metrics_merge``: totals plus per-replica series (a ``replica`` label) in one exposition text.
 - ``resync``: a restarted replica copies the current weights, adapters and version from a peer.
