@@ -267,7 +267,13 @@ class LoopbackServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         uv_config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", access_log=False
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            http=config.http_parser,
         )
         self._server = uvicorn.Server(uv_config)
         self._thread = threading.Thread(target=self._server.run, name="bench-uvicorn", daemon=True)

@@ -45,6 +45,7 @@ GB/s is what is compared); IPC sends the whole transformer unless ``--ipc-gb`` c
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -733,6 +734,22 @@ def run(
         reps = 2 if mode == "stream" else 1
         return http_push(srv, payload(), part_bytes, mode=mode, concurrency=concurrency, reps=reps)
 
+    def push_with_parser(parser: str):
+        # The same streaming push into a second front on the same engine, its HTTP parser named
+        # (the default front uses uvicorn's "auto": httptools when installed, else h11).
+        from benchmarks.common import LoopbackServer
+
+        if parser == "httptools" and importlib.util.find_spec("httptools") is None:
+            raise RuntimeError("httptools is not installed")
+        front = LoopbackServer(srv.engine, srv.config.model_copy(update={"http_parser": parser}))
+        try:
+            out = http_push(front, payload(), part_bytes, mode="stream", concurrency=concurrency, reps=2)
+        finally:
+            front.close()
+        for r in out:
+            r["transport"] = f"http_stream_{parser}"
+        return out
+
     def do_disk():
         named = cpu_copies(disk_gb)
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -741,6 +758,11 @@ def run(
     phase("tcp", lambda: tcp_raw(2**30 if device.startswith("cuda") else 256 * 2**20), 10)
     phase("http_legacy", lambda: do_push("legacy"), 30)
     phase("http_stream", lambda: do_push("stream"), 30)
+    # http_stream_h11 / http_stream_httptools: in the order (and as often) as --phases names them,
+    # so a run can alternate them.
+    for name in [p for p in phases if p in ("http_stream_h11", "http_stream_httptools")]:
+        parser = name.removeprefix("http_stream_")
+        phase(name, lambda parser=parser: push_with_parser(parser), 30)
     phase("finite", lambda: finite_check(finite_payload()), 10)
     phase("http", do_http, 30)
     phase("disk", do_disk, 30)

@@ -66,6 +66,11 @@ class ServerConfig(BaseModel):
         10.0, gt=0, le=600, description="bound on each socket step of fetching a shared CPU tensor"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
+    http_parser: Literal["auto", "httptools", "h11"] = Field(
+        "auto",
+        description="uvicorn's HTTP/1.1 parser: auto = httptools when installed (not a dependency), "
+        "else h11; benchmarks/weight_sync.py compares the two on weight uploads",
+    )
 
     # Batching and queueing
     max_batch_size: int = Field(16, ge=1, description="most samples run in one pipeline call")

@@ -32,6 +32,7 @@ def make_server(app, config: ServerConfig) -> DrainingServer:
         host=config.host,
         port=config.port,
         log_level=config.log_level,
+        http=config.http_parser,
         access_log=False,  # request lines carry no keys, but nothing of a request is logged by default
         timeout_graceful_shutdown=config.shutdown_grace_s,
     )
