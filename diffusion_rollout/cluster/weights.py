@@ -58,6 +58,12 @@ def _first_error(results: Sequence[Any]) -> BaseException | None:
     return next((r for r in results if isinstance(r, BaseException)), None)
 
 
+def _refusal(exc: BaseException) -> bool:
+    """A 4xx: the request was refused by validation, before the replica changed anything. Any other
+    failure (device fault, 5xx, a dead actor) may have left a change half-applied."""
+    return isinstance(exc, DiffusionRolloutError) and exc.status_code < 500
+
+
 class ClusterWeights:
     """Fan-out of every ``WeightOps`` call to the replicas of a ``ClusterEngine``."""
 
@@ -163,7 +169,7 @@ class ClusterWeights:
                     for r, res in zip(replicas, results, strict=True)
                     if isinstance(res, BaseException)
                 ]
-                if len(failed) == len(replicas):
+                if len(failed) == len(replicas) and all(_refusal(e) for _, e in failed):
                     # Refused everywhere alike (validation runs before any change): nothing changed.
                     raise failed[0][1]
                 if failed:
