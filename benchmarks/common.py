@@ -176,6 +176,21 @@ def spread(xs: Iterable[float]) -> float:
     return (max(xs) - min(xs)) / m if m else 0.0
 
 
+def reset_peak(device: str) -> None:
+    """Start counting the peak of CUDA memory allocated from here (nothing off CUDA)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    """The CUDA memory allocated at the most since ``reset_peak``, GiB; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
 class Deadline:
     """A time budget shared by the phases of one run; a phase that would overrun is skipped."""
 

@@ -25,22 +25,22 @@ limit keeps what finished. Exit status 1 when the gate found a difference, 2 whe
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any
 
 import torch
 
-from benchmarks import ode_regression, rollout_overhead
+from benchmarks import ode_regression, per_model, rollout_overhead
+from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body
 from benchmarks.common import (
-    base_parser,
     document,
     log,
+    peak_gib,
     print_table,
     quiet_libraries,
-    resolve_device,
+    reset_peak,
     write_json,
 )
-from benchmarks.model_builders import BenchModel, build
+from benchmarks.model_builders import BenchModel
 
 DEFAULT_MODELS = ("flux.2-klein-4b", "z-image-turbo")
 TINY_MODELS = ("tiny-flux2-klein", "tiny-zimage")
@@ -52,10 +52,6 @@ MEMORY_COLUMNS = [
 ]
 
 
-def _gib(n: int) -> float:
-    return n / 2**30
-
-
 def peak_memory(model: BenchModel) -> dict[str, Any]:
     """Peak allocated bytes of one stock call and of one SDE rollout request, each from a reset."""
     row: dict[str, Any] = {"model": model.name}
@@ -65,27 +61,18 @@ def peak_memory(model: BenchModel) -> dict[str, Any]:
         if isinstance(m, torch.nn.Module)
         for p in m.parameters()
     )
-    row["weights_gib"] = _gib(weights)
+    row["weights_gib"] = weights / 2**30
     if not model.device.startswith("cuda"):
         row["peak_stock_gib"] = row["peak_rollout_gib"] = None
         return row
-    body = {
-        "prompt": rollout_overhead.PROMPT,
-        "seed": 0,
-        "num_outputs_per_prompt": 1,
-        "generator_device": model.generator_device,
-        **model.defaults,
-    }
+    body = request_body(model, rollout_overhead.PROMPT, num_outputs_per_prompt=1)
     stock = rollout_overhead.stock_runner(model, body)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak(model.device)
     stock()
-    torch.cuda.synchronize()
-    row["peak_stock_gib"] = _gib(torch.cuda.max_memory_allocated())
-    torch.cuda.reset_peak_memory_stats()
-    model.server().remote().time_one({**body, **rollout_overhead.ROLLOUT})
-    torch.cuda.synchronize()
-    row["peak_rollout_gib"] = _gib(torch.cuda.max_memory_allocated())
+    row["peak_stock_gib"] = peak_gib(model.device)
+    reset_peak(model.device)
+    model.server().remote().time_one({**body, **SDE_ROLLOUT_ENV})
+    row["peak_rollout_gib"] = peak_gib(model.device)
     return row
 
 
@@ -103,50 +90,36 @@ def run(names: list[str], *, device: str, dtype, reps: int, steps: int | None, o
             {"models": names, "reps": reps, "steps_override": steps},
             ode_rows,
             ok=ok and not failures,
-            notes=[f"FAILED {f['model']}: {f['error']}" for f in failures],
+            notes=per_model.failure_notes(failures),
         )
         doc.update(ode_gate=ode_rows, speed=speed_rows, memory=memory_rows, failures=failures)
         write_json(out_dir, "family_gate", doc)
         return doc
 
-    for name in names:
-        model = None
-        try:
-            log(f"family_gate: building {name}")
-            model = build(name, device, dtype)
-            log(f"family_gate: {name} built in {model.build_s:.1f} s; ODE gate")
-            ode_rows.extend(ode_regression.check_model(model, ["rollout_false", "ode_rollout"]))
-            log(f"family_gate: {name} speed")
-            speed_rows.extend(rollout_overhead.measure_model(model, reps=reps, steps=steps))
-            memory_rows.append(peak_memory(model))
-        except Exception as exc:
-            traceback.print_exc()
-            failures.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
-        finally:
-            if model is not None:
-                model.close()
-        save()
+    def measure(model: BenchModel) -> None:
+        log(f"family_gate: {model.name} ODE gate")
+        ode_rows.extend(ode_regression.check_model(model, ["rollout_false", "ode_rollout"]))
+        log(f"family_gate: {model.name} speed")
+        speed_rows.extend(rollout_overhead.measure_model(model, reps=reps, steps=steps))
+        memory_rows.append(peak_memory(model))
+
+    per_model.each_model(
+        "family_gate", names, device=device, dtype=dtype, measure=measure, save=save, failures=failures
+    )
 
     ode_regression.report(ode_rows, settings={"models": names}, device=device, out_dir=None)
     print_table("Speed: SDE rollout over HTTP vs stock pipeline", speed_rows, rollout_overhead.COLUMNS)
     print_table("Peak memory", memory_rows, MEMORY_COLUMNS)
     save()
-    if not all(r["exact"] for r in ode_rows):
-        return 1
-    return 2 if failures else 0
+    return per_model.exit_status(ode_rows, failures)
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help=f"the tiny zoo models ({', '.join(TINY_MODELS)})")
+    p = per_model.parser(__doc__.splitlines()[0], TINY_MODELS, "override the step count of the speed runs")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=None, help="override the step count of the speed runs")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 tiny, bfloat16 real)")
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
-    names = args.models.split(",") if args.models else list(TINY_MODELS if args.tiny else DEFAULT_MODELS)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    device, names, dtype = per_model.choice(args, TINY_MODELS, DEFAULT_MODELS)
     return run(names, device=device, dtype=dtype, reps=args.reps, steps=args.steps, out_dir=args.out)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bodies import request_body
 from benchmarks.common import (
     base_parser,
     document,
@@ -88,13 +89,7 @@ def stock_reference(model: BenchModel, pipe: Any, body: dict[str, Any], output_t
 
 def check_model(model: BenchModel, modes: list[str], n: int = 2) -> list[dict[str, Any]]:
     srv = model.server()
-    body = {
-        "prompt": PROMPT,
-        "seed": 7,
-        "num_outputs_per_prompt": n,
-        "generator_device": model.generator_device,
-        **model.defaults,
-    }
+    body = request_body(model, PROMPT, seed=7, num_outputs_per_prompt=n)
     rows = []
     for output_type in ("latent", "pt"):
         if output_type == "pt" and model.decodes_one_video_per_call:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body, size_label
 from benchmarks.common import (
     base_parser,
     document,
@@ -43,14 +44,6 @@ from benchmarks.common import (
 from benchmarks.model_builders import BenchModel, build, default_models
 
 PROMPT = "a photo of an astronaut riding a horse on the moon"
-ROLLOUT = {
-    "rollout": True,
-    "rollout_sde_type": "sde",
-    "rollout_noise_level": 0.7,
-    "rollout_return_dit_trajectory": True,
-    "rollout_return_denoising_env": True,
-    "rollout_debug_mode": False,
-}
 
 
 COLUMNS = [
@@ -92,13 +85,7 @@ def stock_runner(model: BenchModel, body: dict[str, Any], output_type: str = "pt
 
 def measure_model(model: BenchModel, *, reps: int, steps: int | None = None) -> list[dict[str, Any]]:
     srv = model.server()
-    body = {
-        "prompt": PROMPT,
-        "seed": 0,
-        "num_outputs_per_prompt": 1,
-        "generator_device": model.generator_device,
-        **model.defaults,
-    }
+    body = request_body(model, PROMPT, num_outputs_per_prompt=1)
     if steps:
         body["num_inference_steps"] = steps
     T = body["num_inference_steps"]
@@ -106,7 +93,7 @@ def measure_model(model: BenchModel, *, reps: int, steps: int | None = None) -> 
     variants = {
         "stock": None,
         "server_plain": {**body, "rollout": False},
-        "server_rollout": {**body, **ROLLOUT},
+        "server_rollout": {**body, **SDE_ROLLOUT_ENV},
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     sizes: dict[str, int] = {}
@@ -133,8 +120,7 @@ def measure_model(model: BenchModel, *, reps: int, steps: int | None = None) -> 
         rows.append(
             {
                 "model": model.name,
-                "size": f"{body['width']}x{body['height']}"
-                + (f"x{body['num_frames']}" if body.get("num_frames") else ""),
+                "size": size_label(body),
                 "steps": T,
                 "variant": name,
                 "median_s": m,
@@ -162,7 +148,7 @@ def report(
         device,
         {
             "prompt": PROMPT,
-            "rollout": ROLLOUT,
+            "rollout": SDE_ROLLOUT_ENV,
             "stock": "precomputed prompt embeddings, output_type='pt', batch 1",
             **settings,
         },

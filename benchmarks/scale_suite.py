@@ -32,22 +32,22 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
 
-from benchmarks import model_builders_scale, ode_regression, rollout_overhead
+from benchmarks import model_builders_scale, ode_regression, per_model, rollout_overhead
+from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body, size_label
 from benchmarks.common import (
-    base_parser,
     document,
     log,
+    peak_gib,
     print_table,
     quiet_libraries,
-    resolve_device,
+    reset_peak,
     write_json,
 )
-from benchmarks.model_builders import BenchModel, build
+from benchmarks.model_builders import BenchModel
 
 # The cheap models first, so a run stopped at its time limit keeps the most rows.
 DEFAULT_MODELS: tuple[str, ...] = (
@@ -63,14 +63,6 @@ assert set(DEFAULT_MODELS) <= set(model_builders_scale.BUILDERS)
 TINY_MODELS = ("tiny-qwenimage", "tiny-wan2.2", "tiny-flux-kontext", "tiny-wan-i2v", "tiny-qwenimage-edit")
 # One output per gate request where a call is heavy (14B experts at 81 frames).
 GATE_OUTPUTS = {"wan2.2-a14b": 1, "wan2.2-i2v-a14b": 1}
-SDE = {
-    "rollout": True,
-    "rollout_sde_type": "sde",
-    "rollout_noise_level": 0.7,
-    "rollout_return_dit_trajectory": True,
-    "rollout_return_denoising_env": True,
-    "rollout_debug_mode": False,
-}
 COLUMNS = [
     ("model", "model", ""),
     ("size", "size", ""),
@@ -84,42 +76,24 @@ COLUMNS = [
 ]
 
 
-def _peak_reset(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak(device: str) -> float | None:
-    if not device.startswith("cuda"):
-        return None
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
 def timed_calls(model: BenchModel, steps: int | None) -> list[dict[str, Any]]:
     """Stock, ``rollout=false`` and an SDE rollout (one window per expert), latents only."""
     srv = model.server()
-    body = {
-        "prompt": rollout_overhead.PROMPT,
-        "seed": 0,
-        "num_outputs_per_prompt": 1,
-        "generator_device": model.generator_device,
-        "return_generated_output": False,
-        **model.defaults,
-    }
+    body = request_body(
+        model, rollout_overhead.PROMPT, num_outputs_per_prompt=1, return_generated_output=False
+    )
     if steps:
         body["num_inference_steps"] = steps
     T = body["num_inference_steps"]
     experts = model.pipe.config.get("boundary_ratio") is not None
-    sde = {**body, **SDE}
+    sde = {**body, **SDE_ROLLOUT_ENV}
     if experts:
         sde["rollout_sde_step_indices"] = [0, T - 1]
-    size = f"{body['width']}x{body['height']}" + (f"x{body['num_frames']}" if body.get("num_frames") else "")
+    size = size_label(body)
     stock = rollout_overhead.stock_runner(model, body, output_type="latent")
     rows: list[dict[str, Any]] = []
     for variant, req in (("stock", None), ("server_plain", {**body, "rollout": False}), ("server_sde", sde)):
-        _peak_reset(model.device)
+        reset_peak(model.device)
         t0 = time.perf_counter()
         if req is None:
             stock()
@@ -137,7 +111,7 @@ def timed_calls(model: BenchModel, steps: int | None) -> list[dict[str, Any]]:
             "variant": variant,
             "seconds": seconds,
             "ms_per_step": 1000 * seconds / T,
-            "peak_gib": _peak(model.device),
+            "peak_gib": peak_gib(model.device),
             "response_mb": nbytes / 1e6 if nbytes is not None else None,
         }
         if variant == "server_sde":
@@ -178,49 +152,35 @@ def run(names: list[str], *, device: str, dtype, steps: int | None, out_dir) -> 
 
     def save() -> None:
         ok = bool(gate_rows) and all(r["exact"] for r in gate_rows) and not failures
-        notes = [f"FAILED {f['model']}: {f['error']}" for f in failures]
+        notes = per_model.failure_notes(failures)
         doc = document(
             "scale_suite", device, {"models": names, "steps_override": steps}, gate_rows, ok=ok, notes=notes
         )
         doc.update(ode_gate=gate_rows, timed=timed_rows, failures=failures)
         write_json(out_dir, "scale_suite", doc)
 
-    for name in names:
-        model = None
-        try:
-            log(f"scale_suite: building {name}")
-            model = build(name, device, dtype)
-            log(f"scale_suite: {name} built in {model.build_s:.1f} s; ODE gate")
-            n = GATE_OUTPUTS.get(name, 2)
-            gate_rows.extend(ode_regression.check_model(model, ["rollout_false", "ode_rollout"], n=n))
-            log(f"scale_suite: {name} timed calls")
-            timed_rows.extend(timed_calls(model, steps))
-        except Exception as exc:
-            traceback.print_exc()
-            failures.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
-        finally:
-            if model is not None:
-                model.close()
-        save()
+    def measure(model: BenchModel) -> None:
+        log(f"scale_suite: {model.name} ODE gate")
+        n = GATE_OUTPUTS.get(model.name, 2)
+        gate_rows.extend(ode_regression.check_model(model, ["rollout_false", "ode_rollout"], n=n))
+        log(f"scale_suite: {model.name} timed calls")
+        timed_rows.extend(timed_calls(model, steps))
+
+    per_model.each_model(
+        "scale_suite", names, device=device, dtype=dtype, measure=measure, save=save, failures=failures
+    )
 
     ode_regression.report(gate_rows, settings={"models": names}, device=device, out_dir=None)
     print_table("Timed calls (latents only)", timed_rows, COLUMNS)
     save()
-    if not all(r["exact"] for r in gate_rows):
-        return 1
-    return 2 if failures else 0
+    return per_model.exit_status(gate_rows, failures)
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help=f"the tiny zoo models ({', '.join(TINY_MODELS)})")
-    p.add_argument("--steps", type=int, default=None, help="override every model's step count")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 tiny, bfloat16 real)")
+    p = per_model.parser(__doc__.splitlines()[0], TINY_MODELS, "override every model's step count")
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
-    names = args.models.split(",") if args.models else list(TINY_MODELS if args.tiny else DEFAULT_MODELS)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    device, names, dtype = per_model.choice(args, TINY_MODELS, DEFAULT_MODELS)
     return run(names, device=device, dtype=dtype, steps=args.steps, out_dir=args.out)
 
 

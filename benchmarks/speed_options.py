@@ -36,6 +36,7 @@ CPU check with the tiny models (small group, one repeat, no CUDA graphs, no comp
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV, request_body
 from benchmarks.common import (
     Deadline,
     base_parser,
@@ -54,21 +56,13 @@ from benchmarks.common import (
     resolve_device,
     spread,
     sync,
+    timed,
     write_json,
 )
 from benchmarks.model_builders import BenchModel, build
 from benchmarks.ode_regression import compare, stock_reference
 from benchmarks.rollout_overhead import stock_runner
 
-PROMPT = "a watercolor painting of a lighthouse at dusk"
-ROLLOUT = {
-    "rollout": True,
-    "rollout_sde_type": "sde",
-    "rollout_noise_level": 0.7,
-    "rollout_return_dit_trajectory": True,
-    "rollout_return_denoising_env": True,
-    "rollout_debug_mode": False,
-}
 THROUGHPUT_COLUMNS = [
     ("model", "model", ""),
     ("phase", "phase", ""),
@@ -104,7 +98,7 @@ DRIFT_COLUMNS = [
 
 
 def _body(model: BenchModel, **kw: Any) -> dict[str, Any]:
-    return {"prompt": PROMPT, "seed": 0, "generator_device": model.generator_device, **model.defaults, **kw}
+    return request_body(model, GRPO_PROMPT, **kw)
 
 
 @contextlib.contextmanager
@@ -197,7 +191,7 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
 # ---------------------------------------------------------------------------------------------
 def grpo(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
     body = _body(model, num_outputs_per_prompt=group)
-    full = {**body, **ROLLOUT}
+    full = {**body, **SDE_ROLLOUT_ENV}
     fns = {
         "stock": _stock_fn(model, body),
         "server_plain_float32": _remote_fn(model, {**full, "lean_response": False}, graphs=False),
@@ -270,7 +264,7 @@ def batch1(
     model: BenchModel, *, reps: int, phase: str, n_gate: int = 2
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     body = _body(model, num_outputs_per_prompt=1)
-    full = {**body, **ROLLOUT, "lean_response": True}
+    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True}
     fns = {
         "stock": _stock_fn(model, body),
         "server_eager": _remote_fn(model, full, graphs=False),
@@ -285,7 +279,7 @@ def batch1(
     gates = [_ode_gate(model, "eager", False, n_gate)]
     if _has_graphs(model):
         gates.append(_ode_gate(model, "cuda_graphs", True, n_gate))
-        rb = _body(model, num_outputs_per_prompt=n_gate, seed=3, **ROLLOUT, lean_response=True)
+        rb = _body(model, num_outputs_per_prompt=n_gate, seed=3, **SDE_ROLLOUT_ENV, lean_response=True)
         with _graphs(model, True):
             results, _ = model.server().generate(rb)
         r = eager_replay(model, results, rb)
@@ -357,7 +351,7 @@ def drift(
     model: BenchModel, *, reps: int, backends, caches, with_compile: bool, deadline: Deadline, n: int = 2
 ) -> list[dict[str, Any]]:
     srv = model.server()
-    body = _body(model, num_outputs_per_prompt=n, seed=5, **ROLLOUT, lean_response=True)
+    body = _body(model, num_outputs_per_prompt=n, seed=5, **SDE_ROLLOUT_ENV, lean_response=True)
     body["return_generated_output"] = False
     ode = {
         **_body(model, num_outputs_per_prompt=n, seed=7),
@@ -378,11 +372,8 @@ def drift(
                 srv.generate(req)  # warm-up (graph capture, compilation, kernel selection)
                 times = []
                 for _ in range(reps):
-                    sync(model.device)
-                    t0 = time.perf_counter()
-                    results, _ = srv.generate(req)
-                    sync(model.device)
-                    times.append(time.perf_counter() - t0)
+                    (results, _), seconds = timed(functools.partial(srv.generate, req), model.device)
+                    times.append(seconds)
                 ode_out, _ = srv.generate({**ode, **{k: v for k, v in extra.items() if k == "feature_cache"}})
             replay = eager_replay(model, results, req)
         except Exception as exc:  # an option this build lacks (e.g. flash-attn not installed)
@@ -419,7 +410,7 @@ def grpo_compiled(model: BenchModel, *, group: int, reps: int) -> list[dict[str,
     from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
 
     body = _body(model, num_outputs_per_prompt=group)
-    full = {**body, **ROLLOUT, "lean_response": True, "output_dtype": "uint8"}
+    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
     speed = model.server().engine.loaded.speed
     fns = {"stock": _stock_fn(model, body)}
     times, _ = _time_interleaved(fns, reps, model.device)  # eager stock first, before compiling
@@ -489,8 +480,8 @@ def run(args) -> dict[str, Any]:
                 "backends": backends,
                 "compile": with_compile,
                 "budget_s": args.budget,
-                "rollout": ROLLOUT,
-                "prompt": PROMPT,
+                "rollout": SDE_ROLLOUT_ENV,
+                "prompt": GRPO_PROMPT,
                 "elapsed_s": deadline.elapsed(),
             },
             [*speed_rows, *gate_rows, *drift_rows],

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT, request_body
 from benchmarks.common import (
     base_parser,
     document,
@@ -42,19 +43,12 @@ from benchmarks.common import (
     resolve_device,
     spread,
     sync,
+    timed,
     write_json,
 )
 from benchmarks.model_builders import BenchModel, build, default_models
 from benchmarks.rollout_overhead import stock_runner
 
-PROMPT = "a watercolor painting of a lighthouse at dusk"
-GRPO_ROLLOUT = {
-    "rollout": True,
-    "rollout_sde_type": "sde",
-    "rollout_noise_level": 0.7,
-    "rollout_return_dit_trajectory": True,
-    "rollout_debug_mode": False,
-}
 GRPO_COLUMNS = [
     ("model", "model", ""),
     ("variant", "variant", ""),
@@ -80,7 +74,7 @@ STEP_COLUMNS = [
 
 
 def _base_body(model: BenchModel, **kw: Any) -> dict[str, Any]:
-    return {"prompt": PROMPT, "seed": 0, "generator_device": model.generator_device, **model.defaults, **kw}
+    return request_body(model, GRPO_PROMPT, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,13 +97,7 @@ def grpo_throughput(
     body = _base_body(model, num_outputs_per_prompt=group)
     stock = stock_runner(model, body)
     stock()  # warm-up
-    stock_times = []
-    for _ in range(stock_reps):
-        sync(model.device)
-        t0 = time.perf_counter()
-        stock()
-        sync(model.device)
-        stock_times.append(time.perf_counter() - t0)
+    stock_times = [timed(stock, model.device)[1] for _ in range(stock_reps)]
     stock_ips = group / median(stock_times)
     rows = [
         {
@@ -133,7 +121,7 @@ def grpo_throughput(
         for n, (label, mb, extra) in enumerate(variants):
             worker.max_batch_samples = mb
             bodies = [
-                {**body, **GRPO_ROLLOUT, **extra, "prompt": f"{PROMPT}, variation {i}", "seed": 1000 * i}
+                {**body, **SDE_ROLLOUT, **extra, "prompt": f"{GRPO_PROMPT}, variation {i}", "seed": 1000 * i}
                 for i in range(requests)
             ]
             if n == 0:
@@ -173,7 +161,7 @@ def _time_variants(
     stock = stock_runner(model, body, output_type="latent")
     bodies = {
         "server_plain": {**body, "rollout": False, "return_generated_output": False},
-        "server_sde": {**body, **GRPO_ROLLOUT, "return_generated_output": False},
+        "server_sde": {**body, **SDE_ROLLOUT, "return_generated_output": False},
     }
     latents: dict[str, torch.Tensor] = {}
 
@@ -332,7 +320,7 @@ def report(
     doc = document(
         "throughput",
         device,
-        {"grpo_rollout": GRPO_ROLLOUT, "prompt": PROMPT, **settings},
+        {"grpo_rollout": SDE_ROLLOUT, "prompt": GRPO_PROMPT, **settings},
         grpo_rows + step_rows,
         notes=notes or [],
     )
