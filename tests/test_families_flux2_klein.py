@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import DiffusionPipeline
 
-from diffusion_rollout.client import RolloutClient, replay_steps
-from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
-from diffusion_rollout.scheduler_mixins import transition
-from tests.test_client_weights import trainer_transformer
+from tests import family_helpers
+from tests.family_helpers import (
+    REPLAY,
+    assert_400_naming,
+    assert_client_replay_ratio_is_one,
+    assert_custom_sigmas_used_exactly,
+    assert_ode_path_matches_stock,
+    assert_replay_matches_the_rollout,
+    assert_steps_follow_the_shared_transition,
+    ode_modes,
+)
 
 FAMILY = "flux2-klein"
 T = 4
@@ -28,31 +35,16 @@ BASE = {
     "num_inference_steps": T,
     "max_sequence_length": 16,
 }
-REPLAY = {
-    "rollout_return_dit_trajectory": True,
-    "rollout_return_denoising_env": True,
-    "rollout_debug_mode": True,
-}
+# No static or dynamic shift: the stock scheduler uses sigmas as given.
+UNSHIFTED = {"shift": 1.0, "use_dynamic_shifting": False}
 
 
 def body(**kw) -> dict:
     return {**BASE, "seed": 7, **kw}
 
 
-_stock: dict = {}
-
-
 def stock_pipe(path, *, unshifted: bool = False):
-    key = (str(path), unshifted)
-    if key not in _stock:
-        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
-        if unshifted:  # no static or dynamic shift: the stock scheduler uses sigmas as given
-            pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-                pipe.scheduler.config, shift=1.0, use_dynamic_shifting=False
-            )
-        _stock[key] = pipe
-    return _stock[key]
+    return family_helpers.stock_pipe(path, UNSHIFTED if unshifted else None)
 
 
 def stock(path, *, seeds, output_type, sigmas=None, **kw):
@@ -67,26 +59,9 @@ def stock(path, *, seeds, output_type, sigmas=None, **kw):
     return pipe(generator=gens, output_type=output_type, **args).images
 
 
-def stack(outs, key="generated_output"):
-    return torch.stack([o[key] for o in outs])
-
-
-@pytest.mark.parametrize(
-    "mode",
-    [
-        {"rollout": False},
-        {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True},
-        {"rollout_sde_step_indices": [], "rollout_log_prob_no_const": True},
-    ],
-    ids=["rollout_false", "ode_kind", "no_sde_steps"],
-)
+@ode_modes
 def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mode):
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    lat = srv.generate(body(num_outputs_per_prompt=2, return_generated_output=False, **mode))
-    assert torch.equal(stack(lat), stock(path, seeds=[7, 8], output_type="latent"))
-    img = srv.generate(body(num_outputs_per_prompt=2, **mode))
-    assert torch.equal(stack(img), stock(path, seeds=[7, 8], output_type="pt"))
-    assert img[0]["generated_output"].shape == (3, 32, 32)
+    assert_ode_path_matches_stock(served(FAMILY), tiny_model_path(FAMILY), mode, body, stock)
 
 
 def test_ode_path_without_cfg_is_bit_identical(served, tiny_model_path):
@@ -118,72 +93,24 @@ def test_default_schedule_is_the_pipelines_empirical_mu(served, tiny_model_path)
 
 
 def test_custom_sigmas_are_used_exactly(served, tiny_model_path):
-    sigmas = [1.0, 0.8, 0.45, 0.2]
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    (plain,) = srv.generate(body(rollout=False, return_generated_output=False, sigmas=sigmas))
-    ref = stock(path, seeds=[7], output_type="latent", sigmas=sigmas)
-    assert torch.equal(plain["generated_output"], ref[0])
-    (ode,) = srv.generate(
-        body(
-            rollout_sde_type="ode",
-            rollout_log_prob_no_const=True,
-            return_generated_output=False,
-            rollout_return_dit_trajectory=True,
-            extra_sampling_params={"sigmas": sigmas},
-        )
-    )
-    assert torch.equal(ode["generated_output"], ref[0])
-    assert torch.equal(ode["dit_trajectory"]["sigmas"], torch.tensor([*sigmas, 0.0]))
+    assert_custom_sigmas_used_exactly(served(FAMILY), tiny_model_path(FAMILY), body, stock)
 
 
 @pytest.mark.parametrize("kind", ["sde", "dance", "cps"])
 def test_stochastic_steps_follow_the_shared_transition(served, kind):
-    """Each recorded step is the shared transition of the recorded model output, bit for bit."""
-    (out,) = served(FAMILY).generate(
-        body(
-            rollout_sde_type=kind, rollout_noise_level=0.8, rollout_log_prob_no_const=kind == "cps", **REPLAY
-        )
-    )
-    traj, dbg = out["dit_trajectory"], out["rollout_debug_tensors"]
-    sig = traj["sigmas"]
-    for i in range(T):
-        res = transition(
-            kind,
-            traj["latents"][i : i + 1],
-            dbg["rollout_model_outputs"][i : i + 1],
-            sig[i],
-            sig[i + 1],
-            eta=torch.tensor(0.8),  # a float32 scalar, as the server holds it
-            sigma_max=sig[1],
-            noise=dbg["rollout_variance_noises"][i : i + 1],
-            log_prob_form="no_const" if kind == "cps" else "gaussian",
-        )
-        assert torch.equal(res.next_sample.to(traj["latents"].dtype)[0], traj["latents"][i + 1])
-        assert torch.equal(res.log_prob[0], out["rollout_log_probs"][i])
-        # CPS's noise std is s' sin(eta pi / 2): its last step (s' = 0) is deterministic.
-        assert (out["rollout_log_probs"][i].item() == 0.0) == (kind == "cps" and i == T - 1)
+    assert_steps_follow_the_shared_transition(served(FAMILY), kind, body, T, cast_to_latents_dtype=True)
 
 
 @pytest.mark.parametrize("fields", [{}, {"negative_prompt": "blurry"}], ids=["empty-negative", "negative"])
 def test_replay_reproduces_model_output_and_log_prob(served, fields):
     srv = served(FAMILY)
     (out,) = srv.generate(body(**REPLAY, **fields))
-    traj, env = out["dit_trajectory"], out["denoising_env"]
+    env = out["denoising_env"]
     assert env["guidance"]["rule"] == "true_cfg" and env["neg_cond_kwargs"] is not None
     assert {"encoder_hidden_states", "txt_ids"} <= set(env["pos_cond_kwargs"]) and "img_ids" in env[
         "image_kwargs"
     ]
-    recorded = out["rollout_debug_tensors"]["rollout_model_outputs"]
-    transformer = srv.engine.pipe.transformer
-    for step in range(T):
-        x = traj["latents"][step : step + 1]
-        with torch.no_grad():
-            v = replay_model_output(transformer, x, traj["timesteps"][step], env, step=step)
-        assert torch.equal(v[0], recorded[step]), f"model output differs at step {step}"
-        res = replay_log_prob(
-            "sde", x, v, traj["latents"][step + 1 : step + 2], traj["sigmas"], step, eta=0.7
-        )
-        assert torch.equal(res.log_prob[0], out["rollout_log_probs"][step]), f"log-prob differs at {step}"
+    assert_replay_matches_the_rollout(srv.engine.pipe.transformer, out, T)
 
 
 def test_negative_prompt_changes_the_unconditional_branch(served):
@@ -194,19 +121,7 @@ def test_negative_prompt_changes_the_unconditional_branch(served):
 
 
 def test_client_replay_ratio_is_exactly_one(served, tiny_model_path):
-    """The trainer's own transformer (loaded from the folder) replays a batch of 3: ratio exactly 1."""
-    srv = served(FAMILY)
-    c = RolloutClient("http://testserver", http_client=srv.client)
-    fields = {k: v for k, v in BASE.items() if k != "prompt"}
-    outs = c.generate("a red cat", seed=21, num_outputs_per_prompt=3, **fields, **REPLAY)
-    trainer = trainer_transformer(tiny_model_path(FAMILY)).requires_grad_(True)
-    steps = list(replay_steps(trainer, outs))
-    assert [s.step for s in steps] == list(range(T))
-    for s in steps:
-        server_v = torch.stack([o.rollout_debug_tensors["rollout_model_outputs"][s.step] for o in outs])
-        assert torch.equal(s.model_output.detach(), server_v)
-        assert torch.equal(s.ratio.detach(), torch.ones(3))
-        assert s.log_prob.requires_grad
+    assert_client_replay_ratio_is_one(served(FAMILY), tiny_model_path(FAMILY), BASE, T)
 
 
 @pytest.mark.parametrize(
@@ -219,9 +134,7 @@ def test_client_replay_ratio_is_exactly_one(served, tiny_model_path):
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
-    r = served(FAMILY).generate(body(**extra), expect=400)
-    err = r.json()["error"]
-    assert err["code"] == 400 and needle in err["message"], err
+    assert_400_naming(served(FAMILY), body(**extra), needle)
 
 
 def test_distilled_checkpoint_runs_no_cfg_whatever_guidance_scale_says(tiny_model_path, tmp_path):

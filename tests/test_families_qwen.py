@@ -13,9 +13,17 @@ import time
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
+from tests import family_helpers
+from tests.family_helpers import (
+    REPLAY,
+    assert_400_naming,
+    assert_another_rule_differs,
+    assert_custom_sigmas_used_exactly,
+    assert_ode_path_matches_stock,
+    assert_replay_matches_the_rollout,
+    ode_modes,
+)
 
 FAMILY = "qwenimage"
 T = 4
@@ -35,20 +43,12 @@ def body(**kw) -> dict:
     return {**BASE, "seed": 7, **kw}
 
 
-_stock: dict = {}
+# No static, dynamic or terminal shift: the stock scheduler uses sigmas as given.
+UNSHIFTED = {"shift": 1.0, "use_dynamic_shifting": False, "shift_terminal": None}
 
 
 def stock_pipe(path, *, unshifted: bool = False):
-    key = (str(path), unshifted)
-    if key not in _stock:
-        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
-        if unshifted:  # no static, dynamic or terminal shift: the stock scheduler uses sigmas as given
-            pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-                pipe.scheduler.config, shift=1.0, use_dynamic_shifting=False, shift_terminal=None
-            )
-        _stock[key] = pipe
-    return _stock[key]
+    return family_helpers.stock_pipe(path, UNSHIFTED if unshifted else None)
 
 
 def stock(path, *, seeds, output_type, sigmas=None, **kw):
@@ -64,26 +64,9 @@ def stock(path, *, seeds, output_type, sigmas=None, **kw):
     return pipe(generator=gens, output_type=output_type, **args).images
 
 
-def stack(outs, key="generated_output"):
-    return torch.stack([o[key] for o in outs])
-
-
-@pytest.mark.parametrize(
-    "mode",
-    [
-        {"rollout": False},
-        {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True},
-        {"rollout_sde_step_indices": [], "rollout_log_prob_no_const": True},
-    ],
-    ids=["rollout_false", "ode_kind", "no_sde_steps"],
-)
+@ode_modes
 def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mode):
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    lat = srv.generate(body(num_outputs_per_prompt=2, return_generated_output=False, **mode))
-    assert torch.equal(stack(lat), stock(path, seeds=[7, 8], output_type="latent"))
-    img = srv.generate(body(num_outputs_per_prompt=2, **mode))
-    assert torch.equal(stack(img), stock(path, seeds=[7, 8], output_type="pt"))
-    assert img[0]["generated_output"].shape == (3, 32, 32)
+    assert_ode_path_matches_stock(served(FAMILY), tiny_model_path(FAMILY), mode, body, stock)
 
 
 def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path):
@@ -101,61 +84,19 @@ def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path
 
 
 def test_custom_sigmas_are_used_exactly(served, tiny_model_path):
-    sigmas = [1.0, 0.8, 0.45, 0.2]
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    (plain,) = srv.generate(body(rollout=False, return_generated_output=False, sigmas=sigmas))
-    ref = stock(path, seeds=[7], output_type="latent", sigmas=sigmas)
-    assert torch.equal(plain["generated_output"], ref[0])
-    (ode,) = srv.generate(
-        body(
-            rollout_sde_type="ode",
-            rollout_log_prob_no_const=True,
-            return_generated_output=False,
-            rollout_return_dit_trajectory=True,
-            extra_sampling_params={"sigmas": sigmas},
-        )
-    )
-    assert torch.equal(ode["generated_output"], ref[0])
-    assert torch.equal(ode["dit_trajectory"]["sigmas"], torch.tensor([*sigmas, 0.0]))
+    assert_custom_sigmas_used_exactly(served(FAMILY), tiny_model_path(FAMILY), body, stock)
 
 
 @pytest.mark.parametrize("form", ["gaussian", "no_const"])
 def test_replay_reproduces_model_output_and_log_prob(served, form):
     srv = served(FAMILY)
-    (out,) = srv.generate(
-        body(
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
-            rollout_log_prob_form=form,
-        )
-    )
-    traj, env = out["dit_trajectory"], out["denoising_env"]
+    (out,) = srv.generate(body(**REPLAY, rollout_log_prob_form=form))
+    env = out["denoising_env"]
     assert env["guidance"]["rule"] == "norm_rescale" and env["neg_cond_kwargs"] is not None
     assert "encoder_hidden_states" in env["pos_cond_kwargs"] and "img_shapes" in env["image_kwargs"]
-    recorded = out["rollout_debug_tensors"]["rollout_model_outputs"]
-    transformer = srv.engine.pipe.transformer
-    for step in range(T):
-        x = traj["latents"][step : step + 1]
-        with torch.no_grad():
-            v = replay_model_output(transformer, x, traj["timesteps"][step], env, step=step)
-        assert torch.equal(v[0], recorded[step]), f"model output differs at step {step}"
-        res = replay_log_prob(
-            "sde",
-            x,
-            v,
-            traj["latents"][step + 1 : step + 2],
-            traj["sigmas"],
-            step,
-            eta=0.7,
-            log_prob_form=form,
-        )
-        assert torch.equal(res.log_prob[0], out["rollout_log_probs"][step]), f"log-prob differs at {step}"
+    assert_replay_matches_the_rollout(srv.engine.pipe.transformer, out, T, log_prob_form=form)
     # The rescale matters: plain true CFG does not reproduce the recorded output.
-    plain = {**env, "guidance": {**env["guidance"], "rule": "true_cfg"}}
-    with torch.no_grad():
-        v = replay_model_output(transformer, traj["latents"][:1], traj["timesteps"][0], plain, step=0)
-    assert not torch.equal(v[0], recorded[0])
+    assert_another_rule_differs(srv.engine.pipe.transformer, out, "true_cfg")
 
 
 def test_sde_log_probs_zero_exactly_at_ode_steps(served):
@@ -222,6 +163,4 @@ def test_uint8_output_is_quantised_float_output(served):
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
-    r = served(FAMILY).generate(body(**extra), expect=400)
-    err = r.json()["error"]
-    assert err["code"] == 400 and needle in err["message"], err
+    assert_400_naming(served(FAMILY), body(**extra), needle)
