@@ -157,8 +157,16 @@ def assert_client_replay_ratio_is_one(srv, path, base: dict, T: int) -> None:
         assert s.log_prob.requires_grad
 
 
-def assert_400_naming(srv, request: dict, needle: str) -> None:
-    """The request is refused with 400 and an error message that names ``needle``."""
+def assert_400_naming(srv, request: dict, needle: str, *, then_healthy: bool = False) -> None:
+    """The request is refused with 400 and an error message that names ``needle``; with
+    ``then_healthy``, the server still answers ``/health_generate`` with 200 afterwards."""
     r = srv.generate(request, expect=400)
     err = r.json()["error"]
     assert err["code"] == 400 and needle in err["message"], err
+    if then_healthy:
+        assert srv.client.get("/health_generate").status_code == 200
+
+
+def assert_model_info_names(srv, family: str, pipeline_class: str) -> None:
+    info = srv.client.get("/model_info").json()
+    assert info["family"] == family and info["pipeline_class"] == pipeline_class

@@ -18,6 +18,7 @@ from diffusers import ClassifierFreeGuidance, DiffusionPipeline, FlowMatchEulerD
 
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output, stack_envs
 from diffusion_rollout.scheduler_mixins import transition
+from tests.family_helpers import REPLAY, assert_400_naming, assert_model_info_names
 
 FAMILY = "hunyuanvideo15"
 T = 2
@@ -161,9 +162,7 @@ def test_every_step_kind_is_the_shared_transition_and_replays_exactly(served, ki
             rollout_sde_type=kind,
             rollout_sde_step_indices=steps,
             rollout_noise_level=0.5,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
+            **REPLAY,
             return_generated_output=False,
         )
     )
@@ -213,9 +212,7 @@ def test_batched_replay_of_stacked_envs_matches_the_server_batch(served):
     outs = srv.generate(
         body(
             num_outputs_per_prompt=2,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
+            **REPLAY,
             return_generated_output=False,
         )
     )
@@ -267,15 +264,11 @@ def test_sde_trajectory_shapes_and_repeatability(served):
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
-    r = served(FAMILY).generate(body(**extra), expect=400)
-    err = r.json()["error"]
-    assert err["code"] == 400 and needle in err["message"], err
-    assert served(FAMILY).client.get("/health_generate").status_code == 200
+    assert_400_naming(served(FAMILY), body(**extra), needle, then_healthy=True)
 
 
 def test_model_info_names_the_family(served):
-    info = served(FAMILY).client.get("/model_info").json()
-    assert info["family"] == FAMILY and info["pipeline_class"] == "HunyuanVideo15Pipeline"
+    assert_model_info_names(served(FAMILY), FAMILY, "HunyuanVideo15Pipeline")
 
 
 def test_bf16_replay_uses_the_timestep_in_the_models_dtype(fresh_server):
@@ -283,9 +276,7 @@ def test_bf16_replay_uses_the_timestep_in_the_models_dtype(fresh_server):
     srv = fresh_server(FAMILY, dtype="bfloat16")
     (out,) = srv.generate(
         body(
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
+            **REPLAY,
             return_generated_output=False,
         )
     )

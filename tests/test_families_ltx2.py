@@ -21,6 +21,7 @@ from diffusion_rollout.client.replay import (
 )
 from diffusion_rollout.client.results import RolloutOutput
 from diffusion_rollout.scheduler_mixins import joint_log_prob, transition
+from tests.family_helpers import REPLAY, assert_400_naming, assert_model_info_names
 
 FAMILY = "ltx2"
 T = 2
@@ -165,9 +166,7 @@ def test_replay_reproduces_both_streams_model_outputs_and_the_joint_log_prob(ser
     srv = served(FAMILY)
     (out,) = srv.generate(
         body(
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
+            **REPLAY,
             return_generated_output=False,
         )
     )
@@ -253,15 +252,11 @@ def test_noise_is_drawn_video_then_audio_from_each_outputs_generator(served):
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
-    r = served(FAMILY).generate(body(**extra), expect=400)
-    err = r.json()["error"]
-    assert err["code"] == 400 and needle in err["message"], err
-    assert served(FAMILY).client.get("/health_generate").status_code == 200
+    assert_400_naming(served(FAMILY), body(**extra), needle, then_healthy=True)
 
 
 def test_model_info_names_the_family(served):
-    info = served(FAMILY).client.get("/model_info").json()
-    assert info["family"] == FAMILY and info["pipeline_class"] == "LTX2Pipeline"
+    assert_model_info_names(served(FAMILY), FAMILY, "LTX2Pipeline")
 
 
 def test_bf16_replay_casts_the_float32_latents_like_the_pipeline(fresh_server):
@@ -269,9 +264,7 @@ def test_bf16_replay_casts_the_float32_latents_like_the_pipeline(fresh_server):
     srv = fresh_server(FAMILY, dtype="bfloat16")
     (out,) = srv.generate(
         body(
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=True,
+            **REPLAY,
             return_generated_output=False,
         )
     )
