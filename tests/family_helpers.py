@@ -53,6 +53,32 @@ def stock_pipe(path, unshifted_scheduler: dict | None = None):
     return _pipes[key]
 
 
+def stock_images(
+    path,
+    unshifted_scheduler: dict,
+    base: dict,
+    T: int,
+    *,
+    seeds,
+    output_type,
+    sigmas=None,
+    steps_with_sigmas: bool = True,
+    **kw,
+):
+    """The stock pipeline from the same folder, called the way a user would: ``base`` with one image
+    per seed, ``T`` steps, custom ``sigmas`` on the unshifted scheduler (with the step count too
+    unless ``steps_with_sigmas`` is off), ``kw`` on top."""
+    pipe = stock_pipe(path, unshifted_scheduler if sigmas is not None else None)
+    args = {k: v for k, v in base.items() if k != "num_inference_steps"}
+    args.update(num_images_per_prompt=len(seeds), **kw)
+    if sigmas is not None:
+        args["sigmas"] = sigmas
+    if sigmas is None or steps_with_sigmas:
+        args["num_inference_steps"] = T
+    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    return pipe(generator=gens, output_type=output_type, **args).images
+
+
 def stack(outs, key="generated_output"):
     return torch.stack([o[key] for o in outs])
 

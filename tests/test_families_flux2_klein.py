@@ -23,6 +23,7 @@ from tests.family_helpers import (
     assert_replay_matches_the_rollout,
     assert_steps_follow_the_shared_transition,
     ode_modes,
+    stock_pipe,
 )
 
 FAMILY = "flux2-klein"
@@ -43,20 +44,8 @@ def body(**kw) -> dict:
     return {**BASE, "seed": 7, **kw}
 
 
-def stock_pipe(path, *, unshifted: bool = False):
-    return family_helpers.stock_pipe(path, UNSHIFTED if unshifted else None)
-
-
-def stock(path, *, seeds, output_type, sigmas=None, **kw):
-    """The stock pipeline from the same folder, called the way a user would."""
-    pipe = stock_pipe(path, unshifted=sigmas is not None)
-    args = {k: v for k, v in BASE.items() if k != "num_inference_steps"}
-    args.update(num_images_per_prompt=len(seeds), **kw)
-    if sigmas is not None:
-        args["sigmas"] = sigmas
-    args["num_inference_steps"] = T
-    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    return pipe(generator=gens, output_type=output_type, **args).images
+def stock(path, **kw):
+    return family_helpers.stock_images(path, UNSHIFTED, BASE, T, **kw)
 
 
 @ode_modes

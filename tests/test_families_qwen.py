@@ -23,6 +23,7 @@ from tests.family_helpers import (
     assert_ode_path_matches_stock,
     assert_replay_matches_the_rollout,
     ode_modes,
+    stock_pipe,
 )
 
 FAMILY = "qwenimage"
@@ -47,21 +48,8 @@ def body(**kw) -> dict:
 UNSHIFTED = {"shift": 1.0, "use_dynamic_shifting": False, "shift_terminal": None}
 
 
-def stock_pipe(path, *, unshifted: bool = False):
-    return family_helpers.stock_pipe(path, UNSHIFTED if unshifted else None)
-
-
-def stock(path, *, seeds, output_type, sigmas=None, **kw):
-    """The stock pipeline from the same folder, called the way a user would."""
-    pipe = stock_pipe(path, unshifted=sigmas is not None)
-    args = {k: v for k, v in BASE.items() if k != "num_inference_steps"}
-    args.update(num_images_per_prompt=len(seeds), **kw)
-    if sigmas is not None:
-        args["sigmas"] = sigmas
-    else:
-        args["num_inference_steps"] = T
-    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    return pipe(generator=gens, output_type=output_type, **args).images
+def stock(path, **kw):
+    return family_helpers.stock_images(path, UNSHIFTED, BASE, T, steps_with_sigmas=False, **kw)
 
 
 @ode_modes
