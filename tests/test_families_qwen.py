@@ -8,13 +8,11 @@ outputs and log-probs.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
 from tests import family_helpers
+from tests.batch_helpers import generate_together
 from tests.family_helpers import (
     REPLAY,
     assert_400_naming,
@@ -109,21 +107,7 @@ def test_prompts_of_different_lengths_batch_apart(fresh_server):
     ]
     alone = [srv.generate(r) for r in reqs]
     before = srv.engine.worker.batches_run
-    srv.engine.worker.pause()
-    results: list = [None] * len(reqs)
-
-    def send(i):
-        results[i] = srv.generate(reqs[i])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while srv.engine.worker.depth < len(reqs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    srv.engine.worker.resume()
-    for t in threads:
-        t.join(60)
+    results = generate_together(srv, reqs)
     assert srv.engine.worker.batches_run == before + 1, "the three requests should be taken as one batch"
     # The long prompt ran alone (batch 1, bitwise); the two short ones shared a call of batch 2,
     # where CPU GEMM blocking may move the last bits (test_rollout_api.BATCH_SIZE_BOUND).

@@ -14,6 +14,7 @@ import torch
 
 from diffusion_rollout.client.replay import replay_model_output
 from tests import family_helpers
+from tests.batch_helpers import generate_together
 from tests.family_helpers import (
     REPLAY,
     assert_400_naming,
@@ -148,9 +149,6 @@ def test_unservable_requests_get_400_naming_the_field(served, extra, needle):
 def test_prompts_of_different_lengths_share_one_call(fresh_server, tiny_model_path):
     """Z-Image takes a list of per-sample text features, so different lengths batch in one call; the
     call equals the stock pipeline handed the same per-prompt features as a list."""
-    import threading
-    import time
-
     srv = fresh_server(FAMILY, max_batch_size=8)
     prompts = ["a cat", "a very long prompt about a small red cat sitting on a mat at night"]
     reqs = [
@@ -158,23 +156,7 @@ def test_prompts_of_different_lengths_share_one_call(fresh_server, tiny_model_pa
         for p, s in zip(prompts, (1, 2), strict=True)
     ]
     before = srv.engine.worker.batches_run
-    srv.engine.worker.pause()
-    results: list = [None, None]
-
-    def send(i):
-        results[i] = srv.generate(reqs[i])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while srv.engine.worker.depth < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        srv.engine.worker.resume()
-    for t in threads:
-        t.join(60)
+    results = generate_together(srv, reqs)
     assert srv.engine.worker.batches_run == before + 1, "the two requests should share one pipeline call"
     pipe = stock_pipe(tiny_model_path(FAMILY))
     encs = [pipe.encode_prompt(p, max_sequence_length=64) for p in prompts]

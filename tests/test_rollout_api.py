@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from diffusion_rollout import wire
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
+from tests.batch_helpers import generate_together
 
 FAMILIES = ["sd3", "flux"]
 BASE = {"prompt": "a red cat", "width": 32, "height": 32, "num_inference_steps": 4, "max_sequence_length": 16}
@@ -243,21 +244,7 @@ def test_outputs_do_not_depend_on_batching(fresh_server):
     # Results reach the caller (results thread) before the worker counts its batch: wait for the count.
     _wait_for(lambda: worker.batches_run == start + len(reqs) and not worker.busy)
     batches_before = worker.batches_run
-    srv.engine.worker.pause()
-    results: list = [None] * len(reqs)
-
-    def send(i):
-        results[i] = srv.generate(reqs[i])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while srv.engine.worker.depth < len(reqs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    srv.engine.worker.resume()
-    for t in threads:
-        t.join(60)
+    results = generate_together(srv, reqs)
     _wait_for(lambda: worker.batches_run > batches_before and not worker.busy)
     assert worker.batches_run == batches_before + 1, "the three requests should run as one batch"
     for a, b in zip(alone, results, strict=True):
