@@ -30,11 +30,12 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -999,6 +1000,21 @@ def build(name: str, device: str = "cuda", dtype: torch.dtype | None = None, see
         defaults=defaults,
         build_s=time.perf_counter() - t0,
     )
+
+
+@contextlib.contextmanager
+def built_models(
+    names: list[str], device: str, dtype: torch.dtype | None = None
+) -> Iterator[list[BenchModel]]:
+    """Every model of ``names`` built, and closed again on the way out (also when a build fails)."""
+    models: list[BenchModel] = []
+    try:
+        for name in names:
+            models.append(build(name, device, dtype))
+        yield models
+    finally:
+        for m in models:
+            m.close()
 
 
 def _needs_image(pipe: Any) -> bool:

@@ -37,7 +37,7 @@ from benchmarks.common import (
     resolve_device,
     write_json,
 )
-from benchmarks.model_builders import BenchModel, build, default_models
+from benchmarks.model_builders import BenchModel, built_models, default_models
 
 PROMPT = "a red cat sitting on a blue sofa, studio light"
 MODES: dict[str, dict[str, Any]] = {
@@ -166,14 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     names = args.models.split(",") if args.models else default_models(device)
     modes = args.modes.split(",") if args.modes else None
-    models = []
-    try:
-        for name in names:
-            models.append(build(name, device, dtype))
+    with built_models(names, device, dtype) as models:
         doc = run(models, out_dir=args.out, modes=modes, device=device)
-    finally:
-        for m in models:
-            m.close()
     return 0 if doc["ok"] else 1
 
 

@@ -41,7 +41,7 @@ from benchmarks.common import (
     sync,
     write_json,
 )
-from benchmarks.model_builders import BenchModel, build, default_models
+from benchmarks.model_builders import BenchModel, built_models, default_models
 
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 
@@ -190,15 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     names = args.models.split(",") if args.models else default_models(device)[:2]
-    models = []
-    try:
-        for name in names:
-            models.append(build(name, device))
+    with built_models(names, device) as models:
         steps = {n: args.steps for n in names} if args.steps else None
         run(models, out_dir=args.out, reps=args.reps, steps=steps, device=device)
-    finally:
-        for m in models:
-            m.close()
     return 0
 
 

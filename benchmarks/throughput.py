@@ -46,7 +46,7 @@ from benchmarks.common import (
     timed,
     write_json,
 )
-from benchmarks.model_builders import BenchModel, build, default_models
+from benchmarks.model_builders import BenchModel, built_models, default_models
 from benchmarks.rollout_overhead import stock_runner
 
 GRPO_COLUMNS = [
@@ -376,10 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     names = args.models.split(",") if args.models else default_models(device)[:2]
-    models = []
-    try:
-        for name in names:
-            models.append(build(name, device))
+    with built_models(names, device) as models:
         grpo_model = models[0]
         run(
             grpo_model,
@@ -395,9 +392,6 @@ def main(argv: list[str] | None = None) -> int:
             steps={n: args.steps for n in names} if args.steps else None,
             option_models=models[-1:] if args.speed_options else [],
         )
-    finally:
-        for m in models:
-            m.close()
     return 0
 
 
