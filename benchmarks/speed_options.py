@@ -9,6 +9,8 @@ another process from the request to the decoded response (lean references resolv
    device). Variants: the plain per-output form with float32 images (what the issue measured at
    0.78x), the lean form (float32, then uint8 images), and lean + uint8 with CUDA graphs. Images/s,
    ratio, response MB.
+   ``grpo_iteration``: a trainer's iteration, ``--iteration-groups`` such requests in flight at once
+   (lean, uint8 images) vs the stock pipeline running the same batches back to back; images/s.
 2. ``batch1`` (SD3.5-medium 512x512 10 steps, batch 1): a full SDE rollout (log-probs, trajectory,
    env, image) on the eager server and with CUDA graphs vs the stock eager pipeline; the ODE gate
    (``rollout=false`` latents vs the stock pipeline, ``torch.equal``) for both, and the on-policy ratio
@@ -173,9 +175,9 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
                 "median_s": m,
                 "images_per_s": outputs / m,
                 "ms_per_step": 1000 * m / steps,
-                "ratio": base / m if phase == "grpo" else m / base,
+                "ratio": base / m if phase.startswith("grpo") else m / base,
                 "ratio_kind": "throughput vs stock (higher is faster)"
-                if phase == "grpo"
+                if phase.startswith("grpo")
                 else "time vs stock (lower is faster)",
                 "spread": spread(ts),
                 "times_s": ts,
@@ -209,6 +211,39 @@ def grpo(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
         notes["server_lean_uint8"] = "CUDA graphs: needs CUDA (not measured)"
     times, sizes = _time_interleaved(fns, reps, model.device)
     return _rows(model, "grpo", times, sizes, group, body["num_inference_steps"], notes)
+
+
+def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+    """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
+    (``generate_many``), vs the stock pipeline running the same batches one after another.
+
+    With several requests in flight the server overlaps one batch's host copies, serialization,
+    transfer and client decode with the next batch's denoising, which one request at a time cannot.
+    """
+    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
+    lean = {**SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
+    runs = [stock_runner(model, b) for b in bodies]
+    remote = model.server().remote()
+
+    def stock():
+        for run in runs:
+            run()
+        return None, None
+
+    def served(graphs: bool):
+        def fn():
+            with _graphs(model, graphs):
+                reply = remote.run([{**b, **lean} for b in bodies], clients=groups)
+            return reply["seconds"], sum(reply["bytes"])
+
+        return fn
+
+    fns = {"stock": stock, f"server_lean_uint8_{groups}_in_flight": served(False)}
+    if _has_graphs(model):
+        fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
+    times, sizes = _time_interleaved(fns, reps, model.device)
+    steps = bodies[0]["num_inference_steps"]
+    return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +534,10 @@ def run(args) -> dict[str, Any]:
         model.server(**server_cfg)
         if phase("grpo", 60):
             speed_rows += grpo(model, group=args.group, reps=args.reps)
+        if phase("grpo_iteration", 60):
+            speed_rows += grpo_iteration(
+                model, group=args.group, groups=args.iteration_groups, reps=args.reps
+            )
         if phase("batch1", 30):
             rows, gates = batch1(model, reps=args.reps_b1, phase="batch1")
             speed_rows += rows
@@ -548,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny SD3/FLUX models (a CPU check of the script)")
     p.add_argument("--group", type=int, default=None, help="outputs per Flow-GRPO request (16; tiny: 4)")
     p.add_argument("--reps", type=int, default=None, help="repeats per variant (3; tiny: 1)")
+    p.add_argument(
+        "--iteration-groups", type=int, default=None, help="Flow-GRPO requests in flight at once (4; tiny: 2)"
+    )
     p.add_argument("--reps-b1", type=int, default=None, help="repeats of the batch-1 rollouts (5; tiny: 1)")
     p.add_argument("--backends", default=None, help="attention backends for the drift table")
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
@@ -563,11 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     if args.tiny:
         args.group = args.group or 4
+        args.iteration_groups = args.iteration_groups or 2
         args.reps = args.reps or 1
         args.reps_b1 = args.reps_b1 or 1
         args.backends = "_native_math" if args.backends is None else args.backends
     else:
         args.group = args.group or 16
+        args.iteration_groups = args.iteration_groups or 4
         args.reps = args.reps or 3
         args.reps_b1 = args.reps_b1 or 5
         if args.backends is None:
