@@ -22,7 +22,10 @@ the same object the HTTP front serves. Each iteration:
    checksum is read back from its actor and compared with the trainer's.
 
 A real trainer would put its own rank actors into the same bundles (``placement_group_bundle_index``)
-and give each replica a GPU fraction; the example's driver process is the only trainer rank.
+and give each replica a GPU fraction; the example's driver process is the only trainer rank, and it
+replays on the CPU. With ``--device cuda`` the replicas roll out on GPUs while the replay stays on
+the CPU, so the first ratio is 1 within float rounding, not to the last bit: bit-exact replay needs
+the trainer on the same kind of device as the replica (as in ``tests/test_client_gpu.py``).
 Prints one JSON line per iteration and a summary; ``--out`` writes the summary as JSON.
 """
 
