@@ -124,12 +124,30 @@ class ServerConfig(BaseModel):
         8, ge=1, description="most captured CUDA-graph shape buckets; other shapes run eager"
     )
 
+    # Context parallelism: one request's transformer calls over several ranks (server/context_parallel.py)
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="ranks per engine for one request's transformer calls (Wan families); "
+        ">1 starts k-1 follower processes, one per GPU (a CPU engine mirrors them, for tests)",
+    )
+    context_parallel_mode: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="how diffusers shards attention over the ranks on CUDA: ulysses or ring"
+    )
+    context_parallel_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="bound on follower start-up (model load) and on each collective with the followers",
+    )
+
     # Replicas on Ray (diffusion_rollout.cluster); unset replicas = one process, Ray never imported
     replicas: int | None = Field(
         None, ge=1, description="engine replicas as Ray actors behind this front; unset = one process"
     )
     gpus_per_replica: float | None = Field(
-        None, ge=0, description="GPUs per replica (fractions share a GPU); unset = 1 on CUDA, 0 on CPU"
+        None,
+        ge=0,
+        description="GPUs per replica (fractions share a GPU); unset = context_parallel on CUDA, 0 on CPU",
     )
     cpus_per_replica: float = Field(1.0, ge=0, description="CPU cores Ray reserves per replica")
     replica_max_restarts: int = Field(
@@ -153,6 +171,20 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"cuda_graphs needs a CUDA device; this server runs on {device!r}")
             if self.compile:
                 raise ValueError("cuda_graphs replays the eager denoiser; it cannot be combined with compile")
+        if self.context_parallel > 1:
+            # Followers run the plain eager transformer; a compiled or graph-replayed rank 0 would not
+            # call it through the hook that hands each call to them.
+            for name in ("compile", "cuda_graphs"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"context_parallel={self.context_parallel} cannot be combined with {name}"
+                    )
+            gpus = self.gpus_per_replica
+            if self.replicas is not None and gpus is not None and gpus < self.context_parallel:
+                raise ValueError(
+                    f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
+                    f"{self.context_parallel} (got {gpus:g})"
+                )
         return self
 
     @classmethod
@@ -183,10 +215,11 @@ class ServerConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     def resolved_gpus_per_replica(self) -> float:
-        """GPUs each replica asks Ray for: the set value, else 1 when the front sees CUDA, else 0."""
+        """GPUs each replica asks Ray for: the set value, else ``context_parallel`` (one per rank) when
+        the front sees CUDA, else 0."""
         if self.gpus_per_replica is not None:
             return self.gpus_per_replica
-        return 1.0 if self.resolved_device().startswith("cuda") else 0.0
+        return float(self.context_parallel) if self.resolved_device().startswith("cuda") else 0.0
 
     def limits(self) -> dict[str, object]:
         """The limits reported by ``/server_info``."""

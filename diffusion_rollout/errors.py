@@ -79,6 +79,13 @@ class ServiceUnavailableError(DiffusionRolloutError):
     error_type = "service_unavailable"
 
 
+class ContextParallelError(ServiceUnavailableError):
+    """A context-parallel engine cannot run: its family cannot be parallelised, or a follower rank
+    failed to start, died or stopped answering (the engine then reports itself failed)."""
+
+    error_type = "context_parallel_error"
+
+
 class RequestTimeoutError(DiffusionRolloutError):
     """A rollout did not finish within ``request_timeout_s`` (queue wait included).
 

@@ -10,7 +10,7 @@ Design decisions:
   with ``ray start``), else starts a local Ray instance, unless the process already runs Ray
   (tests, trainers), which it then leaves running on ``stop()``.
 - **Replicas.** ``config.replicas`` actors of :class:`~diffusion_rollout.cluster.replica.ReplicaServer`,
-  each with ``gpus_per_replica`` GPUs (default 1 on a CUDA machine, 0 on a CPU one) and
+  each with ``gpus_per_replica`` GPUs (default ``context_parallel`` on a CUDA machine, 0 on a CPU one) and
   ``cpus_per_replica`` cores. Ray places them on any node of the cluster; the model path must be
   readable on every node.
 - **Rollouts.** Each request goes whole to the replica with the least outstanding work
@@ -201,8 +201,14 @@ class ClusterEngine:
             ray.init(**ray_init_kwargs(self.config))
             self._owns_ray = True
         gpus = self.config.resolved_gpus_per_replica()
-        if gpus > 1:
-            logger.warning("gpus_per_replica=%g: each engine runs on its first GPU only", gpus)
+        if gpus > self.config.context_parallel:
+            # Only context parallelism spreads one engine over several GPUs (one per rank).
+            logger.warning(
+                "gpus_per_replica=%g > context_parallel=%d: each engine uses %d GPU(s) only",
+                gpus,
+                self.config.context_parallel,
+                self.config.context_parallel,
+            )
         actor_cls = replica_actor_class(
             num_gpus=gpus,
             num_cpus=self.config.cpus_per_replica,

@@ -46,6 +46,7 @@ import torch
 from diffusion_rollout import lean
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
+    ContextParallelError,
     DiffusionRolloutError,
     GenerationError,
     RequestAbortedError,
@@ -100,6 +101,8 @@ class Engine:
         self.last_generate_ok_at: float | None = None
         self._shutdown_deadline: float | None = None
         self.planner: RequestPlanner | None = None
+        # Follower ranks of a context-parallel engine (server/context_parallel.py); None for k = 1.
+        self.context_parallel = None
         # Results of a batch are finished here (host copies landed, futures set) while the worker
         # already runs the next batch (server/result_copy.py).
         self._results = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-results")
@@ -115,6 +118,8 @@ class Engine:
         self._weight_version = value
         self.metrics.weight_updated()
         self.invalidate_captures()
+        if self.context_parallel is not None:
+            self.context_parallel.weights_changed()
 
     def invalidate_captures(self) -> None:
         """Weights replaced or memory moved: captured CUDA graphs may point at stale memory."""
@@ -144,6 +149,11 @@ class Engine:
             dtype=self.dtype,
             num_train_timesteps=lambda: self.loaded.pipe.scheduler.config.num_train_timesteps,
         )
+        if self.config.context_parallel > 1 and self.context_parallel is None:
+            # Imported here: a k = 1 engine never loads torch.distributed or spawns anything.
+            from diffusion_rollout.server.context_parallel import start_for
+
+            self.context_parallel = start_for(self)
 
     def start(self) -> None:
         if self.adapter is None:
@@ -171,6 +181,8 @@ class Engine:
         deadline = self.begin_shutdown(grace_s)
         self.worker.stop(max(0.0, deadline - time.monotonic()))
         self._results.shutdown(wait=True)
+        if self.context_parallel is not None:
+            self.context_parallel.stop()
         logger.info("engine stopped")
 
     @property
@@ -198,7 +210,10 @@ class Engine:
         """The speed options in force and whether they are exact (``/server_info``)."""
         if self.loaded is None:
             return {}
-        return {**self.loaded.speed.report(), "feature_caches": list(SUPPORTED_CACHES.get(self.family, ()))}
+        info = {**self.loaded.speed.report(), "feature_caches": list(SUPPORTED_CACHES.get(self.family, ()))}
+        if self.context_parallel is not None:
+            info["context_parallel"] = self.context_parallel.stats()
+        return info
 
     # ------------------------------------------------------------------ router interface (engine_api)
     def queue_stats(self) -> QueueStats:
@@ -336,12 +351,21 @@ class Engine:
     # ------------------------------------------------------------------ validation
     def plan(self, p: GenerateParams) -> Plan:
         """Validate ``p`` against the model and the limits (``RequestError``) and plan its batch."""
+        if self.context_parallel is not None and p.feature_cache is not None:
+            # A cache skips blocks on rank 0 only; the followers would run them and fall out of step.
+            raise RequestError(
+                "feature_cache is not supported on a context_parallel engine", field="feature_cache"
+            )
         return self.planner.plan(p)
 
     # ------------------------------------------------------------------ the worker side
     def _after_batch_error(self, exc: BaseException, jobs: list[Job]) -> None:
         """Worker hook after a failed batch (its frames already cleared): count it, free memory."""
         self.metrics.batch_failed(getattr(exc, "error_type", "internal_error"))
+        if isinstance(exc, ContextParallelError):
+            # A missing rank cannot be replaced in place: later batches would fail or hang the same way.
+            self.status = "failed"
+            logger.error("engine failed: %s", exc)
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -446,7 +470,7 @@ class Engine:
                             output = pipe(**kwargs)
                     else:
                         output = pipe(**kwargs)
-            except RequestError:
+            except (RequestError, ContextParallelError):
                 raise
             except torch.cuda.OutOfMemoryError as exc:
                 torch.cuda.empty_cache()

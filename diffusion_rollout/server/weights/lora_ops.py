@@ -50,6 +50,21 @@ def _dtype(name: str | None) -> torch.dtype | None:
 class LoraOps(ManagerCore):
     """Named PEFT adapters on pipeline modules (mixed into ``WeightManager``)."""
 
+    def _refuse_dynamic_on_cp(self, target: str, active: str | None, mode: str | None) -> None:
+        """Before a change: a context-parallel engine cannot run an adapter in dynamic mode.
+
+        Its followers mirror rank 0's parameters (server/context_parallel.py); a dynamic adapter runs
+        in forward, outside them, so the ranks would compute different models. Merged mode is fine.
+        """
+        if getattr(self.engine, "context_parallel", None) is None or active is None:
+            return
+        if (mode or self.lora.state(target).mode) == "dynamic":
+            raise WeightUpdateError(
+                f"context_parallel={self.engine.config.context_parallel}: LoRA adapters run in merged mode "
+                "only (its follower ranks copy the base weights); send mode='merged'",
+                field="mode",
+            )
+
     async def _load_lora(
         self,
         target: str,
@@ -65,6 +80,8 @@ class LoraOps(ManagerCore):
         strength: float | None = None,
     ) -> dict[str, Any]:
         def run() -> str:
+            if activate or mode is not None or strength is not None:
+                self._refuse_dynamic_on_cp(target, name if activate else self.lora.state(target).active, mode)
             t0 = time.perf_counter()
             module = get_module(self.engine.pipe, target)
             record, in_place = self.lora.load(
@@ -211,6 +228,7 @@ class LoraOps(ManagerCore):
         dtype = _dtype(merge_dtype)
 
         def run() -> str:
+            self._refuse_dynamic_on_cp(target, name, mode)
             module = get_module(self.engine.pipe, target)
             self.lora.activate(target, module, name, mode=mode, strength=strength, merge_dtype=dtype)
             self._bump(weight_version, [target])
@@ -226,6 +244,7 @@ class LoraOps(ManagerCore):
         dtype = _dtype(merge_dtype)
 
         def run() -> str:
+            self._refuse_dynamic_on_cp(target, self.lora.state(target).active, mode)
             module = get_module(self.engine.pipe, target)
             self.lora.set_mode(target, module, mode, merge_dtype=dtype)
             self._bump(weight_version, [target])

@@ -1,0 +1,490 @@
+"""Context parallelism: one request's transformer calls run on k ranks (``config.context_parallel``).
+
+diffusers' context parallelism (``enable_parallelism(config=ContextParallelConfig(ulysses_degree=k))``
+or ``ring_degree=k``) is SPMD: every rank must call the transformer's forward with the same full
+inputs; attention shards the token sequence over the ranks and the output is gathered, so every rank
+gets the same output. The engine process is rank 0 and runs the whole pipeline as usual; this module
+gives it k-1 *follower* processes that hold only the denoisers and run each transformer call with it.
+
+Design decisions:
+
+- **Rank 0 drives, followers mirror its calls.** A forward pre-hook on each rank-0 denoiser hands the
+  call to the followers before rank 0 runs it: the call's structure (which denoiser, args and kwargs
+  with every tensor replaced by its shape and dtype) goes to each follower over its own
+  multiprocessing queue, the tensors go over ``torch.distributed`` broadcasts (NCCL on CUDA, so they
+  stay on the GPU; gloo on the CPU). Followers block on the queue between requests, so an idle server
+  never sits in a collective and ``context_parallel_timeout_s`` bounds only real work.
+- **Everything happens on the engine's worker thread**, which alone calls the transformers: the
+  followers see the calls in rank 0's order and a weight sync can never land inside a batch.
+- **Weights follow rank 0 lazily.** The engine marks the weights changed whenever its
+  ``weight_version`` changes (the one place every successful weight or LoRA change passes through,
+  rollbacks of a cluster included); the next op sent to the followers (normally the next batch's
+  first transformer call) is preceded by a broadcast of every denoiser parameter and buffer, which the
+  followers copy in place. Dynamic-mode LoRA is refused on such an engine (``weights/lora_ops.py``):
+  an adapter applied in forward would change what rank 0 computes without changing its parameters.
+  Merged mode folds the adapter into the base weights, which the sync carries.
+- **CPU: mirror mode.** diffusers' parallelism resolves ranks to accelerator devices, so on the CPU
+  (gloo) it is not enabled: each follower runs the *whole* transformer on the same inputs and its
+  output is discarded. That serves nothing faster; it exists so the lockstep, the weight sync and the
+  shutdown are tested on CPU. In mirror mode every rank records a checksum of its last output and
+  of its weights (``stats()``), so tests compare follower and rank 0 bit for bit.
+- **Failure is loud and bounded.** A follower that fails to start reports its error before exiting;
+  rank 0 checks that every follower is alive before each op, and collectives time out after
+  ``context_parallel_timeout_s``. Either raises ``ContextParallelError``, after which the engine
+  reports itself failed (a rollout would otherwise hang or compute with a missing rank).
+- Exactness: k GPUs sum attention in another order than one, so a k-GPU rollout is not expected to be
+  bit-identical to a 1-GPU one; a 1-GPU replay reproduces it to that distance
+  (``benchmarks/context_parallel.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib
+import logging
+import os
+import queue
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
+from diffusion_rollout.errors import ContextParallelError
+
+logger = logging.getLogger(__name__)
+
+# Families whose transformers diffusers ships a context-parallel plan for (``_cp_plan``).
+SUPPORTED_FAMILIES = ("wan", "wan2.2")
+
+_FORWARDS, _LAST_OUTPUT, _SYNCS = range(3)
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where a broadcast tensor goes back into a call's structure."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _fill_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any) -> list[_TensorSlot]:
+    if isinstance(obj, _TensorSlot):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sorted((s for v in obj for s in _slots(v)), key=lambda s: s.index)
+    return []
+
+
+def output_checksum(output: Any) -> float:
+    """A float64 sum of a transformer output's first tensor: equal bits give equal sums."""
+    tensor = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+    return float(tensor.detach().double().sum())
+
+
+def _synced_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # By name, so rank 0 and the followers walk the same order; buffers too (rotary tables). Through
+    # PEFT wrappers to the base weights: a merged adapter lives there, a plain follower has no wrapper.
+    named = [*base_named_parameters(module), *base_named_buffers(module)]
+    return sorted(named, key=lambda item: item[0])
+
+
+def weights_digest(modules: dict[str, nn.Module]) -> str:
+    """SHA-256 over every synced tensor's bytes (mirror mode's weight check; reads them to the host)."""
+    h = hashlib.sha256()
+    for name in sorted(modules):
+        for key, t in _synced_tensors(modules[name]):
+            h.update(f"{name}.{key}".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _enable(modules: dict[str, nn.Module], mode: str, world: int) -> None:
+    from diffusers import ContextParallelConfig
+
+    kw = {"ulysses_degree": world} if mode == "ulysses" else {"ring_degree": world}
+    for module in modules.values():
+        module.enable_parallelism(config=ContextParallelConfig(**kw))
+
+
+# ---------------------------------------------------------------------- follower side
+def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
+    dtype = spec["dtype"]
+    modules = {}
+    for name, (module_path, cls_name, config) in spec["denoisers"].items():
+        cls = getattr(importlib.import_module(module_path), cls_name)
+        if spec["model_path"]:
+            module = cls.from_pretrained(spec["model_path"], subfolder=name, torch_dtype=dtype)
+        else:  # an in-memory pipeline: any weights do, rank 0's are broadcast before the first call
+            with torch.device(device):
+                module = cls.from_config(config)
+        module = module.to(device=device, dtype=dtype).eval()
+        if spec["attention_backend"]:
+            module.set_attention_backend(spec["attention_backend"])
+        modules[name] = module
+    return modules
+
+
+def _follower_main(
+    rank: int, world: int, port: int, spec: dict[str, Any], ops, events, stats, digest
+) -> None:
+    """A follower rank: load the denoisers, then run rank 0's ops until ``stop`` (or rank 0 is gone)."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])  # the same kernels as rank 0 (mirror mode compares bits)
+    cuda = spec["cuda"]
+    device = f"cuda:{spec['first_gpu'] + rank}" if cuda else "cpu"
+    try:
+        if cuda:
+            torch.cuda.set_device(device)
+        _init_group(rank, world, port, cuda, spec["timeout_s"])
+        modules = _load_denoisers(spec, device)
+        # "ready" before enabling: enable_parallelism builds device meshes, which every rank (rank 0
+        # too, once all followers are ready) must build together.
+        events.put(("ready", rank, None))
+        if cuda:
+            _enable(modules, spec["mode"], world)
+    except BaseException as exc:
+        events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
+        return
+    parent = mp.parent_process()
+    try:
+        while True:
+            try:
+                op = ops.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return
+                continue
+            kind = op[0]
+            if kind == "stop":
+                return
+            if kind == "sync":
+                with torch.no_grad():
+                    for t in _follower_tensors(modules, op[1]):
+                        dist.broadcast(t.data, src=0)
+                stats[_SYNCS] += 1
+                if not cuda:
+                    digest.value = weights_digest(modules).encode()
+            elif kind == "forward":
+                _, name, structure = op
+                tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _slots(structure)]
+                for t in tensors:
+                    dist.broadcast(t, src=0)
+                args, kwargs = _fill_tensors(structure, tensors)
+                with torch.inference_mode():
+                    out = modules[name](*args, **kwargs)
+                stats[_FORWARDS] += 1
+                if not cuda:
+                    stats[_LAST_OUTPUT] = output_checksum(out)
+    except BaseException as exc:
+        events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _follower_tensors(modules: dict[str, nn.Module], layout: list[tuple[str, str]]) -> list[torch.Tensor]:
+    own = {(name, key): t for name, m in modules.items() for key, t in _synced_tensors(m)}
+    missing = [f"{n}.{k}" for n, k in layout if (n, k) not in own]
+    if missing or len(own) != len(layout):
+        raise RuntimeError(f"weight layout differs from rank 0's (missing here: {missing[:5]})")
+    return [own[item] for item in layout]
+
+
+# ---------------------------------------------------------------------- rank 0
+class ContextParallelGroup:
+    """Rank 0's side: the followers, the hooks on its denoisers, the weight sync and the stats."""
+
+    def __init__(
+        self,
+        denoisers: dict[str, nn.Module],
+        *,
+        ranks: int,
+        mode: str,
+        device: str,
+        dtype: torch.dtype,
+        model_path: str | None,
+        attention_backend: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        import multiprocessing as mp
+
+        self.denoisers = denoisers
+        self.ranks = ranks
+        self.cuda = device.startswith("cuda")
+        self.mode = mode if self.cuda else "mirror"
+        self.timeout_s = timeout_s
+        self.error: str | None = None
+        self.forwards = 0
+        self.last_output: float | None = None
+        self._weights_dirty = True  # the first op sends rank 0's weights: every rank holds the same bits
+        self._hooks: list[Any] = []
+        ctx = mp.get_context("spawn")
+        first_gpu = (torch.device(device).index or 0) if self.cuda else 0
+        spec = {
+            "denoisers": {
+                name: (type(m).__module__, type(m).__name__, dict(m.config)) for name, m in denoisers.items()
+            },
+            "model_path": model_path,
+            "dtype": dtype,
+            "cuda": self.cuda,
+            "first_gpu": first_gpu,
+            "mode": mode,
+            "attention_backend": attention_backend,
+            "threads": torch.get_num_threads(),
+            "timeout_s": timeout_s,
+        }
+        port = _free_port()
+        self._events = ctx.Queue()
+        self._ops = [ctx.Queue() for _ in range(ranks - 1)]
+        self._stats = [ctx.Array("d", 3, lock=False) for _ in range(ranks - 1)]
+        self._digests = [ctx.Array("c", 64, lock=False) for _ in range(ranks - 1)]
+        self._procs = []
+        for r in range(1, ranks):
+            shared = (self._ops[r - 1], self._events, self._stats[r - 1], self._digests[r - 1])
+            self._procs.append(
+                ctx.Process(
+                    target=_follower_main,
+                    args=(r, ranks, port, spec, *shared),
+                    name=f"context-parallel-rank{r}",
+                    daemon=True,
+                )
+            )
+        logger.info("context parallel: starting %d follower rank(s), mode %s", ranks - 1, self.mode)
+        for p in self._procs:
+            p.start()
+        try:
+            if self.cuda:
+                torch.cuda.set_device(first_gpu)
+            _init_group(0, ranks, port, self.cuda, timeout_s)
+            self._wait_ready()
+            if self.cuda:
+                _enable(denoisers, mode, ranks)
+            self._sync_weights()
+        except BaseException as exc:
+            self.stop()
+            if isinstance(exc, ContextParallelError):
+                raise
+            raise ContextParallelError(f"context_parallel: starting the followers failed: {exc}") from exc
+        for name, module in denoisers.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._post_hook))
+        logger.info("context parallel: %d ranks ready", ranks)
+
+    # ------------------------------------------------------------------ start-up and health
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        waited = 0.0
+        while len(ready) < self.ranks - 1:
+            try:
+                kind, rank, message = self._events.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                self._check_alive()
+                if waited > self.timeout_s:
+                    raise ContextParallelError(
+                        f"context_parallel: followers not ready within context_parallel_timeout_s={self.timeout_s:g}"
+                    ) from None
+                continue
+            if kind == "error":
+                raise ContextParallelError(
+                    f"context_parallel: follower rank {rank} failed to start: {message}"
+                )
+            ready.add(rank)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise ContextParallelError(self.error)
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            detail = ""
+            try:
+                _, rank, message = self._events.get_nowait()
+                detail = f"; rank {rank}: {message}"
+            except queue.Empty:
+                pass
+            codes = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            self.error = f"context_parallel: follower process(es) ended: {codes}{detail}"
+            raise ContextParallelError(self.error)
+
+    def _send(self, op: tuple) -> None:
+        self._check_alive()
+        for q in self._ops:
+            q.put(op)
+
+    def _collective(self, fn, what: str) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a follower died inside the collective, or it timed out
+            self.error = f"context_parallel: {what} with the followers failed: {type(exc).__name__}: {exc}"
+            raise ContextParallelError(self.error) from exc
+
+    # ------------------------------------------------------------------ weights
+    def weights_changed(self) -> None:
+        """Rank 0's weights changed: the followers get them before the next op."""
+        self._weights_dirty = True
+
+    def _sync_weights(self) -> None:
+        import torch.distributed as dist
+
+        tensors = [
+            (name, key, t)
+            for name in sorted(self.denoisers)
+            for key, t in _synced_tensors(self.denoisers[name])
+        ]
+        self._send(("sync", [(name, key) for name, key, _ in tensors]))
+
+        def run() -> None:
+            with torch.no_grad():
+                for _, _, t in tensors:
+                    dist.broadcast(t.data.contiguous(), src=0)
+
+        self._collective(run, "the weight sync")
+        self._weights_dirty = False
+
+    # ------------------------------------------------------------------ the hooks
+    def _pre_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            import torch.distributed as dist
+
+            if self._weights_dirty:
+                self._sync_weights()
+            tensors: list[torch.Tensor] = []
+            structure = _strip_tensors((tuple(args), dict(kwargs)), tensors)
+            self._send(("forward", name, structure))
+
+            def run() -> None:
+                for t in tensors:
+                    dist.broadcast(t.contiguous(), src=0)
+
+            self._collective(run, f"sending a {name} call")
+
+        return hook
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.forwards += 1
+        if not self.cuda:  # a host sync per call: only where the checksums are compared (mirror mode)
+            self.last_output = output_checksum(output)
+
+    # ------------------------------------------------------------------ stats and stop
+    def stats(self) -> dict[str, Any]:
+        """Per rank: transformer calls run, weight syncs, and in mirror mode output and weight checksums."""
+        followers = []
+        for i, (s, d) in enumerate(zip(self._stats, self._digests, strict=True)):
+            row = {"rank": i + 1, "alive": self._procs[i].is_alive(), "forwards": int(s[_FORWARDS]),
+                   "weight_syncs": int(s[_SYNCS])}  # fmt: skip
+            if not self.cuda:
+                row["last_output_checksum"] = s[_LAST_OUTPUT]
+                row["weights_digest"] = d.value.decode() or None
+            followers.append(row)
+        out = {"ranks": self.ranks, "mode": self.mode, "forwards": self.forwards, "followers": followers,
+               "error": self.error}  # fmt: skip
+        if not self.cuda:
+            out["last_output_checksum"] = self.last_output
+        return out
+
+    def weights_digest(self) -> str:
+        """Rank 0's :func:`weights_digest` (what mirror-mode followers report after each sync)."""
+        return weights_digest(self.denoisers)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Send ``stop``, join the followers (terminate the ones that do not end), drop the group."""
+        import torch.distributed as dist
+
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for q, p in zip(self._ops, self._procs, strict=True):
+            if p.is_alive():
+                q.put(("stop",))
+        for p in self._procs:
+            if p.pid is not None:
+                p.join(timeout_s)
+                if p.is_alive():
+                    logger.warning("context parallel: %s did not stop; terminating it", p.name)
+                    p.terminate()
+                    p.join(timeout_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        logger.info("context parallel: followers stopped")
+
+    @property
+    def processes(self) -> list[Any]:
+        return list(self._procs)
+
+
+def start_for(engine: Any) -> ContextParallelGroup:
+    """The group for a loaded engine whose ``config.context_parallel`` > 1, after checking its family."""
+    cfg = engine.config
+    family = engine.adapter.name
+    if family not in SUPPORTED_FAMILIES:
+        raise ContextParallelError(
+            f"context_parallel={cfg.context_parallel} is not supported for family {family!r}; "
+            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    if engine.device.startswith("cuda"):
+        first = torch.device(engine.device).index or 0
+        if first + cfg.context_parallel > torch.cuda.device_count():
+            raise ContextParallelError(
+                f"context_parallel={cfg.context_parallel} needs {cfg.context_parallel} GPUs from "
+                f"{engine.device}; this process sees {torch.cuda.device_count()}"
+            )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # followers inherit it: they read the same folder
+    return ContextParallelGroup(
+        dict(engine.adapter.transformers()),
+        ranks=cfg.context_parallel,
+        mode=cfg.context_parallel_mode,
+        device=engine.device,
+        dtype=engine.dtype,
+        model_path=engine.model_path,
+        attention_backend=cfg.attention_backend,
+        timeout_s=cfg.context_parallel_timeout_s,
+    )

@@ -1,0 +1,165 @@
+"""Context parallelism's serving mechanics on the CPU: ``context_parallel=2`` in mirror mode over gloo.
+
+On the CPU diffusers' context parallelism is unavailable, so the follower runs the whole transformer
+on every call rank 0 hands it (server/context_parallel.py). That makes the lockstep observable: the
+follower must run exactly rank 0's calls, get exactly its outputs (checksums) and hold exactly its
+weights after every update, and rank 0's rollouts must equal a one-process server's bit for bit.
+The tiny Wan 2.2 model has two experts, so both denoisers are mirrored.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.errors import ContextParallelError
+from tests.conftest import ServedModel
+
+T = 3
+BODY = {
+    "prompt": "a red cat",
+    "seed": 7,
+    "width": 32,
+    "height": 32,
+    "num_frames": 5,
+    "num_inference_steps": T,
+    "guidance_scale": 4.0,
+    "guidance_scale_2": 3.0,
+    "max_sequence_length": 16,
+    "rollout_sde_step_indices": [0, 2],
+    "rollout_debug_mode": False,
+}
+# Classifier-free guidance: two transformer calls per step, one request of one output.
+CALLS_PER_ROLLOUT = 2 * T
+
+
+class Servers:
+    def __init__(self, path) -> None:
+        self.ref = ServedModel(path)
+        self.cp = ServedModel(path, context_parallel=2)
+        self.closed = False
+
+    def close(self) -> None:
+        self.ref.close()
+        if not self.closed:
+            self.closed = True
+            self.cp.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path):
+    s = Servers(tiny_model_path("wan2.2"))
+    yield s
+    s.close()
+
+
+def group(server):
+    return server.engine.context_parallel
+
+
+def settled_stats(server, timeout_s: float = 30.0) -> dict:
+    """The stats once the follower has run every call rank 0 handed it (it runs behind rank 0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.client.get("/server_info").json()["speed"]["context_parallel"]
+        (follower,) = stats["followers"]
+        if follower["forwards"] == stats["forwards"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def both(servers, body=BODY):
+    (ref,) = servers.ref.generate(body)
+    (cp,) = servers.cp.generate(body)
+    return ref, cp
+
+
+def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
+    before = settled_stats(servers.cp)["forwards"]
+    ref, cp = both(servers)
+    for key in ("generated_output", "rollout_log_probs"):
+        assert torch.equal(ref[key], cp[key]), key
+    stats = settled_stats(servers.cp)
+    (follower,) = stats["followers"]
+    assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
+    assert stats["forwards"] == before + CALLS_PER_ROLLOUT
+    assert follower["forwards"] == stats["forwards"] and follower["alive"]
+    # Bit-equal outputs of the last call: the follower got rank 0's inputs and weights, not just a call.
+    assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0
+    assert follower["weights_digest"] == group(servers.cp).weights_digest()
+
+
+def test_a_full_update_reaches_the_follower_before_the_next_rollout(servers):
+    pipe = servers.cp.engine.pipe
+    g = torch.Generator().manual_seed(3)
+    new = {
+        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+        for n, p in pipe.transformer.named_parameters()
+    }
+    digest_before = group(servers.cp).weights_digest()
+    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
+    for srv in (servers.ref, servers.cp):
+        r = srv.client.post(
+            "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
+        )
+        assert r.status_code == 200, r.text
+    digest_after = group(servers.cp).weights_digest()
+    assert digest_after != digest_before
+    ref, cp = both(servers)
+    for key in ("generated_output", "rollout_log_probs"):
+        assert torch.equal(ref[key], cp[key]), key
+    (follower,) = settled_stats(servers.cp)["followers"]
+    assert follower["weight_syncs"] == syncs_before + 1
+    assert follower["weights_digest"] == digest_after
+
+
+def test_dynamic_lora_and_feature_caches_are_refused_naming_the_field(servers):
+    r = servers.cp.client.post("/lora/activate", json={"name": "default"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "context_parallel" in err["message"] and "merged" in err["message"]
+    # Merged mode passes that check (and fails only because no such adapter is loaded).
+    r = servers.cp.client.post("/lora/activate", json={"name": "default", "mode": "merged"})
+    assert r.status_code == 404, r.text
+    cache = {"kind": "first_block", "threshold": 0.05}
+    r = servers.cp.generate({**BODY, "feature_cache": cache}, expect=400)
+    assert "feature_cache" in r.json()["error"]["message"]
+
+
+def test_stop_ends_the_follower(servers):
+    procs = group(servers.cp).processes
+    assert all(p.is_alive() for p in procs)
+    servers.closed = True
+    servers.cp.close()
+    assert all(not p.is_alive() and p.exitcode == 0 for p in procs)  # it left on "stop", not terminate()
+
+
+def test_a_dead_follower_fails_the_engine_with_a_clear_error(tiny_model_path):
+    srv = ServedModel(tiny_model_path("wan"), context_parallel=2)
+    try:
+        (proc,) = group(srv).processes
+        proc.kill()
+        proc.join(10)
+        r = srv.generate({k: v for k, v in BODY.items() if k != "guidance_scale_2"}, expect=503)
+        assert "follower" in r.json()["error"]["message"]
+        assert srv.engine.status == "failed"
+        assert srv.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
+    finally:
+        srv.close()
+
+
+def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_model_path):
+    from diffusion_rollout.server.engine import Engine
+
+    engine = Engine(ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", context_parallel=2))
+    with pytest.raises(ContextParallelError, match="context_parallel=2 is not supported for family 'sd3'"):
+        engine.load()
+    assert engine.context_parallel is None  # refused before any follower was spawned
+    with pytest.raises(ValueError, match="context_parallel=2 cannot be combined with compile"):
+        ServerConfig(context_parallel=2, compile=True)
+    with pytest.raises(ValueError, match="context_parallel=2 needs gpus_per_replica >= 2"):
+        ServerConfig(context_parallel=2, replicas=2, gpus_per_replica=1)
