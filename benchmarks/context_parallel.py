@@ -19,8 +19,9 @@ Sharded attention sums in another order than one GPU, so the k-GPU result is not
 bit-identical to k = 1; the JSON says how far it is. Replay on one GPU of a k-GPU rollout then
 reproduces model outputs to that distance, not bit for bit (the ratio is 1 up to it).
 
-Not served yet: the rollout server runs one process per replica; a k-GPU replica needs its
-followers to run every pipeline call with rank 0 (``--gpus-per-replica``), which this measures first.
+Served with ``--context-parallel k`` (``diffusion_rollout/server/context_parallel.py``: the engine
+is rank 0 and hands every transformer call to k-1 follower processes); this script measures the
+stock pipeline on the same ranks, without the server, as the reference for that path.
 
     python -m benchmarks.context_parallel --gpus 2 --out $OUT                       # Wan 2.1 1.3B
     python -m benchmarks.context_parallel --gpus 2 --model wan2.2-a14b --out $OUT   # 14B experts

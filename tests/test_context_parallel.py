@@ -63,9 +63,13 @@ def group(server):
 
 def settled_stats(server, timeout_s: float = 30.0) -> dict:
     """The stats once the follower has run every call rank 0 handed it (it runs behind rank 0)."""
+    return settled(lambda: server.client.get("/server_info").json()["speed"]["context_parallel"], timeout_s)
+
+
+def settled(read, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = server.client.get("/server_info").json()["speed"]["context_parallel"]
+        stats = read()
         (follower,) = stats["followers"]
         if follower["forwards"] == stats["forwards"] or time.monotonic() > deadline:
             return stats
@@ -83,6 +87,7 @@ def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
     ref, cp = both(servers)
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], cp[key]), key
+    assert cp["exact"] is True  # mirror mode: rank 0 computes alone
     stats = settled_stats(servers.cp)
     (follower,) = stats["followers"]
     assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
@@ -138,18 +143,39 @@ def test_stop_ends_the_follower(servers):
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs)  # it left on "stop", not terminate()
 
 
-def test_a_dead_follower_fails_the_engine_with_a_clear_error(tiny_model_path):
-    srv = ServedModel(tiny_model_path("wan"), context_parallel=2)
+def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fails_the_engine():
+    from fastapi.testclient import TestClient
+
+    from diffusion_rollout import wire
+    from diffusion_rollout.entrypoints.app import create_app
+    from diffusion_rollout.models import build_tiny_pipeline
+    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.loader import prepare_pipeline
+
+    # No folder: the follower builds the transformer from its config, with its own random weights,
+    # and holds rank 0's only through the start-up sync.
+    config = ServerConfig(device="cpu", dtype="float32", context_parallel=2)
+    engine = Engine(config, loaded=prepare_pipeline(build_tiny_pipeline("wan", seed=5), device="cpu"))
+    engine.start()
+    body = {k: v for k, v in BODY.items() if k != "guidance_scale_2"}
     try:
-        (proc,) = group(srv).processes
-        proc.kill()
-        proc.join(10)
-        r = srv.generate({k: v for k, v in BODY.items() if k != "guidance_scale_2"}, expect=503)
-        assert "follower" in r.json()["error"]["message"]
-        assert srv.engine.status == "failed"
-        assert srv.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
+        with TestClient(create_app(config, engine=engine)) as client:
+            r = client.post("/rollout/generate", json=body, headers={"Accept": "application/msgpack"})
+            assert r.status_code == 200, r.text[:500]
+            wire.decode(r.content, r.headers["content-type"])
+            (follower,) = settled(engine.context_parallel.stats)["followers"]
+            assert follower["weights_digest"] == engine.context_parallel.weights_digest()
+
+            (proc,) = engine.context_parallel.processes
+            proc.kill()
+            proc.join(10)
+            r = client.post("/rollout/generate", json=body)
+            assert r.status_code == 503, r.text
+            assert "follower" in r.json()["error"]["message"]
+            assert engine.status == "failed"
+            assert client.get("/server_info").json()["speed"]["context_parallel"]["error"]
     finally:
-        srv.close()
+        engine.stop(grace_s=5)
 
 
 def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_model_path):

@@ -161,8 +161,14 @@ def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
         if spec["model_path"]:
             module = cls.from_pretrained(spec["model_path"], subfolder=name, torch_dtype=dtype)
         else:  # an in-memory pipeline: any weights do, rank 0's are broadcast before the first call
-            with torch.device(device):
-                module = cls.from_config(config)
+            # Built in its dtype on its device: a float32 copy of a 14B expert first would not fit.
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    module = cls.from_config(config)
+            finally:
+                torch.set_default_dtype(default)
         module = module.to(device=device, dtype=dtype).eval()
         if spec["attention_backend"]:
             module.set_attention_backend(spec["attention_backend"])
@@ -318,6 +324,11 @@ class ContextParallelGroup:
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_hook))
         logger.info("context parallel: %d ranks ready", ranks)
+
+    @property
+    def exact(self) -> bool:
+        """Mirror mode leaves rank 0's computation alone; sharded attention does not."""
+        return self.mode == "mirror"
 
     # ------------------------------------------------------------------ start-up and health
     def _wait_ready(self) -> None:
@@ -484,7 +495,8 @@ def start_for(engine: Any) -> ContextParallelGroup:
         mode=cfg.context_parallel_mode,
         device=engine.device,
         dtype=engine.dtype,
-        model_path=engine.model_path,
+        # A folder the followers can read; else (an in-memory pipeline) they build from the config.
+        model_path=engine.model_path if engine.model_path and os.path.isdir(engine.model_path) else None,
         attention_backend=cfg.attention_backend,
         timeout_s=cfg.context_parallel_timeout_s,
     )

@@ -1,0 +1,86 @@
+"""Context parallelism on two GPUs: diffusers' Ulysses and ring attention behind a served engine.
+
+Rank 0 is this process on cuda:0, its follower runs on cuda:1. Sharded attention sums in another
+order than one GPU, so a k = 2 rollout is compared with a k = 1 one within a float32 bound, not bit
+for bit (the test prints the distance it measured); the follower must still run every call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from tests.conftest import ServedModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+BODY = {
+    "prompt": "a red cat",
+    "seed": 7,
+    "width": 32,
+    "height": 32,
+    "num_frames": 5,
+    "num_inference_steps": 3,
+    "guidance_scale": 4.0,
+    "max_sequence_length": 16,
+    "rollout_sde_step_indices": [0, 2],
+    "rollout_debug_mode": False,
+}
+BOUND = 1e-3  # float32 on the tiny model; measured distances are printed
+
+
+def update(server, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    new = {
+        n: p.detach().cpu() + 0.05 * torch.randn(p.shape, generator=g)
+        for n, p in server.engine.pipe.transformer.named_parameters()
+    }
+    r = server.client.post(
+        "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
+    )
+    assert r.status_code == 200, r.text
+
+
+def distance(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in ("generated_output", "rollout_log_probs"))
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode):
+    path = tiny_model_path("wan")
+    ref = ServedModel(path, device="cuda:0")
+    try:
+        (base,) = ref.generate(BODY)
+        update(ref, 1)
+        (updated,) = ref.generate(BODY)
+    finally:
+        ref.close()
+    cp = ServedModel(path, device="cuda:0", context_parallel=2, context_parallel_mode=mode)
+    try:
+        (out,) = cp.generate(BODY)
+        before = distance(out, base)
+        update(cp, 1)
+        (out_updated,) = cp.generate(BODY)
+        after = distance(out_updated, updated)
+        print(f"{mode}: max |k=2 - k=1| before update {before:.3g}, after {after:.3g}")
+        assert before <= BOUND and after <= BOUND
+        assert out["exact"] is False  # sharded attention
+        assert distance(out_updated, out) > 10 * BOUND  # the update changed what both ranks compute
+        deadline = time.monotonic() + 30
+        while True:
+            stats = cp.client.get("/server_info").json()["speed"]["context_parallel"]
+            (follower,) = stats["followers"]
+            if follower["forwards"] == stats["forwards"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert stats["mode"] == mode and stats["error"] is None
+        assert follower["forwards"] == stats["forwards"] == 2 * 2 * BODY["num_inference_steps"]
+        assert follower["weight_syncs"] == 2  # at start, and after the update
+    finally:
+        cp.close()
