@@ -180,7 +180,7 @@ class ServerConfig(BaseModel):
                         f"context_parallel={self.context_parallel} cannot be combined with {name}"
                     )
             gpus = self.gpus_per_replica
-            if self.replicas is not None and gpus is not None and gpus < self.context_parallel:
+            if self.replicas is not None and gpus is not None and 0 < gpus < self.context_parallel:
                 raise ValueError(
                     f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
                     f"{self.context_parallel} (got {gpus:g})"

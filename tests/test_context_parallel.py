@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from diffusion_rollout import wire
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import ContextParallelError
 from tests.conftest import ServedModel
@@ -146,7 +147,6 @@ def test_stop_ends_the_follower(servers):
 def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fails_the_engine():
     from fastapi.testclient import TestClient
 
-    from diffusion_rollout import wire
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.models import build_tiny_pipeline
     from diffusion_rollout.server.engine import Engine
@@ -189,3 +189,37 @@ def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_mode
         ServerConfig(context_parallel=2, compile=True)
     with pytest.raises(ValueError, match="context_parallel=2 needs gpus_per_replica >= 2"):
         ServerConfig(context_parallel=2, replicas=2, gpus_per_replica=1)
+
+
+def test_a_ray_replica_runs_its_own_follower(tiny_model_path, served):
+    """``--replicas 1 --context-parallel 2``: the replica actor spawns the follower and serves as k = 1."""
+    import ray
+    from fastapi.testclient import TestClient
+
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.entrypoints.app import create_app
+
+    path = str(tiny_model_path("wan"))
+    body = {k: v for k, v in BODY.items() if k != "guidance_scale_2"}
+    (ref,) = served("wan").generate(body)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    engine = None
+    try:
+        config = ServerConfig(
+            model=path, device="cpu", dtype="float32", replicas=1, gpus_per_replica=0, context_parallel=2
+        )
+        engine = ClusterEngine(config)
+        engine.start()
+        with TestClient(create_app(config, engine=engine)) as client:
+            stats = client.get("/server_info").json()["speed"]["context_parallel"]
+            assert stats["ranks"] == 2 and stats["mode"] == "mirror"
+            assert stats["followers"][0]["alive"]
+            r = client.post("/rollout/generate", json=body, headers={"Accept": "application/msgpack"})
+            assert r.status_code == 200, r.text[:500]
+            (out,) = wire.decode(r.content, r.headers["content-type"])
+            for key in ("generated_output", "rollout_log_probs"):
+                assert torch.equal(out[key], ref[key]), key
+    finally:
+        if engine is not None:
+            engine.stop(grace_s=5)
+        ray.shutdown()
