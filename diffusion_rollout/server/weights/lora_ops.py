@@ -50,6 +50,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
 class LoraOps(ManagerCore):
     """Named PEFT adapters on pipeline modules (mixed into ``WeightManager``)."""
 
+    def _on_cp(self) -> bool:
+        return getattr(self.engine, "context_parallel", None) is not None
+
     def _refuse_dynamic_on_cp(self, target: str, active: str | None, mode: str | None) -> None:
         """Before a change: a context-parallel engine cannot run an adapter in dynamic mode.
 
@@ -80,7 +83,7 @@ class LoraOps(ManagerCore):
         strength: float | None = None,
     ) -> dict[str, Any]:
         def run() -> str:
-            if activate or mode is not None or strength is not None:
+            if self._on_cp() and (activate or mode is not None or strength is not None):
                 self._refuse_dynamic_on_cp(target, name if activate else self.lora.state(target).active, mode)
             t0 = time.perf_counter()
             module = get_module(self.engine.pipe, target)
@@ -244,7 +247,8 @@ class LoraOps(ManagerCore):
         dtype = _dtype(merge_dtype)
 
         def run() -> str:
-            self._refuse_dynamic_on_cp(target, self.lora.state(target).active, mode)
+            if self._on_cp():
+                self._refuse_dynamic_on_cp(target, self.lora.state(target).active, mode)
             module = get_module(self.engine.pipe, target)
             self.lora.set_mode(target, module, mode, merge_dtype=dtype)
             self._bump(weight_version, [target])
