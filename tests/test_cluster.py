@@ -501,6 +501,16 @@ def test_replica_killed_under_load_is_restarted_and_resynced(cluster, served):
     expected_sum = checksum(client)
     victim = engine.replicas[1]
     old_pid = victim.info["pid"]
+    # An update group formed before the kill: replica 1's restarted process is no member of it.
+    from diffusion_rollout.client import RolloutClient, WeightBroadcaster
+
+    group = WeightBroadcaster(
+        RolloutClient("http://testserver", http_client=client),
+        master_address="127.0.0.1",
+        master_port=_free_port(),
+        backend="gloo",
+        timeout_s=60,
+    ).init()
 
     # Replica 1 holds its share of the load in its queue (paused there alone), so the kill surely
     # lands while it has requests in flight; the rest of the load keeps running on replica 0.
@@ -524,3 +534,16 @@ def test_replica_killed_under_load_is_restarted_and_resynced(cluster, served):
     after = [r["served_requests"] for r in replicas(client)]
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
     assert_same_output(outs[0], outs[1])
+
+    # A broadcast into the group that lost replica 1 would wait for it until the group's timeout:
+    # refused at once, nothing applied; the group can then be destroyed (replica 0 leaves it).
+    t0 = time.monotonic()
+    r = client.post(
+        "/update_weights_from_distributed",
+        json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": group.group_name},
+    )
+    assert r.status_code == 503, r.text
+    assert "replica 1 restarted since the group was formed" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10
+    assert checksum(client) == expected_sum and assert_versions_agree(client) == "before-kill"
+    group.destroy()

@@ -28,7 +28,10 @@ Design decisions:
   and modules that disagree with replica 0.
 - **Update groups.** Replica ``i`` joins as ``rank_offset + i`` (``routing.replica_ranks``), all at
   once since joining is collective; a broadcast is received by all replicas concurrently (prepare),
-  then applied in the commit phase.
+  then applied in the commit phase. The front remembers each group's members (replica and
+  process); a broadcast into a group that lost one (restarting, or restarted: a new process never
+  joined) is refused at once with 503 instead of waiting for it until the group's timeout, and
+  destroying the group asks only the members that are still in it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ class ClusterWeights:
         # Upload bodies are received here once (unpinned: the front holds no model), then put in
         # the object store for the replicas and given back.
         self.receive_buffers = BufferPool(pin=False, keep_bytes=cluster.config.upload_buffer_keep_bytes)
+        # Update groups formed through this front: group name -> {replica id: pid at joining}. A
+        # replica restarted since (a new process) is no member, and a collective without it would wait
+        # for it until the group's timeout: such a broadcast is refused before any replica is asked.
+        self._groups: dict[str, dict[int, Any]] = {}
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -365,6 +372,9 @@ class ClusterWeights:
         per_replica = [{**kwargs, "rank_offset": rank} for rank in ranks]
         async with self.cluster.admin_lock:
             await self._fanout("init_group", per_replica=per_replica)
+            self._groups[kwargs["group_name"]] = {
+                r.replica_id: r.info.get("pid") for r in self.cluster.replicas
+            }
         return self.result(
             f"replicas joined weight update group {kwargs['group_name']!r} as ranks {ranks[0]}..{ranks[-1]} "
             f"of {kwargs['world_size']} ({kwargs['backend']})",
@@ -382,6 +392,7 @@ class ClusterWeights:
         weight_version: Version = None,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
+        self._check_members(group_name)
         kwargs = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -397,9 +408,41 @@ class ClusterWeights:
             flush_cache=flush_cache,
         )
 
+    def _lost_members(self, group_name: str) -> list[str]:
+        """Why members of ``group_name`` cannot take part any more (empty: all can)."""
+        joined = self._groups.get(group_name)
+        if joined is None:
+            return []  # not formed through this front: the replicas answer for themselves
+        lost = []
+        for r in self.cluster.replicas:
+            if r.replica_id not in joined:
+                continue
+            if r.state != "serving":
+                lost.append(f"replica {r.replica_id} is {r.state}")
+            elif r.info.get("pid") != joined[r.replica_id]:
+                lost.append(f"replica {r.replica_id} restarted since the group was formed")
+        return lost
+
+    def _check_members(self, group_name: str) -> None:
+        lost = self._lost_members(group_name)
+        if lost:
+            raise ServiceUnavailableError(
+                f"weight update group {group_name!r} lost members ({'; '.join(lost)}): a broadcast would "
+                "wait for them until the group's timeout. Nothing was applied: destroy the group and "
+                "init it again once every replica serves"
+            )
+
     async def destroy_group(self, group_name: str) -> dict[str, Any]:
         async with self.cluster.admin_lock:
-            await self._fanout("destroy_group", {"group_name": group_name})
+            joined = self._groups.pop(group_name, None)
+            members = [
+                r
+                for r in self._replicas()
+                if joined is None or (r.replica_id in joined and r.info.get("pid") == joined[r.replica_id])
+            ]
+            # A replica restarted since the group was formed never joined it: nothing to leave there.
+            if members:
+                await self._fanout("destroy_group", {"group_name": group_name}, replicas=members)
         return self.result(f"replicas left weight update group {group_name!r}")
 
     # ------------------------------------------------------------------ checks
