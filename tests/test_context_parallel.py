@@ -136,6 +136,25 @@ def test_dynamic_lora_and_feature_caches_are_refused_naming_the_field(servers):
     assert "feature_cache" in r.json()["error"]["message"]
 
 
+def test_memory_release_reaches_the_follower_and_rollouts_match_after_resume(servers):
+    """A colocated trainer frees every rank's GPU: the follower moves its denoisers off and back."""
+    cp = servers.cp
+    r = cp.client.post("/release_memory_occupation", json={})
+    assert r.status_code == 200, r.text
+    # Answered after the follower met rank 0 past its release: no settling needed.
+    (follower,) = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
+    assert follower["released"] is True and follower["alive"]
+    r = cp.client.post("/resume_memory_occupation", json={})
+    assert r.status_code == 200, r.text
+    (follower,) = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
+    assert follower["released"] is False
+    ref, out = both(servers)
+    for key in ("generated_output", "rollout_log_probs"):
+        assert torch.equal(ref[key], out[key]), key
+    stats = settled_stats(cp)
+    assert stats["followers"][0]["last_output_checksum"] == stats["last_output_checksum"]
+
+
 def test_stop_ends_the_follower(servers):
     procs = group(servers.cp).processes
     assert all(p.is_alive() for p in procs)
@@ -144,8 +163,10 @@ def test_stop_ends_the_follower(servers):
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs)  # it left on "stop", not terminate()
 
 
-def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fails_the_engine():
+def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fails_the_engine(servers):
     from fastapi.testclient import TestClient
+
+    servers.close()  # one context-parallel engine per process (it owns the default process group)
 
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.models import build_tiny_pipeline

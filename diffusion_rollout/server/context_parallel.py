@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 # Families whose transformers diffusers ships a context-parallel plan for (``_cp_plan``).
 SUPPORTED_FAMILIES = ("wan", "wan2.2")
 
-_FORWARDS, _LAST_OUTPUT, _SYNCS = range(3)
+_FORWARDS, _LAST_OUTPUT, _SYNCS, _RELEASED = range(4)
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,16 @@ def _follower_main(
                 stats[_SYNCS] += 1
                 if not cuda:
                     digest.value = weights_digest(modules).encode()
+            elif kind in ("release", "resume"):
+                # The engine's /release_memory_occupation: the followers' GPUs are freed too (a
+                # colocated trainer wants them), then everyone meets so rank 0 answers only after.
+                target = "cpu" if kind == "release" else device
+                for m in modules.values():
+                    m.to(target)
+                if cuda and kind == "release":
+                    torch.cuda.empty_cache()
+                stats[_RELEASED] = 1.0 if kind == "release" else 0.0
+                dist.barrier()
             elif kind == "forward":
                 _, name, structure = op
                 tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _slots(structure)]
@@ -291,7 +301,7 @@ class ContextParallelGroup:
         port = _free_port()
         self._events = ctx.Queue()
         self._ops = [ctx.Queue() for _ in range(ranks - 1)]
-        self._stats = [ctx.Array("d", 3, lock=False) for _ in range(ranks - 1)]
+        self._stats = [ctx.Array("d", 4, lock=False) for _ in range(ranks - 1)]
         self._digests = [ctx.Array("c", 64, lock=False) for _ in range(ranks - 1)]
         self._procs = []
         for r in range(1, ranks):
@@ -378,6 +388,15 @@ class ContextParallelGroup:
             self.error = f"context_parallel: {what} with the followers failed: {type(exc).__name__}: {exc}"
             raise ContextParallelError(self.error) from exc
 
+    # ------------------------------------------------------------------ memory
+    def release_memory(self, release: bool) -> None:
+        """Move the followers' denoisers to the CPU (``release``) or back to their GPUs; returns once
+        every follower has done it. Called on the engine's worker, between batches."""
+        import torch.distributed as dist
+
+        self._send(("release" if release else "resume",))
+        self._collective(dist.barrier, "releasing memory" if release else "resuming memory")
+
     # ------------------------------------------------------------------ weights
     def weights_changed(self) -> None:
         """Rank 0's weights changed: the followers get them before the next op."""
@@ -431,7 +450,7 @@ class ContextParallelGroup:
         followers = []
         for i, (s, d) in enumerate(zip(self._stats, self._digests, strict=True)):
             row = {"rank": i + 1, "alive": self._procs[i].is_alive(), "forwards": int(s[_FORWARDS]),
-                   "weight_syncs": int(s[_SYNCS])}  # fmt: skip
+                   "weight_syncs": int(s[_SYNCS]), "released": bool(s[_RELEASED])}  # fmt: skip
             if not self.cuda:
                 row["last_output_checksum"] = s[_LAST_OUTPUT]
                 row["weights_digest"] = d.value.decode() or None

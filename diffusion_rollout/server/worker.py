@@ -241,14 +241,16 @@ class Worker:
                     except Exception as exc:  # one failing batch fails only its own requests
                         logger.exception("batch of %d request(s) failed", len(live))
                         _clear_frames(exc)
-                        for j in live:
-                            if not j.future.done():
-                                j.future.set_exception(exc)
+                        # The hook first: what it records (metrics, a failed engine's status) is then
+                        # in place when the callers see the error.
                         if self._on_batch_error is not None:
                             try:
                                 self._on_batch_error(exc, live)
                             except Exception:  # the hook must not kill the worker either
                                 logger.exception("on_batch_error hook failed")
+                        for j in live:
+                            if not j.future.done():
+                                j.future.set_exception(exc)
             finally:
                 request_id_var.reset(token)
                 with self._cond:

@@ -117,6 +117,9 @@ class WeightManager(FullWeightOps, LoraOps):
                 return "memory already released"
             self.engine.invalidate_captures()  # graphs hold device memory and the old weights' addresses
             moved = self.memory.release(self.modules().values(), self.lora.kept_tensors())
+            followers = getattr(self.engine, "context_parallel", None)
+            if followers is not None:
+                followers.release_memory(True)
             self.engine.prompt_cache.clear()
             self.engine.status = "released"
             self._sync_pause()
@@ -131,6 +134,9 @@ class WeightManager(FullWeightOps, LoraOps):
             if not self.memory.released:
                 return "memory already resident"
             moved = self.memory.resume(self.modules().values(), self.lora.kept_tensors(), self.engine.device)
+            followers = getattr(self.engine, "context_parallel", None)
+            if followers is not None:
+                followers.release_memory(False)
             self.engine.status = "ready"
             self._sync_pause()
             return f"resumed {moved / 2**20:.1f} MiB to {self.engine.device}"
