@@ -37,7 +37,6 @@ import concurrent.futures
 import gc
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -60,6 +59,7 @@ from diffusion_rollout.scheduler_mixins import (
     make_rollout_state,
     rollout_context,
 )
+from diffusion_rollout.server.batch_split import split_batch
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.images import probe_image_png
@@ -487,9 +487,10 @@ class Engine:
         # Sharded attention (k GPUs) sums in another order than the stock pipeline on one.
         cp_exact = self.context_parallel is None or self.context_parallel.exact
         exact = speed.exact and cache is None and cp_exact
-        results, flags = self._split(
-            plans, state, recorder, images, call, version, elapsed, peak, copier, exact
-        )
+        results, flags = split_batch(
+            self.adapter, plans, state, recorder, images, call, copier,
+            version=version, elapsed=elapsed, peak=peak, exact=exact, device=self.device,
+        )  # fmt: skip
         copier.finish()
         args = (jobs, plans, results, flags, copier, call, version, elapsed)
         try:
@@ -543,112 +544,3 @@ class Engine:
             if not job.future.done():
                 job.future.set_result(results[row : row + n])
             row += n
-
-    def _split(
-        self, plans, state, recorder, images, call, version, elapsed, peak, copier, exact
-    ) -> tuple[list[SampleResult], torch.Tensor]:
-        """The batch's outputs, their tensors being copied to the host by ``copier``, and a ``[B]``
-        bool tensor (host, valid after ``copier.wait()``) flagging NaN/Inf per output."""
-        a = self.adapter
-        batch = sum(len(pl.seeds) for pl in plans)
-        T = call.num_inference_steps
-        env_rows = None
-        if (
-            any(pl.params.rollout and pl.params.return_denoising_env for pl in plans)
-            and recorder.first_step_calls
-        ):
-            env_rows = a.split_env(recorder.first_step_calls, batch, call, recorder.timestep_dtype)
-        timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
-        experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
-        out: list[SampleResult] = []
-        flags: list[torch.Tensor] = []
-        batch_id = uuid.uuid4().hex
-        flag_device = images.device if images is not None else torch.device(self.device)
-        schedule = None
-        if state is not None and state.sigmas is not None:
-            schedule = (
-                timesteps if timesteps is not None else copier.copy(state.timesteps),
-                copier.copy(state.sigmas.float()),
-            )
-        row = 0
-        for pl in plans:
-            p = pl.params
-            for seed in pl.seeds:
-                img = images[row] if images is not None else None
-                # NaN/Inf checks stay on the device (no sync here); the flags travel with the copies.
-                bad = torch.zeros((), dtype=torch.bool, device=flag_device)
-                if img is not None:
-                    img = img.detach()
-                    bad = ~torch.isfinite(img).all().to(flag_device)
-                    if p.output_dtype == "uint8" and p.return_generated_output:
-                        img = a.to_uint8(img)
-                    img = copier.copy(img.float() if img.dtype != torch.uint8 else img)
-                log_probs = debug = env = traj = None
-                sde_steps = None
-                if p.rollout and state is not None:
-                    view = state.per_sample(row)
-                    log_probs = copier.copy(view["log_probs"].float())
-                    # A NaN log-prob poisons a policy-gradient loss as surely as a NaN image.
-                    bad = bad | ~torch.isfinite(view["log_probs"]).all().to(flag_device)
-                    sde_steps = list(state.sde_step_indices)
-                    if p.settings.debug:
-                        debug = {
-                            "rollout_variance_noises": copier.copy(view["variance_noises"]),
-                            "rollout_prev_sample_means": copier.copy(view["prev_sample_means"]),
-                            "rollout_noise_std_devs": copier.copy(view["noise_std_devs"]),
-                            "rollout_model_outputs": copier.copy(view["model_outputs"]),
-                        }
-                        if "streams" in view:  # jointly denoised streams (LTX-2): each one's own
-                            debug["streams"] = {
-                                name: {
-                                    "rollout_variance_noises": copier.copy(v["variance_noises"]),
-                                    "rollout_prev_sample_means": copier.copy(v["prev_sample_means"]),
-                                    "rollout_model_outputs": copier.copy(v["model_outputs"]),
-                                }
-                                for name, v in view["streams"].items()
-                            }
-                    if p.return_dit_trajectory:
-                        # The trajectory keeps the dtype the pipeline stored its latents in (bf16 for a
-                        # bf16 model, float32 where the pipeline keeps float32 latents): lossless.
-                        traj = {
-                            "latents": copier.copy(view["trajectory_latents"]),
-                            "timesteps": schedule[0],
-                            "sigmas": schedule[1],
-                            "latent_step_indices": list(state.latent_step_indices),
-                        }
-                        if "streams" in view:  # jointly denoised streams (LTX-2): each one's own
-                            traj["streams"] = {
-                                name: {
-                                    "latents": copier.copy(v["trajectory_latents"]),
-                                    "log_probs": copier.copy(v["log_probs"].float()),
-                                }
-                                for name, v in view["streams"].items()
-                            }
-                    if p.return_denoising_env and env_rows is not None:
-                        env = copier.copy_tree(env_rows[row])
-                        if experts is not None:
-                            env["expert_per_step"] = experts
-                out.append(
-                    SampleResult(
-                        request_id=p.request_id,
-                        prompt=p.prompt,
-                        seed=seed,
-                        weight_version=version,
-                        generated_output=img,
-                        rollout_log_probs=log_probs,
-                        rollout_debug_tensors=debug,
-                        denoising_env=env,
-                        dit_trajectory=traj,
-                        sde_step_indices=sde_steps,
-                        expert_per_step=experts,
-                        inference_time_s=elapsed,
-                        peak_memory_mb=peak,
-                        batch_id=batch_id,
-                        batch_index=row,
-                        batch_size=batch,
-                        exact=exact,
-                    )
-                )
-                flags.append(bad)
-                row += 1
-        return out, copier.copy(torch.stack(flags))
