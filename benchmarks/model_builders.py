@@ -575,7 +575,7 @@ def _hunyuanvideo15_480p(device: str, dtype, seed: int, overrides: dict[str, Any
 
     from diffusion_rollout.models import make_real_scheduler
     from diffusion_rollout.models.scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE
-    from diffusion_rollout.models.tiny import hunyuanvideo15_tokenizers
+    from diffusion_rollout.models.tiny_video import hunyuanvideo15_tokenizers
 
     tok, tok2 = hunyuanvideo15_tokenizers()
     tcfg = {**HUNYUANVIDEO15_480P_TRANSFORMER, **overrides}

@@ -22,19 +22,18 @@ Design decisions:
   (with its chat template); klein's has 27 layers so the pipeline's default
   ``text_encoder_out_layers`` (9, 18, 27) exist, and its VAE's batch-norm statistics are not the
   identity, so the pipeline's latent de-normalisation is exercised.
+- Layout: the family table and the image families' builders here; the seeded construction and the
+  shared text encoders and VAE in ``tiny_parts``; the video families with their own text stacks
+  (HunyuanVideo 1.5, LTX-2) in ``tiny_video``; the image-conditioned ones in ``tiny_image_cond``.
 - Image VAEs downsample by 4 (not 8) so a 32x32 image still has 16 latent tokens; the Wan VAE keeps
   the real 8x spatial / 4x temporal factors because ``WanPipeline`` reads them from its config.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
-import threading
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -42,14 +41,9 @@ from typing import Any
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     AutoencoderKLFlux2,
-    AutoencoderKLHunyuanVideo15,
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
-    ClassifierFreeGuidance,
     DiffusionPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
@@ -57,9 +51,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
     LTX2Pipeline,
-    LTX2VideoTransformer3DModel,
     QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -72,17 +64,11 @@ from diffusers import (
     ZImageTransformer2DModel,
 )
 from transformers import (
-    ByT5Tokenizer,
-    CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -93,12 +79,22 @@ from transformers import (
 )
 
 from . import tiny_image_cond
-from .scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE, WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
+from .scheduler_configs import WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
+from .tiny_parts import (
+    LATENT_CHANNELS,
+    TEXT_DIM,
+    clip_config,
+    image_vae,
+    padded_vocab,
+    pinned_rng_and_dtype,
+    qwen25_text_config,
+    qwen_ids,
+    seeded,
+    t5_kwargs,
+)
+from .tiny_video import hunyuanvideo15_components, ltx2_components
 from .tokenizers import (
-    QWEN_CHAT_TEMPLATE,
-    QWEN_SPECIAL_TOKENS,
     make_clip_tokenizer,
-    make_gemma_tokenizer,
     make_qwen2_tokenizer,
     make_qwen3_tokenizer,
     make_t5_tokenizer,
@@ -129,103 +125,6 @@ FAMILIES: tuple[str, ...] = (
 #: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
 IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit", "wan2.2-ti2v-i2v")
 
-_TEXT_DIM = 32  # T5 / UMT5 / Qwen2.5 hidden size = the transformers' joint/text attention width
-_LATENT_CHANNELS = 16
-
-_BUILD_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _pinned_rng_and_dtype() -> Iterator[None]:
-    """Serialise builds, isolate the global RNG and pin float32 construction for their duration."""
-    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(previous_dtype)
-
-
-def _seed_for(seed: int, component: str) -> int:
-    """Stable per-component seed (crc32 is fixed across processes, unlike ``hash``)."""
-    return zlib.crc32(f"{seed}/{component}".encode())
-
-
-def _seeded(seed: int, component: str, factory: Callable[[], Any]) -> Any:
-    # The CPU generator only: construction runs on the CPU, and torch.manual_seed would also reseed
-    # (and fork_rng would not restore) the caller's CUDA generators.
-    torch.random.default_generator.manual_seed(_seed_for(seed, component))
-    return factory()
-
-
-def _padded_vocab(tokenizer: PreTrainedTokenizerBase, multiple: int = 64) -> int:
-    """Embedding rows for ``tokenizer``, rounded up like real checkpoints pad their vocabularies."""
-    return -(-len(tokenizer) // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared text encoders and VAEs
-# ---------------------------------------------------------------------------------------------
-
-
-def _clip_config(
-    tokenizer: PreTrainedTokenizerBase, hidden: int, projection_dim: int, act: str
-) -> CLIPTextConfig:
-    return CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=tokenizer.model_max_length,
-        projection_dim=projection_dim,
-        hidden_act=act,
-        bos_token_id=tokenizer.bos_token_id,
-        # The real EOS id (not the legacy 2), so pooling takes the first EOS position.
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def _t5_kwargs(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    return {
-        "vocab_size": _padded_vocab(tokenizer),
-        "d_model": _TEXT_DIM,
-        "d_kv": 8,
-        "d_ff": 32,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 16,
-        "dropout_rate": 0.0,
-        "feed_forward_proj": "gated-gelu",  # T5 v1.1 / UMT5, as SD3, FLUX and Wan use
-        "is_encoder_decoder": False,
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "decoder_start_token_id": tokenizer.pad_token_id,
-    }
-
-
-def _image_vae(shift_factor: float, scaling_factor: float) -> AutoencoderKL:
-    """SD3/FLUX-style KL VAE with 16 latent channels and a 4x downsampling."""
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=8,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=shift_factor,
-        scaling_factor=scaling_factor,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Families
 # ---------------------------------------------------------------------------------------------
@@ -237,18 +136,18 @@ def _sd3_components(seed: int) -> dict[str, Any]:
     tokenizer_3 = make_t5_tokenizer()
     clip_l_width, clip_g_width = 8, 16  # concatenated (24) and zero-padded to the T5 width (32)
     return {
-        "transformer": _seeded(
+        "transformer": seeded(
             seed,
             "transformer",
             lambda: SD3Transformer2DModel(
                 sample_size=8,  # latent size of the default 32x32 image
                 patch_size=2,
-                in_channels=_LATENT_CHANNELS,
-                out_channels=_LATENT_CHANNELS,
+                in_channels=LATENT_CHANNELS,
+                out_channels=LATENT_CHANNELS,
                 num_layers=2,
                 attention_head_dim=16,
                 num_attention_heads=2,
-                joint_attention_dim=_TEXT_DIM,
+                joint_attention_dim=TEXT_DIM,
                 caption_projection_dim=32,
                 pooled_projection_dim=clip_l_width + clip_g_width,
                 pos_embed_max_size=32,
@@ -256,24 +155,22 @@ def _sd3_components(seed: int) -> dict[str, Any]:
                 qk_norm="rms_norm",  # SD3.5
             ),
         ),
-        "text_encoder": _seeded(
+        "text_encoder": seeded(
             seed,
             "text_encoder",
             lambda: CLIPTextModelWithProjection(
-                _clip_config(tokenizer, clip_l_width, clip_l_width, "quick_gelu")
+                clip_config(tokenizer, clip_l_width, clip_l_width, "quick_gelu")
             ),
         ),
-        "text_encoder_2": _seeded(
+        "text_encoder_2": seeded(
             seed,
             "text_encoder_2",
-            lambda: CLIPTextModelWithProjection(
-                _clip_config(tokenizer_2, clip_g_width, clip_g_width, "gelu")
-            ),
+            lambda: CLIPTextModelWithProjection(clip_config(tokenizer_2, clip_g_width, clip_g_width, "gelu")),
         ),
-        "text_encoder_3": _seeded(
-            seed, "text_encoder_3", lambda: T5EncoderModel(T5Config(**_t5_kwargs(tokenizer_3)))
+        "text_encoder_3": seeded(
+            seed, "text_encoder_3", lambda: T5EncoderModel(T5Config(**t5_kwargs(tokenizer_3)))
         ),
-        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.0609, scaling_factor=1.5305)),
+        "vae": seeded(seed, "vae", lambda: image_vae(shift_factor=0.0609, scaling_factor=1.5305)),
         "scheduler": make_real_scheduler("sd3"),
         "tokenizer": tokenizer,
         "tokenizer_2": tokenizer_2,
@@ -286,31 +183,31 @@ def _flux_components(seed: int) -> dict[str, Any]:
     tokenizer_2 = make_t5_tokenizer()
     clip_width = 16
     return {
-        "transformer": _seeded(
+        "transformer": seeded(
             seed,
             "transformer",
             lambda: FluxTransformer2DModel(
                 patch_size=1,
-                in_channels=4 * _LATENT_CHANNELS,  # 2x2 packed latent patches
+                in_channels=4 * LATENT_CHANNELS,  # 2x2 packed latent patches
                 num_layers=1,
                 num_single_layers=1,
                 attention_head_dim=16,
                 num_attention_heads=2,
-                joint_attention_dim=_TEXT_DIM,
+                joint_attention_dim=TEXT_DIM,
                 pooled_projection_dim=clip_width,
                 guidance_embeds=True,  # FLUX.1-dev's distilled guidance embedding
                 axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
             ),
         ),
-        "text_encoder": _seeded(
+        "text_encoder": seeded(
             seed,
             "text_encoder",
-            lambda: CLIPTextModel(_clip_config(tokenizer, clip_width, clip_width, "quick_gelu")),
+            lambda: CLIPTextModel(clip_config(tokenizer, clip_width, clip_width, "quick_gelu")),
         ),
-        "text_encoder_2": _seeded(
-            seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(**_t5_kwargs(tokenizer_2)))
+        "text_encoder_2": seeded(
+            seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(**t5_kwargs(tokenizer_2)))
         ),
-        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
+        "vae": seeded(seed, "vae", lambda: image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
         "scheduler": make_real_scheduler("flux"),
         "tokenizer": tokenizer,
         "tokenizer_2": tokenizer_2,
@@ -319,41 +216,16 @@ def _flux_components(seed: int) -> dict[str, Any]:
     }
 
 
-def _qwen_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
-    return dict(
-        zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS)), strict=True)
-    )
-
-
-def _qwen25_text_config(tokenizer: PreTrainedTokenizerBase, num_layers: int = 2) -> dict[str, Any]:
-    ids = _qwen_ids(tokenizer)
-    head_dim = 16
-    return {
-        "vocab_size": _padded_vocab(tokenizer),
-        "hidden_size": _TEXT_DIM,
-        "intermediate_size": 32,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": _TEXT_DIM // head_dim,
-        "num_key_value_heads": 1,  # grouped-query attention, as in Qwen2.5
-        "max_position_embeddings": 2048,
-        # Multimodal RoPE: the sections split head_dim / 2 frequencies over (t, h, w) like [16, 24, 24].
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-
-
 def _qwen25_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
-    ids = _qwen_ids(tokenizer)
+    ids = qwen_ids(tokenizer)
     return Qwen2_5_VLConfig(
-        text_config=_qwen25_text_config(tokenizer),
+        text_config=qwen25_text_config(tokenizer),
         vision_config={
             "depth": 1,
             "hidden_size": 16,
             "intermediate_size": 16,
             "num_heads": 2,
-            "out_hidden_size": _TEXT_DIM,
+            "out_hidden_size": TEXT_DIM,
             "fullatt_block_indexes": [0],
         },
         image_token_id=ids["<|image_pad|>"],
@@ -366,31 +238,31 @@ def _qwen25_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2_5_VLConfig:
 def _qwenimage_components(seed: int) -> dict[str, Any]:
     tokenizer = make_qwen2_tokenizer()
     return {
-        "transformer": _seeded(
+        "transformer": seeded(
             seed,
             "transformer",
             lambda: QwenImageTransformer2DModel(
                 patch_size=2,
-                in_channels=4 * _LATENT_CHANNELS,  # 2x2 packed latent patches
-                out_channels=_LATENT_CHANNELS,
+                in_channels=4 * LATENT_CHANNELS,  # 2x2 packed latent patches
+                out_channels=LATENT_CHANNELS,
                 num_layers=2,
                 attention_head_dim=16,
                 num_attention_heads=2,
-                joint_attention_dim=_TEXT_DIM,
+                joint_attention_dim=TEXT_DIM,
                 guidance_embeds=False,
                 axes_dims_rope=(4, 6, 6),
             ),
         ),
-        "text_encoder": _seeded(
+        "text_encoder": seeded(
             seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(_qwen25_vl_config(tokenizer))
         ),
         # Qwen-Image's VAE is Wan's causal 3D VAE; latents_mean/std keep the real per-channel values.
-        "vae": _seeded(
+        "vae": seeded(
             seed,
             "vae",
             lambda: AutoencoderKLQwenImage(
                 base_dim=8,
-                z_dim=_LATENT_CHANNELS,
+                z_dim=LATENT_CHANNELS,
                 dim_mult=[1, 2, 2],
                 num_res_blocks=1,
                 temperal_downsample=[False, True],  # pipeline's vae_scale_factor = 2 ** len(...) = 4
@@ -406,9 +278,9 @@ def _wan_transformer() -> WanTransformer3DModel:
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=16,  # RoPE splits it 8 (t) / 4 (h) / 4 (w)
-        in_channels=_LATENT_CHANNELS,
-        out_channels=_LATENT_CHANNELS,
-        text_dim=_TEXT_DIM,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=32,
         num_layers=2,
@@ -422,19 +294,19 @@ def _wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
     tokenizer = make_t5_tokenizer()
     return {
         # Wan2.2 A14B: `transformer` is the high-noise expert, `transformer_2` the low-noise one.
-        "transformer": _seeded(seed, "transformer", _wan_transformer),
-        "transformer_2": _seeded(seed, "transformer_2", _wan_transformer) if two_experts else None,
+        "transformer": seeded(seed, "transformer", _wan_transformer),
+        "transformer_2": seeded(seed, "transformer_2", _wan_transformer) if two_experts else None,
         "boundary_ratio": WAN22_A14B_BOUNDARY_RATIO if two_experts else None,
-        "text_encoder": _seeded(
-            seed, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**_t5_kwargs(tokenizer)))
+        "text_encoder": seeded(
+            seed, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**t5_kwargs(tokenizer)))
         ),
         # Four levels: 8x spatial and (two temporal downsamples) 4x temporal, the real Wan 2.1 factors.
-        "vae": _seeded(
+        "vae": seeded(
             seed,
             "vae",
             lambda: AutoencoderKLWan(
                 base_dim=8,
-                z_dim=_LATENT_CHANNELS,
+                z_dim=LATENT_CHANNELS,
                 dim_mult=[1, 1, 1, 1],
                 num_res_blocks=1,
                 temperal_downsample=[False, True, True],
@@ -448,11 +320,11 @@ def _wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
 def _qwen3_config(tokenizer: PreTrainedTokenizerBase, num_layers: int) -> Qwen3Config:
     head_dim = 16
     return Qwen3Config(
-        vocab_size=_padded_vocab(tokenizer),
-        hidden_size=_TEXT_DIM,
+        vocab_size=padded_vocab(tokenizer),
+        hidden_size=TEXT_DIM,
         intermediate_size=32,
         num_hidden_layers=num_layers,
-        num_attention_heads=_TEXT_DIM // head_dim,
+        num_attention_heads=TEXT_DIM // head_dim,
         num_key_value_heads=1,  # grouped-query attention, as in Qwen3
         head_dim=head_dim,
         max_position_embeddings=2048,
@@ -477,7 +349,7 @@ def _flux2_vae() -> AutoencoderKLFlux2:
         up_block_types=("UpDecoderBlock2D",) * 3,
         block_out_channels=(8, 16, 16),
         layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
+        latent_channels=LATENT_CHANNELS,
         norm_num_groups=8,
         sample_size=32,
     )
@@ -492,26 +364,26 @@ def _flux2_vae() -> AutoencoderKLFlux2:
 def _flux2_klein_components(seed: int) -> dict[str, Any]:
     tokenizer = make_qwen3_tokenizer()
     return {
-        "transformer": _seeded(
+        "transformer": seeded(
             seed,
             "transformer",
             lambda: Flux2Transformer2DModel(
                 patch_size=1,
-                in_channels=4 * _LATENT_CHANNELS,  # 2x2 patchified latents
+                in_channels=4 * LATENT_CHANNELS,  # 2x2 patchified latents
                 num_layers=1,
                 num_single_layers=1,
                 attention_head_dim=16,
                 num_attention_heads=2,
-                joint_attention_dim=_KLEIN_OUT_LAYERS * _TEXT_DIM,
+                joint_attention_dim=_KLEIN_OUT_LAYERS * TEXT_DIM,
                 timestep_guidance_channels=32,
                 axes_dims_rope=(4, 4, 4, 4),  # (t, h, w, l); sums to attention_head_dim
                 guidance_embeds=False,  # klein has no distilled guidance embedding
             ),
         ),
-        "text_encoder": _seeded(
+        "text_encoder": seeded(
             seed, "text_encoder", lambda: Qwen3ForCausalLM(_qwen3_config(tokenizer, _KLEIN_TEXT_LAYERS))
         ),
-        "vae": _seeded(seed, "vae", _flux2_vae),
+        "vae": seeded(seed, "vae", _flux2_vae),
         "scheduler": make_real_scheduler("flux2-klein"),
         "tokenizer": tokenizer,
         # The base (undistilled) variant, so true CFG runs; the distilled 4B sets is_distilled=True.
@@ -522,263 +394,30 @@ def _flux2_klein_components(seed: int) -> dict[str, Any]:
 def _zimage_components(seed: int) -> dict[str, Any]:
     tokenizer = make_qwen3_tokenizer()
     return {
-        "transformer": _seeded(
+        "transformer": seeded(
             seed,
             "transformer",
             lambda: ZImageTransformer2DModel(
                 all_patch_size=(2,),
                 all_f_patch_size=(1,),
-                in_channels=_LATENT_CHANNELS,
+                in_channels=LATENT_CHANNELS,
                 dim=32,
                 n_layers=2,
                 n_refiner_layers=1,
                 n_heads=2,
                 n_kv_heads=2,
                 qk_norm=True,
-                cap_feat_dim=_TEXT_DIM,
+                cap_feat_dim=TEXT_DIM,
                 axes_dims=[4, 6, 6],  # (t, h, w); sums to dim / n_heads
                 axes_lens=[512, 32, 32],  # text positions for max_sequence_length up to 480
             ),
         ),
         # Z-Image reads the text encoder's second-to-last hidden state.
-        "text_encoder": _seeded(seed, "text_encoder", lambda: Qwen3Model(_qwen3_config(tokenizer, 2))),
+        "text_encoder": seeded(seed, "text_encoder", lambda: Qwen3Model(_qwen3_config(tokenizer, 2))),
         # Z-Image decodes with the FLUX.1 VAE (16 channels, its shift and scale).
-        "vae": _seeded(seed, "vae", lambda: _image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
+        "vae": seeded(seed, "vae", lambda: image_vae(shift_factor=0.1159, scaling_factor=0.3611)),
         "scheduler": make_real_scheduler("zimage"),
         "tokenizer": tokenizer,
-    }
-
-
-def _hunyuanvideo15_system_prefix() -> str:
-    """The chat-formatted system turn ``HunyuanVideo15Pipeline`` crops after encoding.
-
-    Read from the pipeline itself (its ``system_message`` default), so the tiny tokenizer's merges
-    follow whatever text the installed diffusers sends.
-    """
-    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"]
-    return f"<|im_start|>system\n{system.default}<|im_end|>\n<|im_start|>user\n"
-
-
-def hunyuanvideo15_tokenizers() -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]:
-    """HunyuanVideo 1.5's two tokenizers, offline: Qwen2 (ChatML, the 108-token system prefix) and ByT5."""
-    tokenizer = make_qwen2_tokenizer(
-        template_prefix=_hunyuanvideo15_system_prefix(), chat_template=QWEN_CHAT_TEMPLATE
-    )
-    return tokenizer, ByT5Tokenizer()  # ByT5 is byte-level: no vocabulary file exists to download
-
-
-def _hunyuanvideo15_components(seed: int) -> dict[str, Any]:
-    tokenizer, tokenizer_2 = hunyuanvideo15_tokenizers()
-    glyph_dim = 16  # the ByT5 encoder width (text_embed_2_dim; 1472 for the real Glyph-SDXL-v2 ByT5)
-    latent_channels = _LATENT_CHANNELS  # 32 in the real model
-    return {
-        "transformer": _seeded(
-            seed,
-            "transformer",
-            lambda: HunyuanVideo15Transformer3DModel(
-                # The model input is [latent, image-condition latent, mask] on channels: 2C + 1.
-                in_channels=2 * latent_channels + 1,
-                out_channels=latent_channels,
-                num_attention_heads=2,
-                attention_head_dim=16,
-                num_layers=2,
-                num_refiner_layers=1,
-                mlp_ratio=2.0,
-                patch_size=1,
-                patch_size_t=1,
-                text_embed_dim=_TEXT_DIM,
-                text_embed_2_dim=glyph_dim,
-                image_embed_dim=16,
-                rope_axes_dim=(4, 6, 6),  # sums to attention_head_dim, like (16, 56, 56) to 128
-                target_size=32,  # pixels: the default size the pipeline derives (640 for 480p)
-                task_type="t2v",
-            ),
-        ),
-        # Qwen2.5-VL's language model alone, as the pipeline loads it; three layers because the
-        # pipeline reads the hidden states two layers below the top.
-        "text_encoder": _seeded(
-            seed,
-            "text_encoder",
-            lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen25_text_config(tokenizer, num_layers=3))),
-        ),
-        "text_encoder_2": _seeded(
-            seed,
-            "text_encoder_2",
-            lambda: T5EncoderModel(
-                T5Config(**{**_t5_kwargs(tokenizer_2), "vocab_size": len(tokenizer_2), "d_model": glyph_dim})
-            ),
-        ),
-        # 16x spatial and 4x temporal compression, the real factors (the pipeline reads them).
-        "vae": _seeded(
-            seed,
-            "vae",
-            lambda: AutoencoderKLHunyuanVideo15(
-                latent_channels=latent_channels,
-                block_out_channels=(8, 16, 16, 32, 32),
-                layers_per_block=1,
-                spatial_compression_ratio=16,
-                temporal_compression_ratio=4,
-            ),
-        ),
-        "scheduler": make_real_scheduler("hunyuanvideo15"),
-        "guider": ClassifierFreeGuidance(guidance_scale=HUNYUANVIDEO15_480P_GUIDANCE),
-        "tokenizer": tokenizer,
-        "tokenizer_2": tokenizer_2,
-    }
-
-
-def _ltx2_components(seed: int) -> dict[str, Any]:
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-
-    tokenizer = make_gemma_tokenizer()
-    text_layers = 2
-    return {
-        # Video (4 latent channels) and audio (2 channels x 2 latent mel bins, packed to 4) streams,
-        # denoised jointly; the real LTX-2 has 128 and 8 x 16.
-        "transformer": _seeded(
-            seed,
-            "transformer",
-            lambda: LTX2VideoTransformer3DModel(
-                in_channels=4,
-                out_channels=4,
-                patch_size=1,
-                patch_size_t=1,
-                num_attention_heads=2,
-                attention_head_dim=8,
-                cross_attention_dim=16,
-                audio_in_channels=4,
-                audio_out_channels=4,
-                audio_num_attention_heads=2,
-                audio_attention_head_dim=4,
-                audio_cross_attention_dim=8,
-                num_layers=2,
-                qk_norm="rms_norm_across_heads",
-                caption_channels=_TEXT_DIM,
-                rope_double_precision=False,
-                rope_type="split",
-            ),
-        ),
-        # Gemma 3 (the pipeline stacks every hidden state, embeddings included, on the last dim).
-        "text_encoder": _seeded(
-            seed,
-            "text_encoder",
-            lambda: Gemma3ForConditionalGeneration(
-                Gemma3Config(
-                    text_config={
-                        "vocab_size": _padded_vocab(tokenizer),
-                        "hidden_size": _TEXT_DIM,
-                        "intermediate_size": 32,
-                        "num_hidden_layers": text_layers,
-                        "num_attention_heads": 2,
-                        "num_key_value_heads": 1,
-                        "head_dim": 16,
-                        "max_position_embeddings": 1024,
-                        "sliding_window": 64,
-                        "pad_token_id": tokenizer.pad_token_id,
-                        "eos_token_id": tokenizer.eos_token_id,
-                        "bos_token_id": tokenizer.bos_token_id,
-                    },
-                    vision_config={
-                        "hidden_size": 16,
-                        "intermediate_size": 16,
-                        "num_hidden_layers": 1,
-                        "num_attention_heads": 2,
-                        "image_size": 28,
-                        "patch_size": 14,
-                    },
-                    mm_tokens_per_image=4,
-                )
-            ),
-        ),
-        "connectors": _seeded(
-            seed,
-            "connectors",
-            lambda: LTX2TextConnectors(
-                caption_channels=_TEXT_DIM,
-                text_proj_in_factor=text_layers + 1,
-                video_connector_num_attention_heads=4,
-                video_connector_attention_head_dim=8,
-                video_connector_num_layers=1,
-                video_connector_num_learnable_registers=None,
-                audio_connector_num_attention_heads=4,
-                audio_connector_attention_head_dim=8,
-                audio_connector_num_layers=1,
-                audio_connector_num_learnable_registers=None,
-                connector_rope_base_seq_len=32,
-                rope_theta=10000.0,
-                rope_double_precision=False,
-                causal_temporal_positioning=False,
-                rope_type="split",
-            ),
-        ),
-        # 2x spatial and 2x temporal compression (the real video VAE: 32x and 8x).
-        "vae": _seeded(
-            seed,
-            "vae",
-            lambda: AutoencoderKLLTX2Video(
-                in_channels=3,
-                out_channels=3,
-                latent_channels=4,
-                block_out_channels=(8,),
-                decoder_block_out_channels=(8,),
-                layers_per_block=(1,),
-                decoder_layers_per_block=(1, 1),
-                spatio_temporal_scaling=(True,),
-                decoder_spatio_temporal_scaling=(True,),
-                decoder_inject_noise=(False, False),
-                downsample_type=("spatial",),
-                upsample_residual=(False,),
-                upsample_factor=(1,),
-                timestep_conditioning=False,
-                patch_size=1,
-                patch_size_t=1,
-                encoder_causal=True,
-                decoder_causal=False,
-            ),
-        ),
-        "audio_vae": _seeded(
-            seed,
-            "audio_vae",
-            lambda: AutoencoderKLLTX2Audio(
-                base_channels=4,
-                output_channels=2,
-                ch_mult=(1,),
-                num_res_blocks=1,
-                attn_resolutions=None,
-                in_channels=2,
-                resolution=32,
-                latent_channels=2,
-                norm_type="pixel",
-                causality_axis="height",
-                dropout=0.0,
-                mid_block_add_attention=False,
-                sample_rate=16000,
-                mel_hop_length=160,
-                is_causal=True,
-                mel_bins=8,
-            ),
-        ),
-        "vocoder": _seeded(
-            seed,
-            "vocoder",
-            lambda: LTX2Vocoder(
-                in_channels=16,  # the audio VAE's output channels x mel bins
-                hidden_channels=32,
-                out_channels=2,
-                upsample_kernel_sizes=[4, 4],
-                upsample_factors=[2, 2],
-                resnet_kernel_sizes=[3],
-                resnet_dilations=[[1, 3, 5]],
-                leaky_relu_negative_slope=0.1,
-                output_sampling_rate=16000,
-            ),
-        ),
-        "scheduler": make_real_scheduler("ltx2"),
-        "tokenizer": tokenizer,
-        "processor": None,
-        "prompt_enhancer": None,
-        "duration_head": None,
     }
 
 
@@ -881,7 +520,7 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
         ),
         "hunyuanvideo15": _FamilySpec(
             HunyuanVideo15Pipeline,
-            _hunyuanvideo15_components,
+            hunyuanvideo15_components,
             # 4k + 1 frames (4x temporal VAE): 5 frames -> 2 latent frames, 32 px -> 2 latent px.
             # Guidance is the guider's (6.0, HunyuanVideo-1.5 480p t2v), not a call argument.
             {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2},
@@ -889,7 +528,7 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
         # Image-conditioned families (tiny_image_cond): the input image goes in the request.
         "flux-kontext": _FamilySpec(
             FluxKontextPipeline,
-            lambda seed: tiny_image_cond.flux_kontext_components(seed, _flux_components, _seeded),
+            lambda seed: tiny_image_cond.flux_kontext_components(seed, _flux_components, seeded),
             # Multiples of 32 (16x VAE, 2x2 packing); max_area keeps the pipeline at this size.
             {
                 "height": 64,
@@ -902,9 +541,7 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
         ),
         "wan-i2v": _FamilySpec(
             WanImageToVideoPipeline,
-            lambda seed: tiny_image_cond.wan_i2v_components(
-                seed, _wan_components, _seeded, text_dim=_TEXT_DIM
-            ),
+            lambda seed: tiny_image_cond.wan_i2v_components(seed, _wan_components, seeded, text_dim=TEXT_DIM),
             {
                 "height": 32,
                 "width": 32,
@@ -928,7 +565,7 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
         ),
         "qwenimage-edit": _FamilySpec(
             QwenImageEditPipeline,
-            lambda seed: tiny_image_cond.qwenimage_edit_components(seed, _qwenimage_components, _seeded),
+            lambda seed: tiny_image_cond.qwenimage_edit_components(seed, _qwenimage_components, seeded),
             # Multiples of 64 (32x VAE, 2x2 packing); true CFG needs the negative prompt.
             {
                 "height": 64,
@@ -941,7 +578,7 @@ _SPECS: Mapping[str, _FamilySpec] = MappingProxyType(
         ),
         "ltx2": _FamilySpec(
             LTX2Pipeline,
-            _ltx2_components,
+            ltx2_components,
             # 9 frames -> 5 latent frames (the tiny VAE compresses time by 2; the real one 8x: 8k + 1
             # frames), 32 px -> 16 latent px; audio: 9 frames at 24 fps -> 9 latent audio frames. Plain
             # CFG on both streams; STG, modality isolation and the rescale off (server/families/ltx2.py).
@@ -983,7 +620,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
     """A tiny random ``family`` pipeline in memory (float32, CPU). Same ``(family, seed)``, same weights."""
     spec = _spec(family)
     started = time.perf_counter()
-    with _pinned_rng_and_dtype():
+    with pinned_rng_and_dtype():
         components = spec.components(seed)
     pipeline = spec.pipeline_class(**components)
     pipeline.set_progress_bar_config(disable=True)
