@@ -27,7 +27,7 @@ Design decisions:
 - **CPU descriptors are off unless enabled** (:class:`FdPolicy`, ``allow_cpu_ipc`` in the config).
   Descriptors can only travel between processes that share the multiprocessing authkey (a parent
   and the child it spawned, or one process), so a real trainer on a GPU host uses CUDA IPC and the
-  option exists for same-process tools and tests. When enabled, the descriptor is fetched the way
+  option exists for same-process tools and tests. When enabled, the descriptor is fetched (``shared_fd.py``) the way
   ``multiprocessing.resource_sharer`` hands it out, but only from an ``AF_UNIX`` path (local by
   construction; a TCP address is refused without a connection), authenticated with this process's
   authkey, with every socket operation bounded by ``timeout_s``. Every descriptor received is closed
@@ -37,27 +37,21 @@ Design decisions:
 
 from __future__ import annotations
 
-import array
 import base64
 import binascii
 import io
 import math
-import os
 import pickle
-import socket
-import stat
-import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import connection as mp_connection
-from multiprocessing import process as mp_process
 from typing import Any
 
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.shared_fd import map_shared_storage
 from diffusion_rollout.weight_transport import FlattenedTensorMetadata
 
 BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
@@ -413,82 +407,6 @@ def check_recipes(obj: Any, policy: FdPolicy) -> list[Any]:
     return recipes
 
 
-# ---------------------------------------------------------------------------- descriptors
-def _set_timeouts(sock: socket.socket, timeout_s: float) -> None:
-    # Kernel-level timeouts keep the socket blocking, which multiprocessing's Connection needs.
-    sec = int(timeout_s)
-    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _recv_fds(sock: socket.socket) -> list[int]:
-    """The descriptors of one SCM_RIGHTS message (all of them, so the caller can close them all)."""
-    fds = array.array("i")
-    msg, ancdata, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(16 * fds.itemsize))
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if not msg and not fds:
-        raise EOFError("the sender closed the connection")
-    return list(fds)
-
-
-def receive_fd(ticket: FdTicket, timeout_s: float) -> int:
-    """One descriptor from the sender's resource sharer (AF_UNIX, authenticated, time-bounded)."""
-    address = ticket.address
-    try:
-        if address.startswith("\0"):
-            raise _refuse("abstract-namespace socket addresses are not accepted")
-        if not stat.S_ISSOCK(os.stat(address).st_mode):
-            raise _refuse("DupFd address is not a socket")
-    except OSError as exc:
-        raise _refuse(f"DupFd address is not reachable ({exc.strerror})") from exc
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds: list[int] = []
-    try:
-        _set_timeouts(sock, timeout_s)
-        sock.connect(address)
-        conn = mp_connection.Connection(os.dup(sock.fileno()))
-        try:
-            authkey = mp_process.current_process().authkey
-            mp_connection.answer_challenge(conn, authkey)
-            mp_connection.deliver_challenge(conn, authkey)
-            conn.send((ticket.key, os.getpid()))
-            fds = _recv_fds(sock)
-        finally:
-            conn.close()
-        if len(fds) != 1:
-            raise _refuse(f"the sender passed {len(fds)} descriptors instead of one")
-        return fds.pop()
-    except WeightUpdateError:
-        raise
-    except (OSError, EOFError, mp_connection.AuthenticationError, ValueError) as exc:
-        raise _refuse(
-            f"could not fetch a shared CPU tensor within {timeout_s:g} s ({type(exc).__name__}: {exc}); "
-            "descriptors travel only from a live sender sharing this process's multiprocessing authkey"
-        ) from exc
-    finally:
-        for fd in fds:
-            os.close(fd)
-        sock.close()
-
-
-def _map_fd_storage(storage: FdStorage, timeout_s: float) -> torch.UntypedStorage:
-    fd = receive_fd(storage.ticket, timeout_s)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _refuse("the shared descriptor is not a shared-memory file")
-        if info.st_size < storage.nbytes:
-            raise _refuse(
-                f"the shared memory holds {info.st_size} bytes, the storage claims {storage.nbytes}"
-            )
-        return torch.UntypedStorage._new_shared_fd_cpu(fd, storage.nbytes)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------- materialize
 def _cuda_device_index(device: int | str) -> int:
     if isinstance(device, str):
@@ -515,7 +433,7 @@ def _build(recipe: Any, storages: dict[int, torch.UntypedStorage], policy: FdPol
     storage = storages.get(id(source))
     if storage is None:
         if isinstance(source, FdStorage):
-            storage = _map_fd_storage(source, policy.timeout_s)
+            storage = map_shared_storage(source, policy.timeout_s)
         elif isinstance(source, InlineStorage) and source.data:
             storage = torch.UntypedStorage.from_buffer(source.data, dtype=torch.uint8)
         else:
