@@ -27,8 +27,15 @@ GPU (about 6-8 minutes on an H200; ``--budget`` skips phases that would overrun,
 
     python -m benchmarks.speed_options --device cuda --out $OUT
 
-``--grpo-compiled`` adds the Flow-GRPO request with regional compile (about two more minutes);
-``--no-flux`` skips FLUX.
+``--phases`` picks phases (order fixed): ``grpo``, ``grpo_iteration``, ``batch1``, ``drift`` and
+``grpo_compiled`` on SD3.5, ``flux`` and ``flux_compiled`` on FLUX.1-dev. ``grpo_compiled`` (also
+``--grpo-compiled``) is the lean uint8 Flow-GRPO request, alone and ``--iteration-groups`` in flight,
+with regional compile, vs the stock eager pipeline timed first (a few minutes, most of it compiling).
+``flux_compiled`` is the batch-1 FLUX rollout compiled, vs stock eager (the issue's <= 120 ms/step).
+``--no-flux`` drops the FLUX phases::
+
+    python -m benchmarks.speed_options --device cuda --phases grpo_iteration,grpo_compiled,flux_compiled \
+        --budget 560 --out $OUT
 
 CPU check with the tiny models (small group, one repeat, no CUDA graphs, no compile)::
 
@@ -335,7 +342,7 @@ def batch1(
 # ---------------------------------------------------------------------------------------------
 def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
     """(name, context manager factory, extra body fields, note) per option; compile is last."""
-    from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
+    from diffusion_rollout.server.loader import apply_speed_options
 
     speed = model.server().engine.loaded.speed
 
@@ -348,19 +355,6 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
         finally:
             apply_speed_options(model.pipe, attention_backend="native")
             speed.attention_backend = None
-
-    @contextlib.contextmanager
-    def compiled():
-        apply_speed_options(model.pipe, compile=True)
-        speed.compile = True
-        try:
-            yield
-        finally:
-            # Back to eager for the replay (and whatever runs after): drop the compiled call.
-            for m in (model.pipe.transformer, getattr(model.pipe, "transformer_2", None)):
-                for block in repeated_blocks(m) if m is not None else ():
-                    block._compiled_call_impl = None
-            speed.compile = False
 
     # Every option but "cuda_graphs" runs with graphs off: a graph captured earlier would replay the
     # kernels of its capture, not the option under test.
@@ -378,7 +372,7 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
             )
         )
     if with_compile:
-        options.append(("regional compile", compiled, {}))
+        options.append(("regional compile", lambda: _compiled(model), {}))
     return options
 
 
@@ -440,29 +434,80 @@ def drift(
     return rows
 
 
-def grpo_compiled(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
-    """The lean uint8 Flow-GRPO request with the blocks compiled, vs the eager stock pipeline."""
+@contextlib.contextmanager
+def _compiled(model: BenchModel) -> Iterator[None]:
+    """Regional compile of the denoiser's repeated blocks for the server's next calls, then eager again
+    (the compiled call is dropped, so whatever runs after, replays included, is the eager kernels)."""
     from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
 
+    speed = model.server().engine.loaded.speed
+    apply_speed_options(model.pipe, compile=True)
+    speed.compile = True  # so the response's exact flag tells the truth
+    try:
+        yield
+    finally:
+        for m in (model.pipe.transformer, getattr(model.pipe, "transformer_2", None)):
+            for block in repeated_blocks(m) if m is not None else ():
+                block._compiled_call_impl = None
+        speed.compile = False
+
+
+def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+    """The lean uint8 Flow-GRPO request with the blocks compiled, one request and ``groups`` in flight,
+    vs the eager stock pipeline (timed first, before anything is compiled)."""
     body = _body(model, num_outputs_per_prompt=group)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
-    speed = model.server().engine.loaded.speed
-    fns = {"stock": _stock_fn(model, body)}
-    times, _ = _time_interleaved(fns, reps, model.device)  # eager stock first, before compiling
-    apply_speed_options(model.pipe, compile=True)
-    speed.compile = True
-    try:
-        fns2 = {"server_lean_uint8_compiled": _remote_fn(model, full, graphs=False)}
-        t2, sizes = _time_interleaved(fns2, reps, model.device)
-    finally:
-        for block in repeated_blocks(model.pipe.transformer):
-            block._compiled_call_impl = None
-        speed.compile = False
+    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
+    runs = [stock_runner(model, b) for b in bodies]
+    remote = model.server().remote()
+
+    def stock_iteration():
+        for run in runs:
+            run()
+        return None, None
+
+    def served_iteration():
+        reply = remote.run([{**b, **full} for b in bodies], clients=groups)
+        return reply["seconds"], sum(reply["bytes"])
+
+    times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
+    it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
+    with _compiled(model), _graphs(model, False):
+        t2, sizes = _time_interleaved(
+            {"server_lean_uint8_compiled": _remote_fn(model, full)}, reps, model.device
+        )
+        it2, it_sizes = _time_interleaved(
+            {f"server_lean_uint8_compiled_{groups}_in_flight": served_iteration}, reps, model.device
+        )
     times.update(t2)
-    return _rows(model, "grpo_compiled", times, sizes, group, body["num_inference_steps"])
+    it_times.update(it2)
+    steps = body["num_inference_steps"]
+    note = "stock eager timed before compiling, in the same process"
+    return [
+        *_rows(model, "grpo_compiled", times, sizes, group, steps, {"stock": note}),
+        *_rows(model, "grpo_iteration_compiled", it_times, it_sizes, group * groups, steps, {"stock": note}),
+    ]
+
+
+def flux_compiled(model: BenchModel, *, reps: int) -> list[dict[str, Any]]:
+    """FLUX.1-dev batch-1 full rollout (log-probs, trajectory, env, image) with the blocks compiled,
+    vs the stock eager pipeline timed first; ms/step is what the issue bounds (<= 120)."""
+    body = _body(model, num_outputs_per_prompt=1)
+    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True}
+    times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
+    with _compiled(model), _graphs(model, False):
+        t2, sizes = _time_interleaved({"server_compiled": _remote_fn(model, full)}, reps, model.device)
+    times.update(t2)
+    note = {"stock": "stock eager timed before compiling, in the same process"}
+    return _rows(model, "flux_compiled", times, sizes, 1, body["num_inference_steps"], note)
 
 
 # ---------------------------------------------------------------------------------------------
+SD_PHASES = {"grpo", "grpo_iteration", "batch1", "drift", "grpo_compiled"}
+FLUX_PHASES = {"flux", "flux_compiled"}
+DEFAULT_PHASES = ("grpo", "grpo_iteration", "batch1", "drift", "flux")
+
+
 def run(args) -> dict[str, Any]:
     device = resolve_device(args.device)
     tiny = args.tiny
@@ -476,6 +521,7 @@ def run(args) -> dict[str, Any]:
     drift_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     with_compile = args.compile if args.compile is not None else not tiny
+    phases = set(args.phases)
 
     def phase(name: str, estimate: float) -> bool:
         save()
@@ -508,7 +554,11 @@ def run(args) -> dict[str, Any]:
             "speed_options",
             device,
             {
-                "models": [sd_name, flux_name if args.flux else None],
+                "models": [
+                    sd_name if phases & SD_PHASES else None,
+                    flux_name if phases & FLUX_PHASES else None,
+                ],
+                "phases": sorted(phases),
                 "group": args.group,
                 "reps": args.reps,
                 "reps_batch1": args.reps_b1,
@@ -529,53 +579,70 @@ def run(args) -> dict[str, Any]:
         write_json(args.out, "speed_options", doc)
         return doc
 
-    model = build(sd_name, device)
-    try:
-        model.server(**server_cfg)
-        if phase("grpo", 60):
-            speed_rows += grpo(model, group=args.group, reps=args.reps)
-        if phase("grpo_iteration", 60):
-            speed_rows += grpo_iteration(
-                model, group=args.group, groups=args.iteration_groups, reps=args.reps
+    def sd_phases() -> None:
+        if "grpo" in phases and phase("grpo", 60):
+            speed_rows.extend(grpo(model, group=args.group, reps=args.reps))
+        if "grpo_iteration" in phases and phase("grpo_iteration", 60):
+            speed_rows.extend(
+                grpo_iteration(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
             )
-        if phase("batch1", 30):
+        if "batch1" in phases and phase("batch1", 30):
             rows, gates = batch1(model, reps=args.reps_b1, phase="batch1")
-            speed_rows += rows
-            gate_rows += gates
-        if phase("drift", 40):
+            speed_rows.extend(rows)
+            gate_rows.extend(gates)
+        if "drift" in phases and phase("drift", 40):
             sd_caches = [{"kind": "taylorseer", "interval": 2, "warmup_steps": 2}]
             compile_here = with_compile and deadline.allows(240)
             if with_compile and not compile_here:
                 notes.append("regional compile: skipped, time budget")
-            drift_rows += drift(
-                model, reps=2, backends=backends, caches=sd_caches, with_compile=compile_here,
-                deadline=deadline,
+            drift_rows.extend(
+                drift(
+                    model, reps=2, backends=backends, caches=sd_caches, with_compile=compile_here,
+                    deadline=deadline,
+                )
             )  # fmt: skip
-            if compile_here and args.grpo_compiled and phase("grpo compiled", 120):
-                speed_rows += grpo_compiled(model, group=args.group, reps=args.reps)
-        if not with_compile:
-            notes.append("regional compile: not measured (--no-compile, or --tiny without --compile)")
-    finally:
-        model.close()
-    if args.flux and phase("flux", 90):
-        model = build(flux_name, device)
-        try:
-            model.server(**server_cfg)
-            body_steps = None if tiny else 28
-            if body_steps:
-                model.defaults["num_inference_steps"] = body_steps
+        # Last on this model: compiling takes minutes and the other phases must not wait for it.
+        if "grpo_compiled" in phases and phase("grpo compiled", 150):
+            speed_rows.extend(
+                grpo_compiled(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
+            )
+
+    def flux_phases() -> None:
+        model.server(**server_cfg)
+        if not tiny:
+            model.defaults["num_inference_steps"] = 28
+        if "flux" in phases and phase("flux", 90):
             rows, gates = batch1(model, reps=args.reps, phase="flux", n_gate=1)
-            speed_rows += rows
-            gate_rows += gates
+            speed_rows.extend(rows)
+            gate_rows.extend(gates)
             if phase("flux drift", 40):
                 flux_caches = [
                     {"kind": "first_block", "threshold": 0.05 if not tiny else 0.5},
                     {"kind": "mag", "threshold": 0.06 if not tiny else 1.0},
                     {"kind": "taylorseer", "interval": 2, "warmup_steps": 2},
                 ]
-                drift_rows += drift(
-                    model, reps=1, backends=[], caches=flux_caches, with_compile=False, deadline=deadline, n=1
-                )
+                drift_rows.extend(
+                    drift(
+                        model, reps=1, backends=[], caches=flux_caches, with_compile=False,
+                        deadline=deadline, n=1,
+                    )
+                )  # fmt: skip
+        if "flux_compiled" in phases and phase("flux compiled", 150):
+            speed_rows.extend(flux_compiled(model, reps=args.reps))
+
+    if phases & SD_PHASES:
+        model = build(sd_name, device)
+        try:
+            model.server(**server_cfg)
+            sd_phases()
+        finally:
+            model.close()
+    if with_compile is False and phases & {"drift", "grpo_compiled"}:
+        notes.append("regional compile: not measured (--no-compile, or --tiny without --compile)")
+    if phases & FLUX_PHASES:
+        model = build(flux_name, device)
+        try:
+            flux_phases()
         finally:
             model.close()
     return save(final=True)
@@ -595,13 +662,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument(
-        "--grpo-compiled",
-        action="store_true",
-        help="also the Flow-GRPO request compiled (about 2 more minutes)",
+        "--phases",
+        default=",".join(DEFAULT_PHASES),
+        help="comma-separated, run in this fixed order: grpo, grpo_iteration, batch1, drift, grpo_compiled "
+        f"(SD3.5), flux, flux_compiled (FLUX.1-dev); default {','.join(DEFAULT_PHASES)}",
     )
-    p.add_argument("--no-flux", dest="flux", action="store_false", default=True)
+    p.add_argument("--grpo-compiled", action="store_true", help="add grpo_compiled to --phases")
+    p.add_argument("--no-flux", dest="flux", action="store_false", default=True, help="drop flux phases")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU: 470)")
     args = p.parse_args(argv)
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    unknown = sorted(set(args.phases) - SD_PHASES - FLUX_PHASES)
+    if unknown:
+        p.error(f"--phases: unknown {unknown}; known: {sorted(SD_PHASES | FLUX_PHASES)}")
+    if args.grpo_compiled:
+        args.phases.append("grpo_compiled")
+    if not args.flux:
+        args.phases = [x for x in args.phases if x not in FLUX_PHASES]
     device = resolve_device(args.device)
     if args.tiny:
         args.group = args.group or 4
