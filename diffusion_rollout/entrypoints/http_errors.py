@@ -1,7 +1,9 @@
 """Maps the project's exceptions to the one error shape of api.md.
 
 ``{"error": {"message": str, "type": str, "code": int}}``; FastAPI's validation errors keep their
-``detail`` list next to it so clients that parse either form keep working.
+``detail`` list next to it so clients that parse either form keep working. :func:`response_for` is
+the whole mapping as one function, so a responder outside FastAPI (the direct upload listener)
+answers exactly what the app would.
 """
 
 from __future__ import annotations
@@ -43,6 +45,37 @@ def _describe_validation(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request body"
 
 
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    body = error_body(_describe_validation(exc), "validation_error", 422)
+    body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+    return JSONResponse(body, status_code=422)
+
+
+def http_exception_response(exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(
+        error_body(str(exc.detail), "http_error", exc.status_code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    return JSONResponse(
+        error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500), 500
+    )
+
+
+def response_for(exc: BaseException) -> JSONResponse:
+    """The app's answer to ``exc`` (no logging: the caller knows the request to name)."""
+    if isinstance(exc, DiffusionRolloutError):
+        return error_response(exc)
+    if isinstance(exc, RequestValidationError):
+        return validation_response(exc)
+    if isinstance(exc, StarletteHTTPException):
+        return http_exception_response(exc)
+    return internal_error_response(exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DiffusionRolloutError)
     async def _ours(request: Request, exc: DiffusionRolloutError) -> JSONResponse:
@@ -52,21 +85,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        body = error_body(_describe_validation(exc), "validation_error", 422)
-        body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return JSONResponse(body, status_code=422)
+        return validation_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), "http_error", exc.status_code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return http_exception_response(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500), 500
-        )
+        return internal_error_response(exc)

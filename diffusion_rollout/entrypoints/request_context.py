@@ -19,10 +19,19 @@ import uuid
 from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.responses import JSONResponse
 
-from diffusion_rollout.entrypoints.http_errors import error_body
+from diffusion_rollout.entrypoints.http_errors import error_response
+from diffusion_rollout.errors import PayloadTooLargeError
 from diffusion_rollout.logging_utils import request_id_var
+
+
+def declared_length_error(length: int, limit: int, limit_name: str) -> PayloadTooLargeError | None:
+    """The 413 for a declared ``Content-Length`` over ``limit`` (``limit_name``: its config field)."""
+    if length <= limit:
+        return None
+    return PayloadTooLargeError(
+        f"request body of {length} bytes exceeds the limit of {limit} bytes (limit {limit_name})"
+    )
 
 
 class RequestContextMiddleware:
@@ -44,17 +53,15 @@ class RequestContextMiddleware:
         try:
             limit, limit_name = self.limit_for(scope["path"])
             length = headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
+            too_large = (
+                declared_length_error(int(length), limit, limit_name)
+                if length is not None and length.isdigit()
+                else None
+            )
+            if too_large is not None:
                 metrics.http_response(scope["method"], "unmatched", 413)
-                response = JSONResponse(
-                    error_body(
-                        f"request body of {length} bytes exceeds the limit of {limit} bytes (limit {limit_name})",
-                        "payload_too_large",
-                        413,
-                    ),
-                    status_code=413,
-                    headers={"X-Request-Id": rid},
-                )
+                response = error_response(too_large)
+                response.headers["X-Request-Id"] = rid
                 await response(scope, receive, send)
                 return
 

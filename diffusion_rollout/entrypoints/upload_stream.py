@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from diffusion_rollout.entrypoints.upload_part import truncated_body_error
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.weights.receive import BufferPool, Lease, unpooled
 
@@ -47,11 +48,7 @@ async def receive_body(request: Request, pool: BufferPool) -> Lease:
             view[pos:end] = chunk
             pos = end
         if pos != expected:
-            raise WeightUpdateError(
-                f"the body ended after {pos} of the {expected} bytes its Content-Length announced "
-                "(truncated upload); nothing was staged",
-                field="body",
-            )
+            raise truncated_body_error(pos, expected)
     except BaseException:
         view = None  # a live view of the buffer would keep it out of the pool
         lease.release()

@@ -24,20 +24,22 @@ different modules, and everything is validated and applied together, or nothing 
 aborts its upload: later parts under that ``upload_id`` are refused too, so a client never commits
 half of what it meant to send. Non-final parts
 of one upload may arrive concurrently (each is checked while the next is received); the final part
-must come last. The body is read straight into a reused buffer (``upload_stream.py``).
+must come last. The body is read straight into a reused buffer (``upload_stream.py``). The query
+model and the apply/refuse steps live in ``upload_part.py``, shared with the direct receive listener
+(``--upload-port``, ``upload_listener.py``) that serves this same route on a port of its own.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_rollout.entrypoints.routers.common import get_weights, require_admin_key
+from diffusion_rollout.entrypoints.upload_part import UPLOAD_PATH, UploadQuery, apply_part, refuse_body
 from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
 
@@ -115,44 +117,14 @@ async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request
     )
 
 
-_UPLOAD_QUERY = {"target_module", "weight_version", "final", "upload_id", "part", "flush_cache", "partial"}
-
-
-@router.post("/update_weights")
-async def update_weights(
-    request: Request,
-    target_module: str = "transformer",
-    weight_version: str | None = None,
-    final: bool = True,
-    upload_id: str | None = None,
-    part: int | None = None,
-    flush_cache: bool = True,
-    partial: bool = False,
-) -> dict:
-    unknown = sorted(set(request.query_params) - _UPLOAD_QUERY)
-    if unknown:
-        # A misspelt parameter (say ``finale=true``) must not silently become the default.
-        raise RequestValidationError(
-            [
-                {"loc": ("query", k), "msg": "unknown query parameter", "type": "extra_forbidden"}
-                for k in unknown
-            ]
-        )
+@router.post(UPLOAD_PATH)
+async def update_weights(request: Request, query: Annotated[UploadQuery, Query()]) -> dict:
     manager = _manager(request)
     try:
         body = await receive_body(request, manager.receive_buffers)
     except WeightUpdateError as exc:  # cut short or too long: the part fails, and so does its upload
-        manager.refuse_part(exc, upload_id=upload_id, weight_version=weight_version, part=part, final=final)
-    return await manager.upload_part(
-        body,
-        target_module=target_module,
-        weight_version=weight_version,
-        final=final,
-        upload_id=upload_id,
-        part=part,
-        flush_cache=flush_cache,
-        partial=partial,
-    )
+        refuse_body(manager, exc, query)
+    return await apply_part(manager, body, query)
 
 
 @router.post("/update_weights_from_tensor")
