@@ -66,6 +66,14 @@ class ServerConfig(BaseModel):
         10.0, gt=0, le=600, description="bound on each socket step of fetching a shared CPU tensor"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
+    upload_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve POST /update_weights on this port of the same host, read straight "
+        "from the socket into the receive buffers (faster than the main port; 0 = a free port, "
+        "advertised as weight_upload_port by /model_info); unset = off",
+    )
     http_parser: Literal["auto", "httptools", "h11"] = Field(
         "auto",
         description="uvicorn's HTTP/1.1 parser: auto = httptools when installed (not a dependency), "
@@ -161,6 +169,13 @@ class ServerConfig(BaseModel):
     cache_dir: str = Field(
         default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
     )
+
+    @model_validator(mode="after")
+    def _upload_port_differs(self) -> ServerConfig:
+        # Both sockets bind the same host: the same fixed port would fail at start-up, less clearly.
+        if self.upload_port and self.upload_port == self.port:
+            raise ValueError(f"upload_port={self.upload_port} is the main port; pick another one, or 0")
+        return self
 
     @model_validator(mode="after")
     def _speed_options_fit_the_device(self) -> ServerConfig:

@@ -3,7 +3,9 @@
 No module-level globals: ``create_app(config, engine=...)`` builds a fresh app whose routers reach
 the engine through ``request.app.state.engine``. Without a ready engine the app loads the model in a
 background thread at start-up, so ``/health`` answers (and ``/health_generate`` says 503) while
-a large model loads.
+a large model loads. With ``upload_port`` set, the lifespan also runs the direct weight-upload
+listener (``upload_listener.py``) on the app's event loop, as ``app.state.upload_listener``, and
+stops it at shutdown.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from diffusion_rollout.entrypoints.http_errors import install_error_handlers
 from diffusion_rollout.entrypoints.msgpack_body import MsgpackBodyMiddleware
 from diffusion_rollout.entrypoints.request_context import RequestContextMiddleware
 from diffusion_rollout.entrypoints.routers import ROUTERS
+from diffusion_rollout.entrypoints.upload_listener import UploadListener
 from diffusion_rollout.server.engine import Engine
 from diffusion_rollout.server.engine_api import RolloutEngine
 
@@ -63,9 +66,20 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
 
             loader = threading.Thread(target=_load, name="model-loader", daemon=True)
             loader.start()
+        listener = previous = None
+        if config.upload_port is not None:
+            listener = UploadListener(config, engine, asyncio.get_running_loop(), config.upload_port)
+            listener.start()  # a port already taken fails the start-up here, naming it
+            previous = getattr(app.state, "upload_listener", None)
+            app.state.upload_listener = listener
         try:
             yield
         finally:
+            if listener is not None:
+                # Off the loop: a part being applied needs the loop to finish and be answered.
+                await asyncio.to_thread(listener.stop, config.shutdown_grace_s)
+                if getattr(app.state, "upload_listener", None) is listener:
+                    app.state.upload_listener = previous  # lifespans of one app may nest (tests)
             if loader is not None:
                 loader.join()
             if owns_engine:
@@ -74,6 +88,7 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     app = FastAPI(title="diffusion-rollout", version=__version__, lifespan=lifespan)
     app.state.config = config
     app.state.engine = engine
+    app.state.upload_listener = None
     install_error_handlers(app)
     # msgpack rollout bodies become JSON innermost: after the key gate and the body limits.
     app.add_middleware(MsgpackBodyMiddleware)

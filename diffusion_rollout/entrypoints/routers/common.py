@@ -86,9 +86,20 @@ def public_path(path: str | None) -> str | None:
     return None if path is None else (PurePath(path).name or path)
 
 
+def upload_port(request: Request) -> int | None:
+    """The port of the direct weight-upload listener (``--upload-port``), or None when it is off.
+
+    Shown to every caller, like the main port it sits beside: the same admin key guards both.
+    """
+    listener = getattr(request.app.state, "upload_listener", None)
+    return listener.port if listener is not None and listener.running else None
+
+
 def model_info_for(request: Request) -> dict[str, Any]:
-    """The engine's model info; its path reduced to the folder's name for non-admin callers."""
+    """The engine's model info (its path reduced to the folder's name for non-admin callers) and
+    ``weight_upload_port``, where the client sends full-weight parts when it is set."""
     info = get_engine(request).model_info()
     if not is_admin(request):
         info["model_path"] = public_path(info.get("model_path"))
+    info["weight_upload_port"] = upload_port(request)
     return info

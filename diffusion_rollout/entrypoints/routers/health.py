@@ -3,7 +3,8 @@
 When an admin key is set, callers without it see the model folder's name but not where it lives,
 and no library versions or bind address (``/server_info``, ``/model_info``, ``/v1/models``); a
 readiness probe (``/health_generate``) without a key runs a generation at most once per
-``health_generate_interval_s``.
+``health_generate_interval_s``. The direct upload listener's port (``weight_upload_port``, null
+when it is off) is shown to everyone: the admin key guards it as it guards the main port.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     key_error,
     model_info_for,
     public_path,
+    upload_port,
 )
 from diffusion_rollout.errors import ServiceUnavailableError
 
@@ -141,6 +143,7 @@ async def server_info(request: Request) -> dict:
             "paused": stats.paused,
             "api_key_required": cfg.api_key is not None,
             "admin_key_required": True,
+            "weight_upload_port": upload_port(request),
             "uptime_s": time.time() - engine.started_at,
         }
     return {
@@ -155,6 +158,7 @@ async def server_info(request: Request) -> dict:
         "port": cfg.port,
         "api_key_required": cfg.api_key is not None,
         "admin_key_required": cfg.admin_key is not None,
+        "weight_upload_port": upload_port(request),
         "uptime_s": time.time() - engine.started_at,
     }
 

@@ -1,0 +1,536 @@
+"""The direct receive listener: ``POST /update_weights`` on a port of its own, read with ``recv_into``.
+
+Why it exists: under uvicorn every byte of a weight upload is copied several times on the one
+event-loop thread that all parts in flight share (socket read into a new ``bytes``, the parser's
+buffer, the ASGI body chunk, then the receive buffer); on an H200 host that capped uploads at
+about a third of what a bare loopback socket moves (benchmarks/RESULTS.md). ASGI offers no way to
+read the socket into our own buffer, so this module serves the one route that needs it itself.
+
+Design decisions:
+
+- **One job, stdlib only.** A thread per connection (a trainer keeps a few open, one per part in
+  flight) speaks just enough HTTP/1.1 for ``POST /update_weights?<query>``: a bounded request line
+  and header block (``MAX_REQUEST_LINE``, ``MAX_HEADER_LINE``, ``MAX_HEADERS``), ``Content-Length``
+  required (chunked bodies are a 411 naming it: they stay on the main port), keep-alive for the
+  parts that follow. Other paths are 404, other methods 405.
+- **Checks before the body, body straight into the buffer.** The declared length against
+  ``max_upload_bytes`` (413), the admin key (401/403, the app's own ``key_error``) and the query
+  (422, ``UploadQuery`` shared with the route) are answered from the head alone, and the connection
+  is then closed without reading the body. An accepted body is read with ``sock.recv_into`` into a
+  buffer leased from the weight manager's ``receive_buffers`` pool (pinned on CUDA): the kernel
+  copies each byte once, into the memory the tensors are then views of, and ``recv_into`` releases
+  the GIL, so parts in flight are received in parallel.
+- **Same semantics as the route.** The part is applied by the same ``apply_part`` coroutine
+  (``upload_part.py``), run on the app's event loop with ``run_coroutine_threadsafe`` (the manager's
+  state is the loop's), and errors are answered with the app's own mapping
+  (``http_errors.response_for``): the same JSON and status for the same outcome. A body that ends
+  early (the client closed, reset or stalled past ``BODY_TIMEOUT_S``) is the route's 400
+  "truncated" refusal through ``refuse_part``: nothing of it is staged and its upload is dropped.
+- **The server never dies because of a request.** Every failure of a connection ends that
+  connection only; hostile heads get a 4xx and a close; at most ``MAX_CONNECTIONS`` connections are
+  served at once (more get 503), and idle or slow ones time out.
+- **Clean stop.** :meth:`UploadListener.stop` closes the listening socket, shuts the read side of
+  every open connection (a blocked read returns at once; an answer being prepared still goes out)
+  and joins every thread; the threads are daemons, so a stuck one can never hold the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import http
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.http_errors import response_for
+from diffusion_rollout.entrypoints.request_context import declared_length_error
+from diffusion_rollout.entrypoints.routers.common import key_error
+from diffusion_rollout.entrypoints.upload_part import (
+    UPLOAD_PATH,
+    UploadQuery,
+    apply_part,
+    refuse_body,
+    truncated_body_error,
+)
+from diffusion_rollout.errors import DiffusionRolloutError, ServiceUnavailableError, WeightUpdateError
+from diffusion_rollout.logging_utils import request_id_var
+from diffusion_rollout.server.weights.receive import Lease, unpooled
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_LINE = 8192  # bytes; a longer one is a 414
+MAX_HEADER_LINE = 8192  # bytes per header line; longer, or more than MAX_HEADERS lines: 431
+MAX_HEADERS = 64
+MAX_HEAD_BYTES = 64 * 1024  # the whole request head
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no new request is closed after this
+HEAD_TIMEOUT_S = 30.0  # longest pause inside a request head
+BODY_TIMEOUT_S = 120.0  # longest pause inside a body: the sender stalled, the part is refused
+LINGER_S = 0.5  # closing after a refusal: how long to drain what the client still sends
+LINGER_BYTES = 4 << 20  # ... and at most how much
+RECV_CHUNK = 8 << 20  # most bytes asked of one recv_into
+HEAD_READ = 64 * 1024  # head reads may take the first bytes of the body too (copied once, bounded)
+METRICS_ROUTE = "upload_port:" + UPLOAD_PATH  # /metrics label: which port answered
+
+
+class ListenerRefusal(DiffusionRolloutError):
+    """A request this listener does not serve (malformed head, other path or method, no length).
+
+    Its status varies (400, 404, 405, 411, 414, 431, 503, 505), so it is set per instance; the type
+    is the one the app gives its own HTTP-level refusals (``http_error``).
+    """
+
+    error_type = "http_error"
+
+    def __init__(self, status_code: int, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.headers = headers or {}
+
+
+@dataclass
+class ListenerStats:
+    """What the listener did since it started (read by tests and the benchmark)."""
+
+    connections: int = 0  # connections accepted
+    requests: int = 0  # requests answered
+    parts: int = 0  # bodies received whole and handed to the manager
+    bytes: int = 0  # body bytes received into receive buffers
+    refused: int = 0  # answers with a status of 400 or more
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+@dataclass
+class _Head:
+    method: str
+    path: str
+    query: str
+    version: str
+    headers: list[tuple[str, str]]  # lower-case names, in order
+
+    def get(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+    def all(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k == name]
+
+    def keep_alive(self) -> bool:
+        tokens = {t.strip().lower() for v in self.all("connection") for t in v.split(",")}
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in tokens
+        return "close" not in tokens
+
+
+class _Connection:
+    """One client socket and the bytes read from it but not yet used."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pending = bytearray()
+        self.eof = False  # the client closed its sending side
+
+    def read_head(self) -> bytes | None:
+        """The next request head (without its blank line); None when the client closed between
+        requests or stayed idle past ``IDLE_TIMEOUT_S``."""
+        while True:
+            # Blank lines before a request line are allowed (RFC 9112 2.2).
+            while self.pending.startswith(b"\r\n"):
+                del self.pending[:2]
+            end = self.pending.find(b"\r\n\r\n")
+            if end >= 0:
+                head = bytes(self.pending[:end])
+                del self.pending[: end + 4]
+                return head
+            line_end = self.pending.find(b"\r\n")
+            if (line_end < 0 and len(self.pending) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
+                raise ListenerRefusal(414, f"the request line is longer than {MAX_REQUEST_LINE} bytes")
+            if len(self.pending) > MAX_HEAD_BYTES:
+                raise ListenerRefusal(431, f"the request head is longer than {MAX_HEAD_BYTES} bytes")
+            self.sock.settimeout(HEAD_TIMEOUT_S if self.pending else IDLE_TIMEOUT_S)
+            try:
+                chunk = self.sock.recv(HEAD_READ)
+            except TimeoutError:
+                if not self.pending:
+                    return None  # an idle keep-alive connection: closed quietly
+                raise ListenerRefusal(408, "the request head did not arrive in time") from None
+            if not chunk:
+                self.eof = True
+                if not self.pending:
+                    return None
+                raise ListenerRefusal(400, "the connection closed in the middle of the request head")
+            self.pending += chunk
+
+    def read_body(self, view: memoryview) -> int:
+        """Fill ``view``; returns how many bytes arrived (fewer: the body ended early)."""
+        size = len(view)
+        pos = min(size, len(self.pending))
+        if pos:  # what the head read took of the body: at most HEAD_READ bytes, copied once
+            view[:pos] = self.pending[:pos]
+            del self.pending[:pos]
+        self.sock.settimeout(BODY_TIMEOUT_S)
+        try:
+            while pos < size:
+                n = self.sock.recv_into(view[pos:], min(size - pos, RECV_CHUNK))
+                if n == 0:
+                    self.eof = True
+                    break
+                pos += n
+        except OSError:  # reset, timed out, or shut down by stop(): the body is cut short
+            pass
+        return pos
+
+    def send(self, data: bytes) -> None:
+        self.sock.settimeout(HEAD_TIMEOUT_S)
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        """Close after the last answer. Closing with unread bytes (a refused body still arriving)
+        makes the kernel send a reset, which can destroy that answer before the client reads it, so
+        the sending side is shut first and what still arrives is drained, briefly and boundedly."""
+        with contextlib.suppress(OSError):
+            if not self.eof:
+                self.sock.shutdown(socket.SHUT_WR)
+                self.sock.settimeout(LINGER_S)
+                drained = 0
+                while drained < LINGER_BYTES:
+                    chunk = self.sock.recv(HEAD_READ)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
+        self.sock.close()
+
+
+def _parse_head(raw: bytes) -> _Head:
+    lines = raw.split(b"\r\n")
+    request_line = lines[0]
+    if len(request_line) > MAX_REQUEST_LINE:
+        raise ListenerRefusal(414, f"the request line is longer than {MAX_REQUEST_LINE} bytes")
+    if len(raw) > MAX_HEAD_BYTES:
+        raise ListenerRefusal(431, f"the request head is longer than {MAX_HEAD_BYTES} bytes")
+    parts = request_line.split(b" ")
+    if len(parts) != 3 or not all(parts):
+        raise ListenerRefusal(400, "malformed request line: expected 'METHOD /path HTTP/1.1'")
+    try:
+        method, target, version = (p.decode("ascii") for p in parts)
+    except UnicodeDecodeError:
+        raise ListenerRefusal(400, "malformed request line: not ASCII") from None
+    if not method.isalpha() or not method.isupper():
+        raise ListenerRefusal(400, f"malformed request line: invalid method {method[:20]!r}")
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise ListenerRefusal(505, f"HTTP version {version[:20]!r} is not supported; use HTTP/1.1")
+    if not target.startswith("/"):
+        raise ListenerRefusal(
+            400, "malformed request line: the target must be a path ('/update_weights?...')"
+        )
+    headers = []
+    for line in lines[1:]:
+        if len(line) > MAX_HEADER_LINE:
+            raise ListenerRefusal(431, f"a header line is longer than {MAX_HEADER_LINE} bytes")
+        if len(headers) >= MAX_HEADERS:
+            raise ListenerRefusal(431, f"more than {MAX_HEADERS} header lines")
+        name, sep, value = line.partition(b":")
+        # No folded lines, no whitespace in names, no stray CR/LF/NUL anywhere (request smuggling).
+        if not sep or not name or name != name.strip() or any(c in line for c in b"\r\n\0"):
+            raise ListenerRefusal(400, f"malformed header line {line[:40].decode('latin-1')!r}")
+        headers.append((name.decode("latin-1").lower(), value.decode("latin-1").strip()))
+    split = urlsplit(target)
+    return _Head(method, unquote(split.path), split.query, version, headers)
+
+
+def _content_length(head: _Head) -> int:
+    if head.all("transfer-encoding"):
+        raise ListenerRefusal(
+            411,
+            "Transfer-Encoding (chunked) bodies are not read on the upload port: send a Content-Length "
+            "(or use the main port)",
+        )
+    values = set(head.all("content-length"))
+    if not values:
+        raise ListenerRefusal(411, "Content-Length is required on the upload port")
+    if len(values) > 1:
+        raise ListenerRefusal(400, "conflicting Content-Length headers")
+    [value] = values
+    if not value.isdigit() or len(value) > 19:
+        raise ListenerRefusal(400, f"invalid Content-Length {value[:30]!r}")
+    return int(value)
+
+
+def _request_id(head: _Head | None) -> str:
+    rid = head.get("x-request-id") if head is not None else None
+    # Echoed in a header and logged: only a short printable token is taken from the client.
+    if rid and len(rid) <= 128 and all(33 <= ord(c) <= 126 for c in rid):
+        return rid
+    return uuid.uuid4().hex
+
+
+def _render(response: JSONResponse, rid: str, keep_alive: bool) -> bytes:
+    try:
+        phrase = http.HTTPStatus(response.status_code).phrase
+    except ValueError:
+        phrase = "Unknown"
+    lines = [f"HTTP/1.1 {response.status_code} {phrase}"]
+    lines += [f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in response.raw_headers]
+    lines += [f"x-request-id: {rid}", f"connection: {'keep-alive' if keep_alive else 'close'}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body
+
+
+class UploadListener:
+    """``POST /update_weights`` for ``engine`` on ``config.host:port`` (see the module docstring).
+
+    ``loop`` is the app's running event loop: parts are applied there. :meth:`start` binds and
+    returns the port (``port=0`` picks a free one); :meth:`stop` closes everything.
+    """
+
+    def __init__(self, config: ServerConfig, engine, loop: asyncio.AbstractEventLoop, port: int) -> None:
+        self.config = config
+        self.engine = engine
+        self.loop = loop
+        self.requested_port = port
+        self.port: int | None = None
+        self.stats = ListenerStats()
+        self._sock: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._serial = 0
+
+    @property
+    def running(self) -> bool:
+        return self._sock is not None and not self._stopping
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> int:
+        host = self.config.host
+        family = socket.getaddrinfo(host, self.requested_port, type=socket.SOCK_STREAM)[0][0]
+        self._sock = socket.create_server((host, self.requested_port), family=family, backlog=64)
+        # A fallback wake-up for the accept loop on systems where closing the socket does not.
+        self._sock.settimeout(0.5)
+        self.port = self._sock.getsockname()[1]
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"upload-listener-{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+        logger.info("weight-upload listener on %s:%d (POST %s)", host, self.port, UPLOAD_PATH)
+        return self.port
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop accepting, end every connection (answers being prepared still go out), join threads."""
+        with self._lock:
+            if self._stopping or self._sock is None:
+                return
+            self._stopping = True
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
+        self._sock.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RD)  # a blocked read returns; the write side stays open
+        for _, thread in conns:
+            if thread.ident is not None:  # started (the accept loop starts each right after adding it)
+                thread.join(max(0.0, deadline - time.monotonic()))
+        left = [t.name for _, t in conns if t.is_alive()]
+        if left:
+            logger.warning("weight-upload listener stopped with %d connection(s) still busy", len(left))
+        logger.info("weight-upload listener on port %s stopped", self.port)
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None  # set by start() before this thread exists
+        while not self._stopping:
+            try:
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stopping:
+                    break
+                logger.warning("weight-upload listener: accept failed: %s", exc)
+                time.sleep(0.1)  # e.g. out of file descriptors: do not spin
+                continue
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS or self._stopping
+                if not full:
+                    self._serial += 1
+                    thread = threading.Thread(
+                        target=self._serve, args=(sock,), name=f"upload-conn-{self._serial}", daemon=True
+                    )
+                    self._conns[sock] = thread
+            self.stats.add(connections=1)
+            if full:
+                refusal = ListenerRefusal(503, f"more than {MAX_CONNECTIONS} upload connections are open")
+                self._refuse_and_close(sock, refusal)
+                continue
+            thread.start()
+
+    def _refuse_and_close(self, sock: socket.socket, refusal: ListenerRefusal) -> None:
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(self._answer(refusal, "-", None, keep_alive=False))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------------ one connection
+    def _serve(self, sock: socket.socket) -> None:
+        conn = _Connection(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # answers are one small write
+            while not self._stopping and self._one_request(conn):
+                pass
+        except OSError:
+            pass  # the client went away: nothing to answer
+        except Exception:  # a bug must end this connection, never the listener
+            logger.exception("weight-upload listener: connection failed")
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(sock, None)
+
+    def _one_request(self, conn: _Connection) -> bool:
+        """Read and answer one request; whether the connection may carry another."""
+        head = None
+        try:
+            raw = conn.read_head()
+            if raw is None:
+                return False
+            head = _parse_head(raw)
+        except ListenerRefusal as refusal:
+            conn.send(self._answer(refusal, _request_id(None), None, keep_alive=False))
+            return False
+        rid = _request_id(head)
+        token = request_id_var.set(rid)  # log lines of this request (and of the coroutines it runs)
+        try:
+            response, body_read = self._handle(head, conn)
+        except Exception as exc:
+            response, body_read = exc, False
+        finally:
+            request_id_var.reset(token)
+        # Before the body was read the connection is out of step with the client: close it.
+        keep_alive = body_read and head.keep_alive() and not self._stopping
+        conn.send(self._answer(response, rid, head, keep_alive=keep_alive))
+        return keep_alive
+
+    def _handle(self, head: _Head, conn: _Connection) -> tuple[JSONResponse | BaseException, bool]:
+        """The answer to one request (a response, or the exception to answer), and whether its body
+        was read whole (only then is the connection still in step with the client)."""
+        if head.path != UPLOAD_PATH:
+            raise ListenerRefusal(404, f"Not Found: this port serves only POST {UPLOAD_PATH}")
+        declared = head.get("content-length")
+        if declared is not None and declared.isdigit():
+            too_large = declared_length_error(int(declared), self.config.max_upload_bytes, "max_upload_bytes")
+            if too_large is not None:
+                raise too_large
+        denied = key_error(head.get("authorization"), self.config, "admin")
+        if denied is not None:
+            raise denied
+        if head.method != "POST":
+            raise ListenerRefusal(405, "Method Not Allowed", headers={"Allow": "POST"})
+        length = _content_length(head)
+        query = UploadQuery.from_pairs(parse_qsl(head.query, keep_blank_values=True))
+        manager = self.engine.weights()
+        if head.version == "HTTP/1.1" and (head.get("expect") or "").lower() == "100-continue":
+            conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body, received = self._receive(conn, manager.receive_buffers, length)
+        if body is None:
+            error = truncated_body_error(received, length)
+            try:
+                self._on_loop(self._refuse(manager, error, query))
+            except WeightUpdateError as refused:
+                return refused, False
+            return error, False
+        self.stats.add(parts=1)
+        try:
+            result = self._on_loop(apply_part(manager, body, query))
+        except Exception as exc:
+            return exc, True
+        return JSONResponse(jsonable_encoder(result)), True
+
+    def _receive(self, conn: _Connection, pool, length: int) -> tuple[Lease | None, int]:
+        """The body in a pooled buffer, or ``(None, bytes received)`` when it ended early."""
+        if length == 0:
+            return unpooled(b""), 0
+        lease = pool.lease(length)
+        view = lease.writable()
+        try:
+            received = conn.read_body(view)
+        except BaseException:
+            view.release()
+            lease.release()
+            raise
+        view.release()  # a live view would keep the buffer out of the pool
+        self.stats.add(bytes=received)
+        if received < length:
+            lease.release()
+            return None, received
+        return lease, received
+
+    @staticmethod
+    async def _refuse(manager, error: WeightUpdateError, query: UploadQuery) -> None:
+        refuse_body(manager, error, query)
+
+    def _on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` on the app's event loop and wait for it (this thread has nothing else to do)."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed: the app has shut down
+            coro.close()
+            raise ServiceUnavailableError("the server is shutting down") from None
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self.loop.is_closed():
+                    future.cancel()
+                    raise ServiceUnavailableError("the server is shutting down") from None
+            except concurrent.futures.CancelledError:
+                raise ServiceUnavailableError("the server is shutting down") from None
+
+    # ------------------------------------------------------------------ answers
+    def _answer(
+        self, outcome: JSONResponse | BaseException, rid: str, head: _Head | None, *, keep_alive: bool
+    ) -> bytes:
+        if isinstance(outcome, JSONResponse):
+            response = outcome
+        else:
+            response = response_for(outcome)
+            if isinstance(outcome, ListenerRefusal):
+                response.headers.update(outcome.headers)
+            self._log_failure(outcome, head)
+        status = response.status_code
+        self.stats.add(requests=1, refused=int(status >= 400))
+        route = METRICS_ROUTE if head is not None and head.path == UPLOAD_PATH else "upload_port:unmatched"
+        self.engine.metrics.http_response(head.method if head else "-", route, status)
+        return _render(response, rid, keep_alive)
+
+    @staticmethod
+    def _log_failure(exc: BaseException, head: _Head | None) -> None:
+        where = f"{head.method} {head.path}" if head is not None else "a request"
+        if isinstance(exc, DiffusionRolloutError):
+            if exc.status_code >= 500:
+                logger.error("upload port: %s failed: %s", where, exc.message)
+        elif not isinstance(exc, RequestValidationError):
+            logger.error("upload port: unexpected error in %s", where, exc_info=exc)
