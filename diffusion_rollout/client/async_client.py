@@ -251,11 +251,32 @@ class AsyncRolloutClient(_ClientBase):
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,
         partial: bool = False,
+        direct: bool = True,
     ) -> UpdateResult:
         call = _upload_call(
             data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
         )
-        return await self._all(call, server)
+        if not direct:
+            return await self._all(call, server)
+        responses = {}
+        for url in self._targets(server):  # in order: a failure names the server and stops there
+            try:
+                responses[url] = (await self._send(call, await self._upload_url(url))).json()
+            except RolloutConnectionError:
+                self._forget_upload_url(url)
+                raise
+        return self._updates(responses)
+
+    async def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:
+        """Where full-weight parts for ``server`` go (see ``RolloutClient.upload_url``)."""
+        return await self._upload_url(self.urls[server], refresh=refresh)
+
+    async def _upload_url(self, url: str, *, refresh: bool = False) -> str:
+        known = None if refresh else self._known_upload_url(url)
+        if known is not None:
+            return known
+        call = _info_call("/model_info")
+        return self._remember_upload_url(url, self._parse_plain(call, await self._send(call, url)))
 
     async def update_weights_from_tensor(
         self,

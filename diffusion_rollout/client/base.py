@@ -22,6 +22,12 @@ Design decisions:
   that has only one).
 - **Wire.** Bodies go out as JSON; rollout answers are asked for as msgpack by default (raw tensor
   bytes, no base64) through ``Accept``; ``wire_format="json"`` asks for JSON instead.
+- **Weight parts take the direct port when there is one.** A server started with
+  ``--upload-port`` advertises ``weight_upload_port`` in ``/model_info``; ``update_weights`` (and
+  so ``push_weights``) then sends full-weight parts to that port on the same host
+  (:func:`direct_upload_url`), where they are read straight into the receive buffers. The answer
+  is the same; ``direct=False`` keeps the main port. The port is asked once per server and kept
+  (``push_weights`` asks again at every push); a connection error on it forgets it.
 - Error answers become the exception classes of :mod:`diffusion_rollout.client.exceptions`
   (status, message, request id, ``Retry-After``); transport failures become
   :class:`RolloutConnectionError` / :class:`RolloutTimeoutError` naming the server.
@@ -35,6 +41,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,6 +99,21 @@ def resolve_connection(
     api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY) or None
     admin_key = admin_key if admin_key is not None else os.environ.get(ENV_ADMIN_KEY) or None
     return urls, api_key, admin_key
+
+
+def direct_upload_url(url: str, info: Mapping[str, Any]) -> str | None:
+    """The direct upload listener of the server at ``url``: ``weight_upload_port`` of its
+    ``/model_info`` on the same host, or None when it advertises none or ``url`` is not plain
+    ``http://host[:port]`` (TLS or a path prefix mean a proxy in front, which would not carry the
+    other port)."""
+    port = info.get("weight_upload_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        return None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -154,6 +176,8 @@ class _ClientBase:
         self.extra_headers = dict(headers or {})
         self._rr = itertools.count()
         self._rr_lock = threading.Lock()
+        # Main URL -> its direct upload URL (None: it has none), as last advertised.
+        self._upload_urls: dict[str, str | None] = {}
 
     @property
     def url(self) -> str:
@@ -174,6 +198,21 @@ class _ClientBase:
 
     def _targets(self, server: int | None) -> list[str]:
         return list(self.urls) if server is None else [self.urls[server]]
+
+    def _known_upload_url(self, url: str) -> str | None:
+        """Where weight parts for ``url`` go, if already asked (else None)."""
+        if url not in self._upload_urls:
+            return None
+        return self._upload_urls[url] or url
+
+    def _remember_upload_url(self, url: str, info: Mapping[str, Any]) -> str:
+        direct = direct_upload_url(url, info)
+        self._upload_urls[url] = direct
+        return direct or url
+
+    def _forget_upload_url(self, url: str) -> None:
+        # A restarted server may listen on another port: ask again next time.
+        self._upload_urls.pop(url, None)
 
     # ------------------------------------------------------------------ building requests
     def _headers(self, call: _Call) -> dict[str, str]:

@@ -314,14 +314,39 @@ class RolloutClient(_ClientBase):
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,
         partial: bool = False,
+        direct: bool = True,
     ) -> UpdateResult:
-        """One part of an HTTP weight upload (safetensors bytes); see ``client.weights.push_weights``."""
-        return self._all(
-            _upload_call(
-                data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
-            ),
-            server,
+        """One part of an HTTP weight upload (safetensors bytes); see ``client.weights.push_weights``.
+
+        ``direct``: send it to the server's direct upload port when it advertises one
+        (:meth:`upload_url`); False: always the main port. The answer is the same.
+        """
+        call = _upload_call(
+            data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
         )
+        if not direct:
+            return self._all(call, server)
+        responses = {}
+        for url in self._targets(server):  # in order: a failure names the server and stops there
+            try:
+                responses[url] = self._send(call, self._upload_url(url)).json()
+            except RolloutConnectionError:
+                self._forget_upload_url(url)
+                raise
+        return self._updates(responses)
+
+    def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:
+        """Where full-weight parts for ``server`` go: its direct upload port (``weight_upload_port``
+        of ``/model_info``, on the same host) when it has one, else its main URL. Asked once and
+        kept; ``refresh`` asks again."""
+        return self._upload_url(self.urls[server], refresh=refresh)
+
+    def _upload_url(self, url: str, *, refresh: bool = False) -> str:
+        known = None if refresh else self._known_upload_url(url)
+        if known is not None:
+            return known
+        call = _info_call("/model_info")
+        return self._remember_upload_url(url, self._parse_plain(call, self._send(call, url)))
 
     def update_weights_from_tensor(
         self,

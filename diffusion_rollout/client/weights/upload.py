@@ -14,6 +14,11 @@ Design decisions:
   once on separate connections (the server checks one while it receives the next), and the final
   part goes last, after every other part was accepted. Per-tensor hashes for verification are
   computed in the sending threads.
+- **The direct port when the server has one.** A server started with ``--upload-port`` advertises
+  it (``weight_upload_port``); the parts then go there (``direct=True``, the default), where they
+  are read from the socket straight into the receive buffers, while the verification and every
+  other call stay on the main port. The port is asked again at every push, so a restarted server is
+  followed. ``direct=False`` sends everything to the main port; the result is the same.
 - **Verification with the same code.** Per-tensor SHA-256 (``checksums.tensor_sha256``) is computed
   on every cast tensor as it is packed, and checked with ``/update_weights_from_tensor_checker``
   after the commit; whole-module checksums (:func:`verify_weights_checksum`) use
@@ -145,6 +150,7 @@ def push_weights(
     timeout: float | None = None,
     partial: bool = False,
     concurrency: int = 2,
+    direct: bool = True,
 ) -> UpdateResult:
     """Upload full weights over HTTP in bounded parts and apply them atomically with the last one.
 
@@ -154,10 +160,15 @@ def push_weights(
     exactly the tensors sent are applied). With ``verify``
     the server checks every tensor's SHA-256 afterwards (raises :class:`ChecksumMismatchError`).
     ``concurrency``: how many non-final parts are in flight at once (1 sends them one by one).
+    ``direct``: send the parts to each server's direct upload port when it advertises one (False:
+    the main port).
     """
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     cast_to = resolve_dtype(client, dtype, server=server or 0)
+    if direct:
+        for index in range(len(client.urls)) if server is None else [server]:
+            client.upload_url(index, refresh=True)  # a restarted server may listen elsewhere
     upload_id = upload_id or uuid.uuid4().hex
     manifest: dict[str, str] = {}
     parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
@@ -174,6 +185,7 @@ def push_weights(
             server=server,
             timeout=timeout,
             partial=partial,
+            direct=direct,
         )
         if verify:
             manifest.update(part.sha256)
