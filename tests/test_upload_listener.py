@@ -8,6 +8,7 @@ serving; the project's client finds the port and uses it; shutdown leaves no thr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -20,7 +21,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from diffusion_rollout.checksums import trainer_weights_checksum
-from diffusion_rollout.client import RolloutClient
+from diffusion_rollout.client import AsyncRolloutClient, RolloutClient
 from diffusion_rollout.client.weights.upload import push_weights, safetensors_parts
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.app import create_app
@@ -347,6 +348,15 @@ def test_the_client_finds_the_advertised_port_and_sends_parts_there(fresh_server
         assert again.weight_version == "main" and listener.stats.parts == n_parts
         assert f'route="/update_weights",code="200"}} {n_parts}' in client.metrics()
         assert checksum(server) == after_direct
+
+        async def async_part() -> tuple[str, str]:
+            async with AsyncRolloutClient(url, admin_key=KEY, timeout=60) as aclient:
+                out = await aclient.update_weights(small_part(server), partial=True, weight_version="async")
+                return await aclient.upload_url(0), out.weight_version
+
+        # The asyncio client takes the same port.
+        assert asyncio.run(async_part()) == (f"http://127.0.0.1:{listener.port}", "async")
+        assert listener.stats.parts == n_parts + 1
 
 
 def test_a_server_without_the_listener_advertises_none_and_the_client_keeps_the_main_port(served):

@@ -425,6 +425,8 @@ class UploadListener:
         token = request_id_var.set(rid)  # log lines of this request (and of the coroutines it runs)
         try:
             response, body_read = self._handle(head, conn)
+        except OSError:
+            raise  # the client went away (writing "100 Continue"): nobody to answer
         except Exception as exc:
             response, body_read = exc, False
         finally:
