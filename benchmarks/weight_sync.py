@@ -18,6 +18,13 @@ rate measured in the same run (pinned and pageable, 1 GiB, ``torch.Tensor.to``):
   ``tcp_raw`` (one loopback socket, ``sendall`` into ``recv_into`` a reused buffer: what any HTTP
   stack on this host can reach) and ``finite_check`` (the old ``isfinite().all()`` and the new
   ``aminmax`` finiteness check over the payload).
+- ``http_direct``: the same push (``push_weights``, same parts and concurrency) into a second front
+  on the same engine started with ``upload_port=0``: the client finds the direct receive listener
+  (``weight_upload_port``) and sends the parts there, where each body is read with ``recv_into``
+  straight into a pooled buffer on a thread per connection (``entrypoints/upload_listener.py``)
+  instead of through uvicorn's event loop. Twice (first, steady), side by side with ``http_stream``
+  (the two run in the order, and as often, as ``--phases`` names them, so they can alternate);
+  the phase fails if the listener did not receive every part.
 - ``disk``: ``POST /update_weights_from_disk`` of a ``<dir>/transformer/*.safetensors`` folder just
   written (so read from the page cache: this is the server's read + validate + copy rate, not a
   disk's). Writing is timed separately.
@@ -78,7 +85,25 @@ from benchmarks.model_builders import BenchModel, build
 ATTENTION_PROJECTION = re.compile(
     r"(^|\.)attn\d*\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
 )
-DEFAULT_PHASES = ("h2d", "tcp", "http_legacy", "http_stream", "finite", "disk", "ipc", "lora", "lora_ipc")
+DEFAULT_PHASES = (
+    "h2d", "tcp", "http_legacy", "http_stream", "http_direct", "finite", "disk", "ipc", "lora", "lora_ipc",
+)  # fmt: skip
+PHASE_HELP = {
+    "h2d": "host-to-device copy rate, pinned and pageable (the reference)",
+    "tcp": "one bare loopback socket, sendall into recv_into (the ceiling of any HTTP path)",
+    "http_legacy": "the previous HTTP path: safetensors.save per part, request.body() on the server",
+    "http_stream": "push_weights into the main port (uvicorn, streamed into pooled buffers)",
+    "http_direct": "push_weights into the direct upload listener (upload_port: recv_into, thread per "
+    "connection), side by side with http_stream (name both, several times, to alternate them)",
+    "http_stream_h11": "http_stream through a front with uvicorn's h11 parser (not default)",
+    "http_stream_httptools": "http_stream through a front with uvicorn's httptools parser (not default)",
+    "finite": "the finiteness check over the payload, old vs new",
+    "http": "the plain one-part-at-a-time HTTP upload from this process (not default)",
+    "disk": "update_weights_from_disk from the page cache",
+    "ipc": "update_weights_from_tensor from a trainer process (CUDA IPC; descriptors on CPU)",
+    "lora": "a LoRA pushed over HTTP and activated",
+    "lora_ipc": "a LoRA through update_weights_from_tensor lora_merge",
+}
 COLUMNS = [
     ("transport", "transport", ""),
     ("what", "what", ""),
@@ -249,7 +274,9 @@ def http_push(
 ) -> list[dict[str, Any]]:
     """A full-weight push over HTTP from a separate trainer process (as from another host).
 
-    ``mode="stream"``: the project client (``push_weights``, ``verify=False``) into ``/update_weights``.
+    ``mode="stream"``: the project client (``push_weights``, ``verify=False``) into ``/update_weights``
+    on the main port. ``mode="direct"``: the same, its parts sent to the direct upload listener that
+    ``srv`` advertises (``weight_upload_port``).
     ``mode="legacy"``: the previous path, each part serialised whole by ``safetensors.torch.save`` and
     sent alone (1 MiB slices) to a benchmark route that reads ``request.body()``. The trainer makes
     its own tensors of the payload's names, shapes and dtypes. Besides the wall time, the server
@@ -301,11 +328,11 @@ def http_push(
                 report = json.loads(done)
                 seconds = report["seconds"]
                 new, reused = pool.stats.allocated - before.allocated, pool.stats.reused - before.reused
-                what = (
-                    f"{len(named)} tensors, {concurrency} parts in flight, client streams"
-                    if mode == "stream"
-                    else f"{len(named)} tensors, one part at a time, safetensors.save + body()"
-                )
+                what = {
+                    "stream": f"{len(named)} tensors, {concurrency} parts in flight, client streams",
+                    "direct": f"{len(named)} tensors, {concurrency} parts in flight, upload port (recv_into)",
+                    "legacy": f"{len(named)} tensors, one part at a time, safetensors.save + body()",
+                }[mode]
                 rows.append(
                     {
                         "transport": f"http_{mode}",
@@ -323,7 +350,7 @@ def http_push(
                         "buffers_allocated": new,
                         "buffers_reused": reused,
                         "note": f"apply {report['apply_s'] or 0:.2f}s; server CPU {server_cpu / _gb(total):.2f} s/GB"
-                        + (f"; buffers {new} new, {reused} reused" if mode == "stream" else ""),
+                        + (f"; buffers {new} new, {reused} reused" if mode != "legacy" else ""),
                     }
                 )
         finally:
@@ -353,12 +380,17 @@ def http_trainer_main(spec_path: str) -> int:
         tag = f"bench-{spec['mode']}-{rep}"
         cpu0 = time.process_time()
         t0 = time.perf_counter()
-        if spec["mode"] == "stream":
+        if spec["mode"] in ("stream", "direct"):
+            direct = spec["mode"] == "direct"
             with RolloutClient(spec["url"], timeout=1200.0) as client:
+                if direct and client.upload_url(0) == client.url:
+                    print("the server advertises no upload port", flush=True)
+                    return 2
                 message = push_weights(
                     client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
                     upload_id=tag, flush_cache=False, verify=False, concurrency=spec["concurrency"],
                     partial=True,  # --http-gb may cap the payload below the whole module
+                    direct=direct,
                 ).message  # fmt: skip
         else:
             parts = _parts(named, spec["part_bytes"])
@@ -750,6 +782,24 @@ def run(
             r["transport"] = f"http_stream_{parser}"
         return out
 
+    def push_direct():
+        # The same push into a second front on the same engine that runs the direct receive
+        # listener; the trainer finds its port through /model_info, as any client does.
+        from benchmarks.common import LoopbackServer
+
+        front = LoopbackServer(srv.engine, srv.config.model_copy(update={"upload_port": 0}))
+        try:
+            listener = front.app.state.upload_listener
+            out = http_push(front, payload(), part_bytes, mode="direct", concurrency=concurrency, reps=2)
+            expected = 2 * len(_parts(payload(), part_bytes))
+            if listener.stats.parts != expected:
+                raise RuntimeError(f"the upload port received {listener.stats.parts} of {expected} parts")
+        finally:
+            front.close()
+        for r in out:
+            r["note"] += f"; upload port {listener.port}"
+        return out
+
     def do_disk():
         named = cpu_copies(disk_gb)
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -757,7 +807,10 @@ def run(
 
     phase("tcp", lambda: tcp_raw(2**30 if device.startswith("cuda") else 256 * 2**20), 10)
     phase("http_legacy", lambda: do_push("legacy"), 30)
-    phase("http_stream", lambda: do_push("stream"), 30)
+    # http_stream / http_direct: in the order (and as often) as --phases names them, so a run can
+    # alternate the two receive paths on a noisy machine.
+    for name in [p for p in phases if p in ("http_stream", "http_direct")]:
+        phase(name, (lambda: do_push("stream")) if name == "http_stream" else push_direct, 30)
     # http_stream_h11 / http_stream_httptools: in the order (and as often) as --phases names them,
     # so a run can alternate them.
     for name in [p for p in phases if p in ("http_stream_h11", "http_stream_httptools")]:
@@ -796,6 +849,14 @@ def run(
         tcp = best("tcp_raw")
         if tcp:
             targets["http_stream"]["vs_tcp_raw"] = stream / tcp
+    direct = best("http_direct")
+    if direct is not None:
+        targets["http_direct"] = {"gb_per_s": direct, "target_gb_per_s": 2.0, "met": direct >= 2.0}
+        if stream:
+            targets["http_direct"]["vs_http_stream"] = direct / stream
+        tcp = best("tcp_raw")
+        if tcp:
+            targets["http_direct"]["vs_tcp_raw"] = direct / tcp
     for kind in ("ipc", "http"):
         v = best(kind)
         if v is not None and pinned:
@@ -857,8 +918,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mb", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--lora-reps", type=int, default=5)
-    p.add_argument("--phases", default=",".join(DEFAULT_PHASES), help="comma-separated subset (also: http)")
-    p.add_argument("--concurrency", type=int, default=2, help="upload parts in flight (http_stream)")
+    p.add_argument(
+        "--phases",
+        default=",".join(DEFAULT_PHASES),
+        help="comma-separated phases to run (default: all but those marked 'not default'): "
+        + "; ".join(f"{name}: {what}" for name, what in PHASE_HELP.items()),
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=2, help="upload parts in flight (http_stream, http_direct)"
+    )
     p.add_argument(
         "--ipc-format", default=None, choices=["direct", "flattened_bucket"], help="IPC load_format"
     )

@@ -92,12 +92,14 @@ def test_weight_sync(tmp_path):
         "tcp_raw",
         "http_legacy",
         "http_stream",
+        "http_direct",
         "finite_check",
         "disk",
         "ipc",
         "lora_push_activate",
     } <= kinds
     assert doc["targets"]["http_stream"]["vs_legacy"] > 0, doc["targets"]
+    assert doc["targets"]["http_direct"]["vs_http_stream"] > 0, doc["targets"]
     assert doc["ok"], doc["notes"]
 
 
