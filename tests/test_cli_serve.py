@@ -29,7 +29,17 @@ def served_demo(tmp_path_factory):
     cache = tmp_path_factory.mktemp("demo-cache")
     env = dict(os.environ, DIFFUSION_ROLLOUT_CACHE=str(cache), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--port", str(port)],
+        # --upload-port 0: the direct weight-upload listener on a free port (advertised, then used).
+        [
+            sys.executable,
+            "-m",
+            "diffusion_rollout.entrypoints.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--upload-port",
+            "0",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -68,6 +78,13 @@ def test_serve_demo_answers_health_and_model_info(served_demo):
     assert info["model_path"].startswith(str(cache))
     r = httpx.get(base + "/health", headers={"X-Request-Id": "abc123"}, timeout=5)
     assert r.headers["x-request-id"] == "abc123"
+    # The upload listener of the real process answers like the main port (here: a body that is no
+    # safetensors file).
+    upload_port = info["weight_upload_port"]
+    assert isinstance(upload_port, int) and f":{upload_port}" != base[base.rindex(":") :]
+    r = httpx.post(f"http://127.0.0.1:{upload_port}/update_weights", content=b"garbage", timeout=30)
+    main = httpx.post(base + "/update_weights", content=b"garbage", timeout=30)
+    assert r.status_code == main.status_code == 400 and r.json() == main.json(), r.text
 
 
 def _readme_example() -> tuple[str, dict, str]:
@@ -96,8 +113,12 @@ def test_readme_example_request_succeeds(served_demo):
 
 
 def test_serve_stops_cleanly_on_sigint(served_demo):
-    _base, proc, _ = served_demo
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=30)[0]
+    base, proc, _ = served_demo
+    upload_port = httpx.get(base + "/model_info", timeout=5).json()["weight_upload_port"]
+    # An idle connection to the upload listener (its thread blocked in a read) must not hold the exit.
+    with socket.create_connection(("127.0.0.1", upload_port), timeout=5):
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "RANDOM demo model" in out
+    assert f"weight-upload listener on port {upload_port} stopped" in out

@@ -321,6 +321,44 @@ def test_hostile_requests_get_a_4xx_and_the_listener_keeps_serving(fresh_server)
     assert listener_of(server).stats.refused == len(HOSTILE)
 
 
+def test_slow_heads_and_too_many_connections_are_bounded(fresh_server, monkeypatch):
+    from diffusion_rollout.entrypoints import upload_listener
+
+    monkeypatch.setattr(upload_listener, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(upload_listener, "MAX_CONNECTIONS", 2)
+    server = fresh_server("sd3", upload_port=0, admin_key=KEY)
+    listener = listener_of(server)
+    slow = RawConnection(listener.port)
+    try:
+        slow.send(b"POST /update_weights HTTP/1.1\r\nHost: x\r\n")  # and then nothing more
+        status, _, body = slow.response()
+        assert status == 408 and "did not arrive within 0.5 s" in body["error"]["message"]
+        assert slow.closed_by_server()
+    finally:
+        slow.close()
+    idle = [RawConnection(listener.port) for _ in range(2)]
+    try:
+        wait_until(lambda: listener.stats.connections == 3, 10, "two idle connections to be served")
+        extra = RawConnection(listener.port)
+        try:
+            status, _, body = extra.response()
+            assert status == 503 and "more than 2 upload connections" in body["error"]["message"]
+        finally:
+            extra.close()
+    finally:
+        for conn in idle:
+            conn.close()
+    # Once those are gone, the port serves again.
+    good = small_part(server)
+    wait_until(lambda: listener.open_connections == 0, 10, "the idle connections to end")
+    conn = RawConnection(listener.port)
+    try:
+        status, _, body = conn.request(upload_head(len(good), "partial=true"), good)
+    finally:
+        conn.close()
+    assert status == 200, body
+
+
 # ---------------------------------------------------------------------------- discovery and the client
 def test_the_client_finds_the_advertised_port_and_sends_parts_there(fresh_server):
     server = fresh_server("sd3", upload_port=0, admin_key=KEY)

@@ -77,7 +77,7 @@ MAX_HEADERS = 64
 MAX_HEAD_BYTES = 64 * 1024  # the whole request head
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no new request is closed after this
-HEAD_TIMEOUT_S = 30.0  # longest pause inside a request head
+HEAD_TIMEOUT_S = 30.0  # longest a request head may take once it has begun
 BODY_TIMEOUT_S = 120.0  # longest pause inside a body: the sender stalled, the part is refused
 LINGER_S = 0.5  # closing after a refusal: how long to drain what the client still sends
 LINGER_BYTES = 4 << 20  # ... and at most how much
@@ -149,7 +149,9 @@ class _Connection:
 
     def read_head(self) -> bytes | None:
         """The next request head (without its blank line); None when the client closed between
-        requests or stayed idle past ``IDLE_TIMEOUT_S``."""
+        requests or stayed idle past ``IDLE_TIMEOUT_S``. Once its first byte is here, the whole head
+        must arrive within ``HEAD_TIMEOUT_S`` (a byte now and then cannot hold a thread for long)."""
+        deadline = None
         while True:
             # Blank lines before a request line are allowed (RFC 9112 2.2).
             while self.pending.startswith(b"\r\n"):
@@ -164,13 +166,20 @@ class _Connection:
                 raise ListenerRefusal(414, f"the request line is longer than {MAX_REQUEST_LINE} bytes")
             if len(self.pending) > MAX_HEAD_BYTES:
                 raise ListenerRefusal(431, f"the request head is longer than {MAX_HEAD_BYTES} bytes")
-            self.sock.settimeout(HEAD_TIMEOUT_S if self.pending else IDLE_TIMEOUT_S)
+            if self.pending and deadline is None:
+                deadline = time.monotonic() + HEAD_TIMEOUT_S
+            wait = IDLE_TIMEOUT_S if deadline is None else deadline - time.monotonic()
             try:
+                if wait <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(wait)
                 chunk = self.sock.recv(HEAD_READ)
             except TimeoutError:
                 if not self.pending:
                     return None  # an idle keep-alive connection: closed quietly
-                raise ListenerRefusal(408, "the request head did not arrive in time") from None
+                raise ListenerRefusal(
+                    408, f"the request head did not arrive within {HEAD_TIMEOUT_S:g} s"
+                ) from None
             if not chunk:
                 self.eof = True
                 if not self.pending:
@@ -316,6 +325,11 @@ class UploadListener:
     @property
     def running(self) -> bool:
         return self._sock is not None and not self._stopping
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> int:
