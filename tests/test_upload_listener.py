@@ -220,6 +220,33 @@ def test_keys_limits_and_the_query_are_answered_before_the_body_is_read(fresh_se
     assert pool.stats.allocated == 0 and pool.stats.reused == 0  # no receive buffer was leased
 
 
+def test_expect_100_continue_is_granted_only_after_the_checks(fresh_server):
+    server = fresh_server("sd3", upload_port=0, admin_key=KEY)
+    port = listener_of(server).port
+    good = small_part(server)
+    conn = RawConnection(port)
+    try:  # curl's way with large bodies: the head, then the body once the server says go
+        conn.send(upload_head(len(good), "partial=true", extra="Expect: 100-continue\r\n").encode())
+        while b"\r\n\r\n" not in conn.buffer:
+            conn.buffer += conn.sock.recv(65536)
+        interim, conn.buffer = conn.buffer.split(b"\r\n\r\n", 1)
+        assert interim == b"HTTP/1.1 100 Continue"
+        conn.send(good)
+        status, _, body = conn.response()
+        assert status == 200 and body["success"], body
+    finally:
+        conn.close()
+    conn = RawConnection(port)
+    try:  # refused: the final answer comes instead of the 100, and the body is never asked for
+        head = upload_head(
+            len(good), auth=False, extra="Authorization: Bearer no\r\nExpect: 100-continue\r\n"
+        )
+        status, _, body = conn.request(head)
+        assert status == 403 and conn.closed_by_server(), body
+    finally:
+        conn.close()
+
+
 # ---------------------------------------------------------------------------- bodies cut short
 def test_a_truncated_body_stages_nothing_and_the_next_upload_works(fresh_server):
     server = fresh_server("sd3", upload_port=0, admin_key=KEY)
