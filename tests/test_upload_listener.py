@@ -416,8 +416,9 @@ def test_the_client_finds_the_advertised_port_and_sends_parts_there(fresh_server
 
         async def async_part() -> tuple[str, str]:
             async with AsyncRolloutClient(url, admin_key=KEY, timeout=60) as aclient:
+                found = await aclient.upload_url(0)
                 out = await aclient.update_weights(small_part(server), partial=True, weight_version="async")
-                return await aclient.upload_url(0), out.weight_version
+                return found, out.weight_version
 
         # The asyncio client takes the same port.
         assert asyncio.run(async_part()) == (f"http://127.0.0.1:{listener.port}", "async")

@@ -256,22 +256,20 @@ class AsyncRolloutClient(_ClientBase):
         call = _upload_call(
             data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
         )
-        if not direct:
-            return await self._all(call, server)
         responses = {}
         for url in self._targets(server):  # in order: a failure names the server and stops there
+            target = (self._known_upload_url(url) if direct else None) or url
             try:
-                responses[url] = (await self._send(call, await self._upload_url(url))).json()
+                responses[url] = (await self._send(call, target)).json()
             except RolloutConnectionError:
-                self._forget_upload_url(url)
+                if target != url:
+                    self._forget_upload_url(url)
                 raise
         return self._updates(responses)
 
     async def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:
         """Where full-weight parts for ``server`` go (see ``RolloutClient.upload_url``)."""
-        return await self._upload_url(self.urls[server], refresh=refresh)
-
-    async def _upload_url(self, url: str, *, refresh: bool = False) -> str:
+        url = self.urls[server]
         known = None if refresh else self._known_upload_url(url)
         if known is not None:
             return known

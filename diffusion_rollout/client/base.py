@@ -23,11 +23,12 @@ Design decisions:
 - **Wire.** Bodies go out as JSON; rollout answers are asked for as msgpack by default (raw tensor
   bytes, no base64) through ``Accept``; ``wire_format="json"`` asks for JSON instead.
 - **Weight parts take the direct port when there is one.** A server started with
-  ``--upload-port`` advertises ``weight_upload_port`` in ``/model_info``; ``update_weights`` (and
-  so ``push_weights``) then sends full-weight parts to that port on the same host
+  ``--upload-port`` advertises ``weight_upload_port`` in ``/model_info``; ``upload_url(server)``
+  asks for it and keeps it (``push_weights`` asks at the start of every push, so a restarted server
+  is followed), and ``update_weights`` then sends full-weight parts to that port on the same host
   (:func:`direct_upload_url`), where they are read straight into the receive buffers. The answer
-  is the same; ``direct=False`` keeps the main port. The port is asked once per server and kept
-  (``push_weights`` asks again at every push); a connection error on it forgets it.
+  is the same; ``direct=False`` keeps the main port. ``update_weights`` itself never asks (an
+  update stays one request, never retried); a connection error on the direct port forgets it.
 - Error answers become the exception classes of :mod:`diffusion_rollout.client.exceptions`
   (status, message, request id, ``Retry-After``); transport failures become
   :class:`RolloutConnectionError` / :class:`RolloutTimeoutError` naming the server.

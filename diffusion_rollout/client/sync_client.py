@@ -318,30 +318,29 @@ class RolloutClient(_ClientBase):
     ) -> UpdateResult:
         """One part of an HTTP weight upload (safetensors bytes); see ``client.weights.push_weights``.
 
-        ``direct``: send it to the server's direct upload port when it advertises one
-        (:meth:`upload_url`); False: always the main port. The answer is the same.
+        ``direct``: send it to the server's direct upload port when this client knows it (learned by
+        :meth:`upload_url`, which ``push_weights`` calls at every push); False: always the main
+        port. The answer is the same. One request per server either way: nothing is asked here.
         """
         call = _upload_call(
             data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
         )
-        if not direct:
-            return self._all(call, server)
         responses = {}
         for url in self._targets(server):  # in order: a failure names the server and stops there
+            target = (self._known_upload_url(url) if direct else None) or url
             try:
-                responses[url] = self._send(call, self._upload_url(url)).json()
+                responses[url] = self._send(call, target).json()
             except RolloutConnectionError:
-                self._forget_upload_url(url)
+                if target != url:
+                    self._forget_upload_url(url)
                 raise
         return self._updates(responses)
 
     def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:
         """Where full-weight parts for ``server`` go: its direct upload port (``weight_upload_port``
         of ``/model_info``, on the same host) when it has one, else its main URL. Asked once and
-        kept; ``refresh`` asks again."""
-        return self._upload_url(self.urls[server], refresh=refresh)
-
-    def _upload_url(self, url: str, *, refresh: bool = False) -> str:
+        kept (``update_weights`` sends there from then on); ``refresh`` asks again."""
+        url = self.urls[server]
         known = None if refresh else self._known_upload_url(url)
         if known is not None:
             return known
