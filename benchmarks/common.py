@@ -357,7 +357,9 @@ class RemoteClients:
     Timed rollouts are sent from here, not from the benchmark process: a trainer is another process,
     and a client thread in the server's own process would compete with the worker thread for the
     GIL while it reads and decodes 100 MB responses. The line protocol on stdin/stdout is
-    ``{"bodies": [...], "clients": k}`` -> ``@@{"seconds", "times", "bytes"}``; ``k`` threads send the
+    ``{"bodies": [...], "clients": k}`` -> ``@@{"seconds", "times", "bytes", "inference_s", "pipeline_s"}``
+    (each response's ``inference_time_s``, the server's seconds in its pipeline call, and their sum
+    over the distinct calls); ``k`` threads send the
     bodies (each its share, in order), and ``seconds`` runs from their common start until the last
     response is decoded.
     """
@@ -407,6 +409,7 @@ def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dic
     k = len(clients)
     times: list[float] = [0.0] * len(bodies)
     sizes: list[int] = [0] * len(bodies)
+    inference: list[tuple[float, str]] = [(0.0, "")] * len(bodies)
     errors: list[BaseException] = []
     start = threading.Barrier(k + 1)
 
@@ -414,7 +417,7 @@ def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dic
         start.wait()
         for i in share:
             try:
-                times[i], sizes[i] = send(client, bodies[i])
+                times[i], sizes[i], inference[i] = send(client, bodies[i])
             except BaseException as exc:  # reported after the join
                 errors.append(exc)
                 return
@@ -430,7 +433,15 @@ def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dic
     seconds = time.perf_counter() - t0
     if errors:
         return {"error": f"{type(errors[0]).__name__}: {errors[0]}"}
-    return {"seconds": seconds, "times": times, "bytes": sizes}
+    # Requests that shared a pipeline call report the same call: count each call once.
+    calls = {batch or f"request {i}": s for i, (s, batch) in enumerate(inference)}
+    return {
+        "seconds": seconds,
+        "times": times,
+        "bytes": sizes,
+        "inference_s": [s for s, _ in inference],
+        "pipeline_s": sum(calls.values()),
+    }
 
 
 def _clients_main(url: str) -> int:
@@ -450,8 +461,12 @@ def _clients_main(url: str) -> int:
         if r.status_code != 200:
             raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:1000]}")
         # The trainer's whole decode: tensors, then lean references back to per-output dicts.
-        lean.from_lean(wire.decode(r.content, r.headers["content-type"]))
-        return time.perf_counter() - t0, len(r.content)
+        results = lean.from_lean(wire.decode(r.content, r.headers["content-type"]))
+        # The server's own time for the pipeline call (denoising and decode, by the worker's clock):
+        # the rest of the wait is queueing, copies, serialization, transfer and this decode.
+        inference = max((float(d.get("inference_time_s") or 0.0) for d in results), default=0.0)
+        batch = results[0].get("batch_id", "") if results else ""
+        return time.perf_counter() - t0, len(r.content), (inference, batch)
 
     reply({"ready": True})
     for line in sys.stdin:

@@ -83,6 +83,8 @@ THROUGHPUT_COLUMNS = [
     ("ratio", "vs stock", ".3f"),
     ("spread", "spread", ".3f"),
     ("response_mb", "response MB", ".1f"),
+    ("server_pipeline_s", "pipeline s", ".3f"),
+    ("outside_pipeline_s", "outside s", ".3f"),
     ("note", "note", ""),
 ]
 GATE_COLUMNS = [
@@ -126,21 +128,31 @@ def _has_graphs(model: BenchModel) -> bool:
     return model.server().engine.loaded.speed.graphs is not None
 
 
+# The server's own pipeline seconds per timed call (the worker's clock, summed over the call's
+# requests), keyed by variant: what a row's time minus this leaves is the part outside the pipeline
+# (queueing, copies, serialization, transfer, the client's decode) that a request did not overlap.
+_INFERENCE: dict[str, list[float]] = {}
+
+
 def _time_interleaved(fns: dict[str, Any], reps: int, device: str) -> tuple[dict[str, list[float]], dict]:
-    """Warm-up each, then ``reps`` interleaved rounds; fns return (seconds or None, bytes or None)."""
+    """Warm-up each, then ``reps`` interleaved rounds; fns return (seconds or None, bytes or None) or
+    (seconds, bytes, server pipeline seconds)."""
     sizes: dict[str, int] = {}
 
-    def one(name: str) -> float:
+    def one(name: str, timed_round: bool = True) -> float:
         sync(device)
         t0 = time.perf_counter()
-        seconds, size = fns[name]()
+        seconds, size, *inference = fns[name]()
         sync(device)
         if size is not None:
             sizes[name] = size
+        if inference and timed_round:
+            _INFERENCE.setdefault(name, []).append(inference[0])
         return seconds if seconds is not None else time.perf_counter() - t0
 
     for name in fns:
-        one(name)
+        _INFERENCE.pop(name, None)
+        one(name, timed_round=False)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for name in fns:
@@ -163,7 +175,8 @@ def _remote_fn(model: BenchModel, body: dict[str, Any], graphs: bool | None = No
 
     def fn():
         with _graphs(model, graphs) if graphs is not None else contextlib.nullcontext():
-            return remote.time_one(body)
+            reply = remote.run([body], 1)
+        return reply["times"][0], reply["bytes"][0], reply["pipeline_s"]
 
     return fn
 
@@ -173,6 +186,7 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
     rows = []
     for name, ts in times.items():
         m = median(ts)
+        inference = median(_INFERENCE[name]) if _INFERENCE.get(name) else None
         rows.append(
             {
                 "model": model.name,
@@ -189,6 +203,8 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
                 "spread": spread(ts),
                 "times_s": ts,
                 "response_mb": sizes[name] / 1e6 if name in sizes else None,
+                "server_pipeline_s": inference,
+                "outside_pipeline_s": m - inference if inference is not None else None,
                 "note": (notes or {}).get(name, ""),
             }
         )
@@ -241,7 +257,7 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
         def fn():
             with _graphs(model, graphs):
                 reply = remote.run([{**b, **lean} for b in bodies], clients=groups)
-            return reply["seconds"], sum(reply["bytes"])
+            return reply["seconds"], sum(reply["bytes"]), reply["pipeline_s"]
 
         return fn
 
@@ -307,13 +323,18 @@ def batch1(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     body = _body(model, num_outputs_per_prompt=1)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True}
+    # uint8 images: what a lean trainer asks for (its reward model reads 8-bit pixels); the float32
+    # image alone is 12.6 MB of a FLUX 1024x1024 response.
+    uint8 = {**full, "output_dtype": "uint8"}
     fns = {
         "stock": _stock_fn(model, body),
         "server_eager": _remote_fn(model, full, graphs=False),
+        "server_eager_uint8": _remote_fn(model, uint8, graphs=False),
     }
     notes = {}
     if _has_graphs(model):
         fns["server_cuda_graphs"] = _remote_fn(model, full, graphs=True)
+        fns["server_cuda_graphs_uint8"] = _remote_fn(model, uint8, graphs=True)
     else:
         notes["server_eager"] = "CUDA graphs: needs CUDA (not measured)"
     times, sizes = _time_interleaved(fns, reps, model.device)
@@ -468,7 +489,7 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
 
     def served_iteration():
         reply = remote.run([{**b, **full} for b in bodies], clients=groups)
-        return reply["seconds"], sum(reply["bytes"])
+        return reply["seconds"], sum(reply["bytes"]), reply["pipeline_s"]
 
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
