@@ -27,7 +27,9 @@ GPU (about 6-8 minutes on an H200; ``--budget`` skips phases that would overrun,
 
     python -m benchmarks.speed_options --device cuda --out $OUT
 
-``--phases`` picks phases (order fixed): ``grpo``, ``grpo_iteration``, ``batch1``, ``drift`` and
+``--phases`` picks phases (order fixed): ``grpo``, ``grpo_iteration``, ``grpo_profile`` (one iteration of
+the stock pipeline and of the eager server under the CUDA profiler: GPU busy time and idle gaps),
+``batch1``, ``drift`` and
 ``grpo_compiled`` on SD3.5, ``flux`` and ``flux_compiled`` on FLUX.1-dev. ``grpo_compiled`` (also
 ``--grpo-compiled``) is the lean uint8 Flow-GRPO request, alone and ``--iteration-groups`` in flight,
 with regional compile, vs the stock eager pipeline timed first (a few minutes, most of it compiling).
@@ -93,6 +95,15 @@ GATE_COLUMNS = [
     ("exact", "bit-exact", ""),
     ("max_abs_diff", "max |diff|", ".3g"),
     ("note", "note", ""),
+]
+PROFILE_COLUMNS = [
+    ("model", "model", ""),
+    ("variant", "variant", ""),
+    ("wall_s", "wall s", ".3f"),
+    ("gpu_busy_s", "GPU busy s", ".3f"),
+    ("gpu_idle_within_s", "idle between first and last kernel s", ".3f"),
+    ("gaps_over_1ms", "gaps > 1 ms", ""),
+    ("largest_gaps_ms_at_ms", "largest gaps (ms, at ms)", ""),
 ]
 DRIFT_COLUMNS = [
     ("model", "model", ""),
@@ -267,6 +278,71 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
     times, sizes = _time_interleaved(fns, reps, model.device)
     steps = bodies[0]["num_inference_steps"]
     return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
+
+
+def _gpu_gaps(fn, device: str) -> dict[str, Any]:
+    """Run ``fn`` once under the CUDA profiler: wall seconds, seconds the GPU ran anything (the union
+    of every kernel and copy interval, all streams), and the largest idle gaps with their offsets."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    # On the CPU (the --tiny check of this code) the operators' intervals stand in for kernels.
+    cuda = device.startswith("cuda")
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == kind)
+    busy, gaps, cur = 0.0, [], None
+    for start, end in spans:
+        if cur is None:
+            cur = [start, end]
+            origin = start
+        elif start > cur[1]:
+            busy += cur[1] - cur[0]
+            gaps.append((start - cur[1], cur[1] - origin))
+            cur = [start, end]
+        else:
+            cur[1] = max(cur[1], end)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    gaps.sort(reverse=True)
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy / 1e6,
+        "gpu_idle_within_s": sum(g for g, _ in gaps) / 1e6,
+        "gaps_over_1ms": sum(1 for g, _ in gaps if g > 1000),
+        "largest_gaps_ms_at_ms": [(round(g / 1e3, 2), round(at / 1e3, 1)) for g, at in gaps[:12]],
+        "kernels_and_copies": len(spans),
+    }
+
+
+def grpo_profile(model: BenchModel, *, group: int, groups: int) -> list[dict[str, Any]]:
+    """One Flow-GRPO iteration (as ``grpo_iteration``, eager) of the stock pipeline and of the server,
+    each under the CUDA profiler: where the server's GPU sits idle that the stock pipeline's does not."""
+    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
+    lean = {**SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
+    runs = [stock_runner(model, b) for b in bodies]
+    remote = model.server().remote()
+
+    def stock():
+        for run in runs:
+            run()
+
+    def served():
+        with _graphs(model, False):
+            remote.run([{**b, **lean} for b in bodies], clients=groups)
+
+    rows = []
+    for name, fn in (("stock", stock), (f"server_lean_uint8_{groups}_in_flight", served)):
+        fn()  # warm-up
+        rows.append(
+            {"model": model.name, "phase": "grpo_profile", "variant": name, **_gpu_gaps(fn, model.device)}
+        )
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +600,7 @@ def flux_compiled(model: BenchModel, *, reps: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
-SD_PHASES = {"grpo", "grpo_iteration", "batch1", "drift", "grpo_compiled"}
+SD_PHASES = {"grpo", "grpo_iteration", "grpo_profile", "batch1", "drift", "grpo_compiled"}
 FLUX_PHASES = {"flux", "flux_compiled"}
 DEFAULT_PHASES = ("grpo", "grpo_iteration", "batch1", "drift", "flux")
 
@@ -540,6 +616,7 @@ def run(args) -> dict[str, Any]:
     speed_rows: list[dict[str, Any]] = []
     gate_rows: list[dict[str, Any]] = []
     drift_rows: list[dict[str, Any]] = []
+    profile_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     with_compile = args.compile if args.compile is not None else not tiny
     phases = set(args.phases)
@@ -564,6 +641,9 @@ def run(args) -> dict[str, Any]:
                 print_table("Exactness gates (torch.equal)", gate_rows, GATE_COLUMNS),
                 print_table(
                     "Drift per speed option (vs the eager server, same seeds)", drift_rows, DRIFT_COLUMNS
+                ),
+                print_table(
+                    "GPU idle under the CUDA profiler (one iteration)", profile_rows, PROFILE_COLUMNS
                 ),
             ]
         ok = all(g["exact"] for g in gate_rows) and all(
@@ -596,6 +676,7 @@ def run(args) -> dict[str, Any]:
         )
         doc["complete"] = final
         doc["speed"], doc["gates"], doc["drift"] = speed_rows, gate_rows, drift_rows
+        doc["gpu_profile"] = profile_rows
         doc["table"] = "\n\n".join(tables)
         write_json(args.out, "speed_options", doc)
         return doc
@@ -607,6 +688,8 @@ def run(args) -> dict[str, Any]:
             speed_rows.extend(
                 grpo_iteration(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
             )
+        if "grpo_profile" in phases and phase("grpo_profile", 60):
+            profile_rows.extend(grpo_profile(model, group=args.group, groups=args.iteration_groups))
         if "batch1" in phases and phase("batch1", 30):
             rows, gates = batch1(model, reps=args.reps_b1, phase="batch1")
             speed_rows.extend(rows)
@@ -685,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--phases",
         default=",".join(DEFAULT_PHASES),
-        help="comma-separated, run in this fixed order: grpo, grpo_iteration, batch1, drift, grpo_compiled "
+        help="comma-separated, run in this fixed order: grpo, grpo_iteration, grpo_profile, batch1, drift, "
+        "grpo_compiled "
         f"(SD3.5), flux, flux_compiled (FLUX.1-dev); default {','.join(DEFAULT_PHASES)}",
     )
     p.add_argument("--grpo-compiled", action="store_true", help="add grpo_compiled to --phases")

@@ -71,7 +71,7 @@ def split_batch(
         and recorder.first_step_calls
     ):
         env_rows = a.split_env(recorder.first_step_calls, batch, call, recorder.timestep_dtype)
-    timesteps = recorder.timestep_tensor(T) if recorder.timesteps else None
+    timesteps = copier.copy(recorder.timestep_tensor(T)) if recorder.timesteps else None
     experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
     out: list[SampleResult] = []
     flags: list[torch.Tensor] = []

@@ -82,9 +82,13 @@ class TransformerCallRecorder:
                 h.remove()
 
     def timestep_tensor(self, num_steps: int) -> torch.Tensor:
-        """[T+1] float32: the model's timestep at each step, then a terminal 0."""
-        vals = [self.timesteps.get(i, torch.tensor(float("nan"))) for i in range(num_steps)]
-        return torch.stack([v.cpu() for v in vals] + [torch.zeros(())]).float()
+        """[T+1] float32 on the device the timesteps were recorded on: the model's timestep at each
+        step, then a terminal 0. Built there, not on the host: a host copy here would wait for the
+        whole batch (VAE decode included) and leave the GPU idle while the worker prepares the next."""
+        device = next(iter(self.timesteps.values())).device if self.timesteps else torch.device("cpu")
+        nan = torch.full((), float("nan"), device=device)
+        vals = [self.timesteps.get(i, nan).to(device) for i in range(num_steps)]
+        return torch.stack([*vals, torch.zeros((), device=device)]).float()
 
     def expert_list(self, num_steps: int) -> list[str]:
         return [self.experts.get(i, "") for i in range(num_steps)]
