@@ -439,19 +439,8 @@ def batch1(
 # ---------------------------------------------------------------------------------------------
 def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
     """(name, context manager factory, extra body fields, note) per option; compile is last."""
-    from diffusion_rollout.server.loader import apply_speed_options
 
-    speed = model.server().engine.loaded.speed
-
-    @contextlib.contextmanager
-    def backend(name: str):
-        apply_speed_options(model.pipe, attention_backend=name)
-        speed.attention_backend = name  # so the response's exact flag tells the truth
-        try:
-            yield
-        finally:
-            apply_speed_options(model.pipe, attention_backend="native")
-            speed.attention_backend = None
+    backend = functools.partial(_attention_backend, model)
 
     # Every option but "cuda_graphs" runs with graphs off: a graph captured earlier would replay the
     # kernels of its capture, not the option under test.
@@ -532,6 +521,21 @@ def drift(
 
 
 @contextlib.contextmanager
+def _attention_backend(model: BenchModel, name: str) -> Iterator[None]:
+    """diffusers' attention backend ``name`` for the server's next calls, then the default again."""
+    from diffusion_rollout.server.loader import apply_speed_options
+
+    speed = model.server().engine.loaded.speed
+    apply_speed_options(model.pipe, attention_backend=name)
+    speed.attention_backend = name  # so the response's exact flag tells the truth
+    try:
+        yield
+    finally:
+        apply_speed_options(model.pipe, attention_backend="native")
+        speed.attention_backend = None
+
+
+@contextlib.contextmanager
 def _compiled(model: BenchModel) -> Iterator[None]:
     """Regional compile of the denoiser's repeated blocks for the server's next calls, then eager again
     (the compiled call is dropped, so whatever runs after, replays included, is the eager kernels)."""
@@ -586,7 +590,7 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
     ]
 
 
-def flux_compiled(model: BenchModel, *, reps: int) -> list[dict[str, Any]]:
+def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True) -> list[dict[str, Any]]:
     """FLUX.1-dev batch-1 full rollout (log-probs, trajectory, env, image) with the blocks compiled,
     vs the stock eager pipeline timed first; ms/step is what the issue bounds (<= 120)."""
     body = _body(model, num_outputs_per_prompt=1)
@@ -596,6 +600,20 @@ def flux_compiled(model: BenchModel, *, reps: int) -> list[dict[str, Any]]:
         t2, sizes = _time_interleaved({"server_compiled": _remote_fn(model, full)}, reps, model.device)
     times.update(t2)
     note = {"stock": "stock eager timed before compiling, in the same process"}
+    # Attention is about a fifth of a FLUX 1024x1024 step's FLOPs; cuDNN's fused attention is the
+    # fastest kernel PyTorch has on Hopper. Compiled again (the backend is part of the traced code).
+    if cudnn_attention and model.device.startswith("cuda"):
+        try:
+            with _attention_backend(model, "_native_cudnn"), _compiled(model), _graphs(model, False):
+                t3, s3 = _time_interleaved(
+                    {"server_compiled_cudnn_attention": _remote_fn(model, full)}, reps, model.device
+                )
+            times.update(t3)
+            sizes.update(s3)
+        except Exception as exc:  # a build without cuDNN attention: say so, keep the other rows
+            note["server_compiled"] = (
+                f"cuDNN attention variant failed: {type(exc).__name__}: {str(exc)[:120]}"
+            )
     return _rows(model, "flux_compiled", times, sizes, 1, body["num_inference_steps"], note)
 
 
