@@ -363,15 +363,22 @@ def test_slow_heads_and_too_many_connections_are_bounded(fresh_server, monkeypat
         assert slow.closed_by_server()
     finally:
         slow.close()
+    # The 408 connection holds its slot until its thread has drained and closed the socket, which
+    # is after this side saw the server's FIN: an idle connection made before that would be the
+    # one over the cap. (stats.connections counts the refused ones too, so it cannot tell.)
+    wait_until(lambda: listener.open_connections == 0, 10, "the 408 connection to give its slot back")
     idle = [RawConnection(listener.port) for _ in range(2)]
     try:
-        wait_until(lambda: listener.stats.connections == 3, 10, "two idle connections to be served")
+        wait_until(lambda: listener.open_connections == 2, 10, "two idle connections to be served")
+        assert listener.stats.refused == 1  # only the 408: neither idle connection was turned away
         extra = RawConnection(listener.port)
         try:
             status, _, body = extra.response()
             assert status == 503 and "more than 2 upload connections" in body["error"]["message"]
+            assert extra.closed_by_server()
         finally:
             extra.close()
+        assert listener.open_connections == 2 and listener.stats.refused == 2
     finally:
         for conn in idle:
             conn.close()
