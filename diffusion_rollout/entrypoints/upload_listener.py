@@ -474,7 +474,7 @@ class UploadListener:
         if body is None:
             error = truncated_body_error(received, length)
             try:
-                self._on_loop(self._refuse(manager, error, query))
+                self._on_loop(refuse_body(manager, error, query))
             except WeightUpdateError as refused:
                 return refused, False
             return error, False
@@ -503,10 +503,6 @@ class UploadListener:
             lease.release()
             return None, received
         return lease, received
-
-    @staticmethod
-    async def _refuse(manager, error: WeightUpdateError, query: UploadQuery) -> None:
-        refuse_body(manager, error, query)
 
     def _on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run ``coro`` on the app's event loop and wait for it (this thread has nothing else to do)."""

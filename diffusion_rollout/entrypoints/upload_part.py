@@ -70,10 +70,10 @@ def truncated_body_error(received: int, expected: int) -> WeightUpdateError:
     )
 
 
-def refuse_body(manager, exc: WeightUpdateError, query: UploadQuery) -> NoReturn:
+async def refuse_body(manager, exc: WeightUpdateError, query: UploadQuery) -> NoReturn:
     """A part whose body did not arrive whole: nothing of it is staged, and its upload is dropped
     like that of any failing part. Raises the error to answer."""
-    manager.refuse_part(exc, **query.part_fields())
+    await manager.refuse_part(exc, **query.part_fields())
     raise exc  # refuse_part raises; this line only keeps the NoReturn promise
 
 

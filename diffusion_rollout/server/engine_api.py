@@ -11,7 +11,8 @@ Design decisions:
 - ``metrics`` stays on the interface: the app records HTTP responses and the rollout router records
   disconnects there (the front's own counters; a cluster adds its replicas' series when rendering).
 - :class:`WeightOps` lists what the routers call on the weight facade. The single engine's
-  ``WeightManager`` is one; the cluster's facade fans each call out to every replica.
+  ``WeightManager`` is one; the cluster's facade fans each call out to every replica, which is why
+  every operation is a coroutine, ``refuse_part`` (an upload part whose body was cut short) too.
 - ``replica_info`` is ``None`` for a single process; a cluster lists its replicas for
   ``/server_info``. It and ``metrics_text`` are coroutines because a cluster asks its replicas.
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
 
@@ -50,6 +52,7 @@ class WeightOps(Protocol):
         self, model_path: str, target_modules: Sequence[str] | None, **kw: Any
     ) -> dict: ...
     async def upload_part(self, body: bytes, **kw: Any) -> dict: ...
+    async def refuse_part(self, exc: WeightUpdateError, **part: Any) -> NoReturn: ...
     async def update_from_tensor(self, serialized_named_tensors: Sequence[str], **kw: Any) -> dict: ...
     async def init_group(self, **kw: Any) -> dict: ...
     async def update_from_distributed(self, **kw: Any) -> dict: ...

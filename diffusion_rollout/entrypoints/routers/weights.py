@@ -123,7 +123,7 @@ async def update_weights(request: Request, query: Annotated[UploadQuery, Query()
     try:
         body = await receive_body(request, manager.receive_buffers)
     except WeightUpdateError as exc:  # cut short or too long: the part fails, and so does its upload
-        refuse_body(manager, exc, query)
+        await refuse_body(manager, exc, query)
     return await apply_part(manager, body, query)
 
 

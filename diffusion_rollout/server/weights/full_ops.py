@@ -310,7 +310,7 @@ class FullWeightOps(ManagerCore):
             uid, {m: list(t.items()) for m, t in complete.tensors.items()}, None, complete.release
         )
 
-    def refuse_part(
+    async def refuse_part(
         self,
         exc: WeightUpdateError,
         *,
@@ -320,7 +320,9 @@ class FullWeightOps(ManagerCore):
         final: bool,
     ) -> NoReturn:
         """A part refused before it could be parsed (its body did not arrive whole): its upload is
-        dropped like that of any failing part; raises the error saying so."""
+        dropped like that of any failing part; raises the error saying so. A coroutine although
+        nothing here waits: it is part of the routers' weight interface, where a cluster must reach
+        its replicas."""
         self._drop_failed(_upload_id(upload_id, weight_version), part, final, exc)
         raise exc
 
