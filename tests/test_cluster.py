@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -205,6 +206,70 @@ def test_full_update_fans_out_all_or_nothing(cluster, served):
     )
     assert r.status_code == 200, r.text
     assert checksum(client) == start_sum
+
+
+def test_a_part_cut_short_is_400_and_drops_its_upload_on_every_replica(cluster, served):
+    from fastapi.testclient import TestClient
+
+    from diffusion_rollout.entrypoints.app import create_app
+    from diffusion_rollout.errors import WeightUpdateError
+
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    reference = served("sd3").engine.pipe.transformer
+    g = torch.Generator().manual_seed(7)
+    new = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=g) for n, p in reference.named_parameters()}
+    names = sorted(new)
+    first, rest = save({n: new[n] for n in names[:10]}), save({n: new[n] for n in names[10:]})
+    start_sum, start_version = checksum(client), assert_versions_agree(client)
+    octet = {"Content-Type": "application/octet-stream"}
+
+    def dropped_on_every_replica(upload_id: str, received: int) -> None:
+        # Each replica, asked directly, refuses the upload's next part and says why it was dropped.
+        kwargs = {"target_module": "transformer", "upload_id": upload_id, "part": 2, "final": False}
+        reason = f"upload '{upload_id}' was aborted (part 1 failed: the body ended after {received} of"
+        for replica in engine.replicas:
+            with pytest.raises(WeightUpdateError, match=re.escape(reason)):
+                ray.get(replica.actor.manager_call.remote("upload_part", kwargs, first))
+
+    # Main port: the second part's body is shorter than its Content-Length.
+    q = {"upload_id": "cut-route", "part": 0, "final": "false"}
+    r = client.post("/update_weights", content=first, params=q, headers=octet)
+    assert r.status_code == 200 and r.json()["staged_tensors"] == 10, r.text
+    short = len(rest) // 2
+    r = client.post(
+        "/update_weights",
+        content=iter([rest[:short]]),  # streamed: the declared length stands
+        params={"upload_id": "cut-route", "part": 1},
+        headers={**octet, "Content-Length": str(len(rest))},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_weight_update", r.text
+    message = r.json()["error"]["message"]
+    assert f"the body ended after {short} of the {len(rest)} bytes" in message
+    assert "upload 'cut-route' was dropped, none of its parts will be applied" in message
+    dropped_on_every_replica("cut-route", short)
+
+    # Upload port: the client disconnects in the middle of the second part's body.
+    app = create_app(engine.config.model_copy(update={"upload_port": 0}), engine=engine)
+    with TestClient(app):
+        listener = app.state.upload_listener
+
+        def head(length: int, query: str) -> bytes:
+            return f"POST /update_weights?{query} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
+
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=60) as s:
+            s.sendall(head(len(first), "upload_id=cut-port&part=0&final=false") + first)
+            answer = b""
+            while b'"staged_tensors"' not in answer:
+                chunk = s.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            s.sendall(head(len(rest), "upload_id=cut-port&part=1") + rest[:100])
+        wait_for(lambda: listener.stats.requests == 2, 60, "the cut-short part to be refused")
+        assert listener.stats.refused == 1
+    dropped_on_every_replica("cut-port", 100)
+
+    assert checksum(client) == start_sum and assert_versions_agree(client) == start_version
 
 
 def test_checksum_names_the_replica_that_differs(cluster, served):

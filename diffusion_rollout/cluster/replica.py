@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 MANAGER_CALLS = frozenset(
     {
         "upload_part",  # non-final parts only: they stage, they do not apply
+        "refuse_part",  # a part cut short at the front: its upload is dropped, nothing staged
         "update_from_tensor",  # lora_merge payloads only (full weights go through prepare/commit)
         "load_lora_tensors",  # set_lora_from_tensor: the decoded adapter tensors travel in kwargs
         "init_group",

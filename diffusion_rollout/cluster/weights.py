@@ -16,6 +16,8 @@ Design decisions:
   the result from a serving peer before it serves again (``cluster/resync.py``), so it never
   misses an update. Forming an update group needs every replica (a collective needs every rank).
 - **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
+  A part whose body the front did not receive whole reaches no replica; ``refuse_part`` tells every
+  serving replica to drop its upload, as the single manager does (400, nothing applied anywhere).
 - **LoRA changes: all or nothing.** Loads (path, upload, tensors, ``lora_merge``), activation, mode
   switches and unloads run on every replica at once with the dispatch gate closed, each replica
   first keeping what the change can touch (``cluster/lora_transactions.py``). They validate before
@@ -40,7 +42,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from diffusion_rollout.cluster.routing import ipc_entry_for, replica_ranks
 from diffusion_rollout.errors import (
@@ -48,6 +50,7 @@ from diffusion_rollout.errors import (
     ReplicasDivergedError,
     ServiceUnavailableError,
     WeightApplyError,
+    WeightUpdateError,
 )
 from diffusion_rollout.server.weights.manager_core import validate_targets
 from diffusion_rollout.server.weights.receive import BufferPool, Lease
@@ -314,6 +317,33 @@ class ClusterWeights:
         )
         out["upload_id"] = upload_id or (str(weight_version) if weight_version is not None else "default")
         return out
+
+    async def refuse_part(
+        self,
+        exc: WeightUpdateError,
+        *,
+        upload_id: str | None,
+        weight_version: Version,
+        part: int | None,
+        final: bool,
+    ) -> NoReturn:
+        """A part whose body did not arrive whole at the front (so no replica saw it): every serving
+        replica drops its upload as the single manager does (later parts refused, nothing applied).
+        Raises the refusal, which says whether the upload was dropped."""
+        kwargs = {"exc": exc, "upload_id": upload_id, "weight_version": weight_version, "part": part}
+        replicas = self.cluster.serving()  # none serving: none holds the upload, the refusal stands
+        results = await self._gather(
+            replicas, lambda r: r.actor.manager_call.remote("refuse_part", {**kwargs, "final": final})
+        )
+        refusals = []
+        for r, res in zip(replicas, results, strict=True):
+            if isinstance(res, WeightUpdateError):
+                refusals.append(res)
+            else:  # e.g. a replica died: it restarts with nothing staged; the part is refused anyway
+                logger.warning("replica %d could not drop the refused part's upload: %s", r.replica_id, res)
+        # Serving replicas staged the same parts and word the refusal alike; one restarted since the
+        # upload began holds none of it and gives the plain refusal: one that dropped it speaks.
+        raise next((e for e in refusals if e.message != exc.message), exc)
 
     async def update_from_tensor(
         self,
