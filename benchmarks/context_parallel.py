@@ -8,7 +8,9 @@ output at the end. This script spawns k processes (NCCL on CUDA), builds the mod
 bits), and measures:
 
 1. **k = 1**: the stock pipeline on rank 0 alone (the others wait), ``output_type="latent"``.
-2. **k = 2 (Ulysses, then ring)**: the same call on every rank with the transformer parallelised.
+2. **k = 2 (Ulysses, then ring)**: the same call on every rank with the transformer parallelised
+   (ring with the attention backend the server gives it, ``_native_flash``: ring merges partial
+   attention by its log-sum-exp, which SDPA's default backend does not return).
 
 Each timed call follows a warm-up call of the same shape. ms/step is the whole call (text
 embeddings precomputed) over ``--steps``; ms/forward is one transformer call on a fixed input. The
@@ -163,6 +165,8 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                 continue
             from diffusers import ContextParallelConfig
 
+            from diffusion_rollout.server.context_parallel import attention_backend_for
+
             if index:  # parallelism cannot be turned off in place: a fresh copy of the same weights
                 del pipe
                 gc.collect()
@@ -171,8 +175,11 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                 pipe.set_progress_bar_config(disable=True)
                 _broadcast_weights(pipe)
             try:
+                backend = attention_backend_for(mode, None)  # ring: one that returns the LSE
                 for m in (pipe.transformer, getattr(pipe, "transformer_2", None)):
                     if m is not None:
+                        if backend is not None:
+                            m.set_attention_backend(backend)
                         m.enable_parallelism(config=ContextParallelConfig(**kw))
                 _call(pipe, embeds, args, device)  # warm-up
                 out, seconds = _call(pipe, embeds, args, device)

@@ -140,7 +140,10 @@ class ServerConfig(BaseModel):
         ">1 starts k-1 follower processes, one per GPU (a CPU engine mirrors them, for tests)",
     )
     context_parallel_mode: Literal["ulysses", "ring"] = Field(
-        "ulysses", description="how diffusers shards attention over the ranks on CUDA: ulysses or ring"
+        "ulysses",
+        description="how diffusers shards attention over the ranks on CUDA: ulysses or ring (ring needs "
+        "an attention backend that returns the log-sum-exp: _native_flash unless attention_backend "
+        "names one)",
     )
     context_parallel_timeout_s: float = Field(
         600.0,

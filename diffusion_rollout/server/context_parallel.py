@@ -144,6 +144,33 @@ def _init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) 
     )
 
 
+# Ring attention merges the partial attention of each key/value block by its log-sum-exp, so it needs
+# a backend that returns it. diffusers' default ("native", SDPA) and these others raise at the first
+# call ("does not support return_lse=True"); checked at start-up instead.
+_NO_LSE_BACKENDS = frozenset(
+    {"native", "_native_efficient", "_native_math", "_native_npu", "_native_xla", "xformers", "sage_varlen"}
+)
+# What ring mode uses when no backend is configured: PyTorch's own flash kernel (every CUDA build).
+RING_DEFAULT_BACKEND = "_native_flash"
+
+
+def attention_backend_for(mode: str, configured: str | None) -> str | None:
+    """The attention backend the ranks run in ``mode`` (``configured``: the server's
+    ``attention_backend``). Ulysses gathers whole sequences per head and runs any backend; ring needs
+    one that returns the log-sum-exp: the default then, a configured one that cannot is refused."""
+    if mode != "ring":
+        return configured
+    if configured is None or configured == "native":
+        return RING_DEFAULT_BACKEND
+    if configured in _NO_LSE_BACKENDS:
+        raise ContextParallelError(
+            f"context_parallel_mode='ring' needs an attention backend that returns the log-sum-exp; "
+            f"attention_backend={configured!r} does not (use {RING_DEFAULT_BACKEND!r}, '_native_cudnn' "
+            "or 'flash', or context_parallel_mode='ulysses')"
+        )
+    return configured
+
+
 def _enable(modules: dict[str, nn.Module], mode: str, world: int) -> None:
     from diffusers import ContextParallelConfig
 
@@ -277,6 +304,11 @@ class ContextParallelGroup:
         self.ranks = ranks
         self.cuda = device.startswith("cuda")
         self.mode = mode if self.cuda else "mirror"
+        # Mirror mode (CPU) runs rank 0's computation as it is: no backend change there.
+        backend = attention_backend_for(mode, attention_backend) if self.cuda else attention_backend
+        if self.cuda and backend != attention_backend:
+            for module in denoisers.values():
+                module.set_attention_backend(backend)
         self.timeout_s = timeout_s
         self.error: str | None = None
         self.forwards = 0
@@ -294,7 +326,7 @@ class ContextParallelGroup:
             "cuda": self.cuda,
             "first_gpu": first_gpu,
             "mode": mode,
-            "attention_backend": attention_backend,
+            "attention_backend": backend,
             "threads": torch.get_num_threads(),
             "timeout_s": timeout_s,
         }
