@@ -258,3 +258,8 @@ def test_ring_mode_runs_an_attention_backend_that_returns_the_log_sum_exp():
     assert attention_backend_for("ring", "_native_cudnn") == "_native_cudnn"
     with pytest.raises(ContextParallelError, match=r"log-sum-exp.*_native_math"):
         attention_backend_for("ring", "_native_math")
+    # Every backend that returns it is half precision only ("FlashAttention only support fp16 and bf16").
+    assert attention_backend_for("ring", None, torch.bfloat16) == RING_DEFAULT_BACKEND
+    with pytest.raises(ContextParallelError, match=r"needs a bfloat16 or float16 model.*float32"):
+        attention_backend_for("ring", None, torch.float32)
+    assert attention_backend_for("ulysses", None, torch.float32) is None

@@ -42,27 +42,36 @@ def distance(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in ("generated_output", "rollout_log_probs"))
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode):
+# Ring attention runs only in half precision (its backends must return the log-sum-exp, and those
+# take bfloat16/float16 only), so it is checked in bfloat16, against how far the weight update moves
+# the k = 1 result rather than against a float32 bound.
+@pytest.mark.parametrize("mode,dtype", [("ulysses", "float32"), ("ring", "bfloat16")])
+def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode, dtype):
     path = tiny_model_path("wan")
-    ref = ServedModel(path, device="cuda:0")
+    ref = ServedModel(path, device="cuda:0", dtype=dtype)
     try:
         (base,) = ref.generate(BODY)
         update(ref, 1)
         (updated,) = ref.generate(BODY)
     finally:
         ref.close()
-    cp = ServedModel(path, device="cuda:0", context_parallel=2, context_parallel_mode=mode)
+    moved = distance(updated, base)
+    bound = BOUND if dtype == "float32" else 0.1 * moved
+    cp = ServedModel(path, device="cuda:0", dtype=dtype, context_parallel=2, context_parallel_mode=mode)
     try:
         (out,) = cp.generate(BODY)
         before = distance(out, base)
         update(cp, 1)
         (out_updated,) = cp.generate(BODY)
         after = distance(out_updated, updated)
-        print(f"{mode}: max |k=2 - k=1| before update {before:.3g}, after {after:.3g}")
-        assert before <= BOUND and after <= BOUND
+        print(
+            f"{mode} {dtype}: max |k=2 - k=1| before update {before:.3g}, after {after:.3g}; update moved {moved:.3g}"
+        )
+        assert before <= bound and after <= bound
         assert out["exact"] is False  # sharded attention
-        assert distance(out_updated, out) > 10 * BOUND  # the update changed what both ranks compute
+        # The update changed what both ranks compute, as much as it changed the k = 1 result.
+        assert distance(out_updated, out) > 0.5 * moved
+        assert moved > 10 * bound  # the bound is far below what a weight change does
         deadline = time.monotonic() + 30
         while True:
             stats = cp.client.get("/server_info").json()["speed"]["context_parallel"]

@@ -154,12 +154,19 @@ _NO_LSE_BACKENDS = frozenset(
 RING_DEFAULT_BACKEND = "_native_flash"
 
 
-def attention_backend_for(mode: str, configured: str | None) -> str | None:
+def attention_backend_for(mode: str, configured: str | None, dtype: torch.dtype | None = None) -> str | None:
     """The attention backend the ranks run in ``mode`` (``configured``: the server's
-    ``attention_backend``). Ulysses gathers whole sequences per head and runs any backend; ring needs
-    one that returns the log-sum-exp: the default then, a configured one that cannot is refused."""
+    ``attention_backend``; ``dtype``: the model's). Ulysses gathers whole sequences per head and runs
+    any backend; ring needs one that returns the log-sum-exp: the default then, a configured one that
+    cannot is refused, and so is a float32 model (every such backend is bfloat16/float16 only)."""
     if mode != "ring":
         return configured
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        raise ContextParallelError(
+            f"context_parallel_mode='ring' needs a bfloat16 or float16 model (the attention backends "
+            f"that return the log-sum-exp take no other); this one is {str(dtype).removeprefix('torch.')}: "
+            "use dtype bfloat16, or context_parallel_mode='ulysses'"
+        )
     if configured is None or configured == "native":
         return RING_DEFAULT_BACKEND
     if configured in _NO_LSE_BACKENDS:
@@ -305,7 +312,7 @@ class ContextParallelGroup:
         self.cuda = device.startswith("cuda")
         self.mode = mode if self.cuda else "mirror"
         # Mirror mode (CPU) runs rank 0's computation as it is: no backend change there.
-        backend = attention_backend_for(mode, attention_backend) if self.cuda else attention_backend
+        backend = attention_backend_for(mode, attention_backend, dtype) if self.cuda else attention_backend
         if self.cuda and backend != attention_backend:
             for module in denoisers.values():
                 module.set_attention_backend(backend)
