@@ -9,8 +9,8 @@ bits), and measures:
 
 1. **k = 1**: the stock pipeline on rank 0 alone (the others wait), ``output_type="latent"``.
 2. **k = 2 (Ulysses, then ring)**: the same call on every rank with the transformer parallelised
-   (ring with the attention backend the server gives it, ``_native_flash``: ring merges partial
-   attention by its log-sum-exp, which SDPA's default backend does not return).
+   (ring with the ``_native_flash`` attention backend: ring merges partial attention by its
+   log-sum-exp, which SDPA's default backend does not return).
 
 Each timed call follows a warm-up call of the same shape. ms/step is the whole call (text
 embeddings precomputed) over ``--steps``; ms/forward is one transformer call on a fixed input. The
@@ -46,6 +46,9 @@ from typing import Any
 import torch
 
 PROMPT = "a red fox running through snow, cinematic"
+# Ring attention merges each key/value block's partial attention by its log-sum-exp; SDPA's default
+# backend in diffusers does not return it ("Native attention does not support return_lse=True").
+RING_BACKEND = "_native_flash"
 
 
 def _sync(device: str) -> None:
@@ -165,8 +168,6 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                 continue
             from diffusers import ContextParallelConfig
 
-            from diffusion_rollout.server.context_parallel import attention_backend_for
-
             if index:  # parallelism cannot be turned off in place: a fresh copy of the same weights
                 del pipe
                 gc.collect()
@@ -175,7 +176,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                 pipe.set_progress_bar_config(disable=True)
                 _broadcast_weights(pipe)
             try:
-                backend = attention_backend_for(mode, None)  # ring: one that returns the LSE
+                backend = RING_BACKEND if mode == "ring" else None
                 for m in (pipe.transformer, getattr(pipe, "transformer_2", None)):
                     if m is not None:
                         if backend is not None:

@@ -244,22 +244,3 @@ def test_a_ray_replica_runs_its_own_follower(tiny_model_path, served):
         if engine is not None:
             engine.stop(grace_s=5)
         ray.shutdown()
-
-
-def test_ring_mode_runs_an_attention_backend_that_returns_the_log_sum_exp():
-    # On the GPU, ring attention with diffusers' default backend failed at the first call ("Native
-    # attention does not support return_lse=True"); the ranks now get one that returns it.
-    from diffusion_rollout.server.context_parallel import RING_DEFAULT_BACKEND, attention_backend_for
-
-    assert attention_backend_for("ulysses", None) is None
-    assert attention_backend_for("ulysses", "native") == "native"
-    assert attention_backend_for("ring", None) == RING_DEFAULT_BACKEND == "_native_flash"
-    assert attention_backend_for("ring", "native") == RING_DEFAULT_BACKEND
-    assert attention_backend_for("ring", "_native_cudnn") == "_native_cudnn"
-    with pytest.raises(ContextParallelError, match=r"log-sum-exp.*_native_math"):
-        attention_backend_for("ring", "_native_math")
-    # Every backend that returns it is half precision only ("FlashAttention only support fp16 and bf16").
-    assert attention_backend_for("ring", None, torch.bfloat16) == RING_DEFAULT_BACKEND
-    with pytest.raises(ContextParallelError, match=r"needs a bfloat16 or float16 model.*float32"):
-        attention_backend_for("ring", None, torch.float32)
-    assert attention_backend_for("ulysses", None, torch.float32) is None

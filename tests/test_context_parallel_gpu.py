@@ -1,4 +1,4 @@
-"""Context parallelism on two GPUs: diffusers' Ulysses and ring attention behind a served engine.
+"""Context parallelism on two GPUs: diffusers' Ulysses attention behind a served engine (ring is refused).
 
 Rank 0 is this process on cuda:0, its follower runs on cuda:1. Sharded attention sums in another
 order than one GPU, so a k = 2 rollout is compared with a k = 1 one within a float32 bound, not bit
@@ -42,11 +42,8 @@ def distance(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in ("generated_output", "rollout_log_probs"))
 
 
-# Ring attention runs only in half precision (its backends must return the log-sum-exp, and those
-# take bfloat16/float16 only), so it is checked in bfloat16, against how far the weight update moves
-# the k = 1 result rather than against a float32 bound.
-@pytest.mark.parametrize("mode,dtype", [("ulysses", "float32"), ("ring", "bfloat16")])
-def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode, dtype):
+def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path):
+    mode, dtype = "ulysses", "float32"
     path = tiny_model_path("wan")
     ref = ServedModel(path, device="cuda:0", dtype=dtype)
     try:
@@ -56,7 +53,7 @@ def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode
     finally:
         ref.close()
     moved = distance(updated, base)
-    bound = BOUND if dtype == "float32" else 0.1 * moved
+    bound = BOUND
     cp = ServedModel(path, device="cuda:0", dtype=dtype, context_parallel=2, context_parallel_mode=mode)
     try:
         (out,) = cp.generate(BODY)
@@ -84,3 +81,19 @@ def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path, mode
         assert follower["weight_syncs"] == 2  # at start, and after the update
     finally:
         cp.close()
+
+
+def test_ring_mode_is_refused_at_start_up():
+    # Served ring attention (half precision, _native_flash) gave NaN rollouts on this tiny model on
+    # 2x H200 while k = 1 was finite: the engine refuses it rather than serve them.
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.errors import ContextParallelError
+    from diffusion_rollout.server.context_parallel import ContextParallelGroup
+
+    cfg = ServerConfig(device="cuda:0", context_parallel=2, context_parallel_mode="ring")
+    assert cfg.context_parallel_mode == "ring"  # the setting parses; the engine refuses it
+    with pytest.raises(ContextParallelError, match="ring' is not served on CUDA"):
+        ContextParallelGroup(
+            {"transformer": torch.nn.Linear(2, 2)}, ranks=2, mode="ring", device="cuda:0",
+            dtype=torch.bfloat16, model_path=None,
+        )  # fmt: skip

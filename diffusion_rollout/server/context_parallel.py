@@ -144,40 +144,6 @@ def _init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) 
     )
 
 
-# Ring attention merges the partial attention of each key/value block by its log-sum-exp, so it needs
-# a backend that returns it. diffusers' default ("native", SDPA) and these others raise at the first
-# call ("does not support return_lse=True"); checked at start-up instead.
-_NO_LSE_BACKENDS = frozenset(
-    {"native", "_native_efficient", "_native_math", "_native_npu", "_native_xla", "xformers", "sage_varlen"}
-)
-# What ring mode uses when no backend is configured: PyTorch's own flash kernel (every CUDA build).
-RING_DEFAULT_BACKEND = "_native_flash"
-
-
-def attention_backend_for(mode: str, configured: str | None, dtype: torch.dtype | None = None) -> str | None:
-    """The attention backend the ranks run in ``mode`` (``configured``: the server's
-    ``attention_backend``; ``dtype``: the model's). Ulysses gathers whole sequences per head and runs
-    any backend; ring needs one that returns the log-sum-exp: the default then, a configured one that
-    cannot is refused, and so is a float32 model (every such backend is bfloat16/float16 only)."""
-    if mode != "ring":
-        return configured
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        raise ContextParallelError(
-            f"context_parallel_mode='ring' needs a bfloat16 or float16 model (the attention backends "
-            f"that return the log-sum-exp take no other); this one is {str(dtype).removeprefix('torch.')}: "
-            "use dtype bfloat16, or context_parallel_mode='ulysses'"
-        )
-    if configured is None or configured == "native":
-        return RING_DEFAULT_BACKEND
-    if configured in _NO_LSE_BACKENDS:
-        raise ContextParallelError(
-            f"context_parallel_mode='ring' needs an attention backend that returns the log-sum-exp; "
-            f"attention_backend={configured!r} does not (use {RING_DEFAULT_BACKEND!r}, '_native_cudnn' "
-            "or 'flash', or context_parallel_mode='ulysses')"
-        )
-    return configured
-
-
 def _enable(modules: dict[str, nn.Module], mode: str, world: int) -> None:
     from diffusers import ContextParallelConfig
 
@@ -311,11 +277,15 @@ class ContextParallelGroup:
         self.ranks = ranks
         self.cuda = device.startswith("cuda")
         self.mode = mode if self.cuda else "mirror"
-        # Mirror mode (CPU) runs rank 0's computation as it is: no backend change there.
-        backend = attention_backend_for(mode, attention_backend, dtype) if self.cuda else attention_backend
-        if self.cuda and backend != attention_backend:
-            for module in denoisers.values():
-                module.set_attention_backend(backend)
+        if self.cuda and mode == "ring":
+            # Measured on 2x H200 (RESULTS.md): ring needs a backend that returns the log-sum-exp
+            # (half precision only), and served that way the tiny Wan model's rollouts were NaN while
+            # k = 1 was finite. Refused until that is understood, rather than serving NaN rollouts.
+            raise ContextParallelError(
+                "context_parallel_mode='ring' is not served on CUDA: its rollouts were non-finite on "
+                "2 GPUs (benchmarks/RESULTS.md); use context_parallel_mode='ulysses' (bit-identical "
+                "to one GPU where measured)"
+            )
         self.timeout_s = timeout_s
         self.error: str | None = None
         self.forwards = 0
@@ -333,7 +303,7 @@ class ContextParallelGroup:
             "cuda": self.cuda,
             "first_gpu": first_gpu,
             "mode": mode,
-            "attention_backend": backend,
+            "attention_backend": attention_backend,
             "threads": torch.get_num_threads(),
             "timeout_s": timeout_s,
         }
