@@ -247,13 +247,10 @@ def grpo(model: BenchModel, *, group: int, reps: int) -> list[dict[str, Any]]:
     return _rows(model, "grpo", times, sizes, group, body["num_inference_steps"], notes)
 
 
-def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
-    """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
-    (``generate_many``), vs the stock pipeline running the same batches one after another.
-
-    With several requests in flight the server overlaps one batch's host copies, serialization,
-    transfer and client decode with the next batch's denoising, which one request at a time cannot.
-    """
+def _iteration_fns(model: BenchModel, *, group: int, groups: int):
+    """(stock, served) for one Flow-GRPO iteration of ``groups`` requests of ``group`` outputs: the stock
+    pipeline running the batches back to back, and ``served(graphs)``, a function sending the lean
+    uint8 requests at once from the trainer process (returns seconds, bytes, server pipeline s)."""
     bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
     lean = {**SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
     runs = [stock_runner(model, b) for b in bodies]
@@ -272,11 +269,22 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
 
         return fn
 
+    return stock, served
+
+
+def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+    """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
+    (``generate_many``), vs the stock pipeline running the same batches one after another.
+
+    With several requests in flight the server overlaps one batch's host copies, serialization,
+    transfer and client decode with the next batch's denoising, which one request at a time cannot.
+    """
+    stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {"stock": stock, f"server_lean_uint8_{groups}_in_flight": served(False)}
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)
-    steps = bodies[0]["num_inference_steps"]
+    steps = _body(model)["num_inference_steps"]
     return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
 
 
@@ -323,21 +331,9 @@ def _gpu_gaps(fn, device: str) -> dict[str, Any]:
 def grpo_profile(model: BenchModel, *, group: int, groups: int) -> list[dict[str, Any]]:
     """One Flow-GRPO iteration (as ``grpo_iteration``, eager) of the stock pipeline and of the server,
     each under the CUDA profiler: where the server's GPU sits idle that the stock pipeline's does not."""
-    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
-    lean = {**SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
-    runs = [stock_runner(model, b) for b in bodies]
-    remote = model.server().remote()
-
-    def stock():
-        for run in runs:
-            run()
-
-    def served():
-        with _graphs(model, False):
-            remote.run([{**b, **lean} for b in bodies], clients=groups)
-
+    stock, served = _iteration_fns(model, group=group, groups=groups)
     rows = []
-    for name, fn in (("stock", stock), (f"server_lean_uint8_{groups}_in_flight", served)):
+    for name, fn in (("stock", stock), (f"server_lean_uint8_{groups}_in_flight", served(False))):
         fn()  # warm-up
         rows.append(
             {"model": model.name, "phase": "grpo_profile", "variant": name, **_gpu_gaps(fn, model.device)}
@@ -558,18 +554,8 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
     vs the eager stock pipeline (timed first, before anything is compiled)."""
     body = _body(model, num_outputs_per_prompt=group)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
-    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
-    runs = [stock_runner(model, b) for b in bodies]
-    remote = model.server().remote()
-
-    def stock_iteration():
-        for run in runs:
-            run()
-        return None, None
-
-    def served_iteration():
-        reply = remote.run([{**b, **full} for b in bodies], clients=groups)
-        return reply["seconds"], sum(reply["bytes"]), reply["pipeline_s"]
+    stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
+    served_iteration = served(False)
 
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
