@@ -26,6 +26,9 @@ when the gate found a difference, 2 when a model failed.
     python -m benchmarks.scale_suite --device cuda --out $OUT                       # every model
     python -m benchmarks.scale_suite --device cuda --models wan2.2-a14b --out $OUT  # one of them
     python -m benchmarks.scale_suite --device cpu --tiny                            # CPU dry run
+
+The Wan image-to-video pipeline cleans prompts with ``ftfy`` (a dependency of the project): on the
+device machine carry its wheels too (``fetch_wheels.sh ftfy wcwidth``).
 """
 
 from __future__ import annotations
