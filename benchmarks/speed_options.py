@@ -674,7 +674,7 @@ def run(args) -> dict[str, Any]:
                 "prompt": GRPO_PROMPT,
                 "elapsed_s": deadline.elapsed(),
             },
-            [*speed_rows, *gate_rows, *drift_rows],
+            [*speed_rows, *gate_rows, *drift_rows, *profile_rows],
             ok=ok,
             notes=notes,
         )

@@ -162,3 +162,26 @@ def test_speed_options_tiny(tmp_path):
     cache = drift["feature_cache taylorseer"]
     assert cache["exact"] is False and cache["latent_max_abs_diff"] > 0 and not cache["ode_gate_exact"]
     assert drift["attention _native_math"]["exact"] is False
+    # Every server row splits its wait: the server's own pipeline seconds (from the responses) and
+    # the rest, which together are the row's median time.
+    for row in doc["speed"]:
+        if row["variant"].startswith("server"):
+            assert 0 < row["server_pipeline_s"] < row["median_s"]
+            assert row["outside_pipeline_s"] == pytest.approx(row["median_s"] - row["server_pipeline_s"])
+        else:
+            assert row["server_pipeline_s"] is None
+
+
+def test_speed_options_profile_phase_tiny(tmp_path):
+    # On the CPU the profiler sees the operators of the calling thread: the stock pipeline's, not the
+    # server worker's; the GPU run reads kernels of every stream. The shape of the rows is the check.
+    assert (
+        speed_options.main(["--tiny", "--device", "cpu", "--phases", "grpo_profile", "--out", str(tmp_path)])
+        == 0
+    )
+    rows = {r["variant"]: r for r in _doc(tmp_path, "speed_options")["gpu_profile"]}
+    assert set(rows) == {"stock", "server_lean_uint8_2_in_flight"}
+    stock = rows["stock"]
+    assert 0 < stock["gpu_busy_s"] <= stock["wall_s"] and stock["kernels_and_copies"] > 0
+    assert stock["gpu_idle_within_s"] >= 0 and len(stock["largest_gaps_ms_at_ms"]) <= 12
+    assert rows["server_lean_uint8_2_in_flight"]["wall_s"] > 0
