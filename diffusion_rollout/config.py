@@ -142,7 +142,7 @@ class ServerConfig(BaseModel):
     context_parallel_mode: Literal["ulysses", "ring"] = Field(
         "ulysses",
         description="how diffusers shards attention over the ranks on CUDA: ulysses (ring is refused at "
-        "start-up on CUDA: its served rollouts were non-finite on 2 GPUs, see benchmarks/RESULTS.md)",
+        "start-up: its served rollouts were non-finite on 2 GPUs, see benchmarks/RESULTS.md)",
     )
     context_parallel_timeout_s: float = Field(
         600.0,

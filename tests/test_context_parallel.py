@@ -206,6 +206,15 @@ def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_mode
     with pytest.raises(ContextParallelError, match="context_parallel=2 is not supported for family 'sd3'"):
         engine.load()
     assert engine.context_parallel is None  # refused before any follower was spawned
+    # Ring attention is refused before any follower starts (its served rollouts were NaN on 2 GPUs).
+    engine = Engine(
+        ServerConfig(
+            model=str(tiny_model_path("wan")), device="cpu", context_parallel=2, context_parallel_mode="ring"
+        )
+    )
+    with pytest.raises(ContextParallelError, match="context_parallel_mode='ring' is not served"):
+        engine.load()
+    assert engine.context_parallel is None
     with pytest.raises(ValueError, match="context_parallel=2 cannot be combined with compile"):
         ServerConfig(context_parallel=2, compile=True)
     with pytest.raises(ValueError, match="context_parallel=2 needs gpus_per_replica >= 2"):

@@ -277,12 +277,12 @@ class ContextParallelGroup:
         self.ranks = ranks
         self.cuda = device.startswith("cuda")
         self.mode = mode if self.cuda else "mirror"
-        if self.cuda and mode == "ring":
+        if mode == "ring":  # refused on a CPU engine too, so one configuration means one thing
             # Measured on 2x H200 (RESULTS.md): ring needs a backend that returns the log-sum-exp
             # (half precision only), and served that way the tiny Wan model's rollouts were NaN while
             # k = 1 was finite. Refused until that is understood, rather than serving NaN rollouts.
             raise ContextParallelError(
-                "context_parallel_mode='ring' is not served on CUDA: its rollouts were non-finite on "
+                "context_parallel_mode='ring' is not served: its rollouts were non-finite on "
                 "2 GPUs (benchmarks/RESULTS.md); use context_parallel_mode='ulysses' (bit-identical "
                 "to one GPU where measured)"
             )
