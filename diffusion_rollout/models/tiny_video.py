@@ -1,4 +1,5 @@
-"""Tiny offline video families with their own text stacks: HunyuanVideo 1.5 and LTX-2.
+"""Tiny offline video families: Wan 2.1/2.2 text-to-video, and HunyuanVideo 1.5 and LTX-2 with their
+own text stacks.
 
 Real scheduler configs, real tokenizer layouts (``tokenizers.py``), every width cut down so a CPU
 builds and runs them in seconds; the shared pieces come from ``tiny_parts``.
@@ -13,10 +14,12 @@ from diffusers import (
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
+    AutoencoderKLWan,
     ClassifierFreeGuidance,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
     LTX2VideoTransformer3DModel,
+    WanTransformer3DModel,
 )
 from transformers import (
     ByT5Tokenizer,
@@ -27,9 +30,11 @@ from transformers import (
     Qwen2_5_VLTextModel,
     T5Config,
     T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
-from .scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE, make_real_scheduler
+from .scheduler_configs import HUNYUANVIDEO15_480P_GUIDANCE, WAN22_A14B_BOUNDARY_RATIO, make_real_scheduler
 from .tiny_parts import (
     LATENT_CHANNELS,
     TEXT_DIM,
@@ -42,7 +47,52 @@ from .tokenizers import (
     QWEN_CHAT_TEMPLATE,
     make_gemma_tokenizer,
     make_qwen2_tokenizer,
+    make_t5_tokenizer,
 )
+
+
+def _wan_transformer() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,  # RoPE splits it 8 (t) / 4 (h) / 4 (w)
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
+    tokenizer = make_t5_tokenizer()
+    return {
+        # Wan2.2 A14B: `transformer` is the high-noise expert, `transformer_2` the low-noise one.
+        "transformer": seeded(seed, "transformer", _wan_transformer),
+        "transformer_2": seeded(seed, "transformer_2", _wan_transformer) if two_experts else None,
+        "boundary_ratio": WAN22_A14B_BOUNDARY_RATIO if two_experts else None,
+        "text_encoder": seeded(
+            seed, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**t5_kwargs(tokenizer)))
+        ),
+        # Four levels: 8x spatial and (two temporal downsamples) 4x temporal, the real Wan 2.1 factors.
+        "vae": seeded(
+            seed,
+            "vae",
+            lambda: AutoencoderKLWan(
+                base_dim=8,
+                z_dim=LATENT_CHANNELS,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            ),
+        ),
+        "scheduler": make_real_scheduler("wan2.2" if two_experts else "wan"),
+        "tokenizer": tokenizer,
+    }
 
 
 def _hunyuanvideo15_system_prefix() -> str:
