@@ -59,8 +59,9 @@ COLUMNS = [
 ]
 
 
-def stock_runner(model: BenchModel, body: dict[str, Any], output_type: str = "pt"):
-    """A closure running the stock pipeline with precomputed embeddings (what is timed)."""
+def stock_runner(model: BenchModel, body: dict[str, Any], output_type: str = "pt", pipe=None):
+    """A closure running the stock pipeline (or ``pipe``, a twin sharing its modules) with precomputed
+    embeddings (what is timed)."""
     from diffusion_rollout.server.families import adapter_for
 
     n = body.get("num_outputs_per_prompt", 1)
@@ -77,7 +78,7 @@ def stock_runner(model: BenchModel, body: dict[str, Any], output_type: str = "pt
     def run():
         gens = [torch.Generator(model.generator_device).manual_seed(s) for s in seeds]
         with torch.inference_mode():
-            out = model.stock(**kwargs, **embeds, generator=gens, output_type=output_type)
+            out = (pipe or model.stock)(**kwargs, **embeds, generator=gens, output_type=output_type)
         return out
 
     return run

@@ -29,6 +29,8 @@ GPU (about 6-8 minutes on an H200; ``--budget`` skips phases that would overrun,
 
 ``--phases`` picks phases (order fixed): ``grpo``, ``grpo_iteration``, ``grpo_profile`` (one iteration of
 the stock pipeline and of the eager server under the CUDA profiler: GPU busy time and idle gaps),
+``grpo_lanes`` (an experiment: the stock iteration's batches on two threads and CUDA streams vs back
+to back, with a bit-exactness gate),
 ``batch1``, ``drift`` and
 ``grpo_compiled`` on SD3.5, ``flux`` and ``flux_compiled`` on FLUX.1-dev. ``grpo_compiled`` (also
 ``--grpo-compiled``) is the lean uint8 Flow-GRPO request, alone and ``--iteration-groups`` in flight,
@@ -286,6 +288,70 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
     times, sizes = _time_interleaved(fns, reps, model.device)
     steps = _body(model)["num_inference_steps"]
     return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
+
+
+def _twin_pipeline(pipe):
+    """A second pipeline object sharing ``pipe``'s modules (weights, VAE, encoders) with its own
+    scheduler: a pipeline call keeps per-call state on the pipeline and its scheduler, the modules
+    themselves are stateless."""
+    import copy
+
+    return type(pipe)(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
+
+
+def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: int = 2):
+    """An experiment: the stock pipeline's ``groups`` batches back to back vs the same batches on
+    ``lanes`` threads, each with its own CUDA stream and pipeline object (shared modules), so one
+    call's kernels fill the gaps between another's. Returns (speed rows, exactness gate): every
+    batch's images must be bit-identical (``torch.equal``) to the back-to-back run's."""
+    import threading
+
+    bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
+    pipes = [model.stock] + [_twin_pipeline(model.stock) for _ in range(lanes - 1)]
+    cuda = model.device.startswith("cuda")
+    streams = [torch.cuda.Stream() if cuda else None for _ in range(lanes)]
+    runs = [[stock_runner(model, b, pipe=p) for b in bodies] for p in pipes]
+    outputs: dict[str, list[Any]] = {}
+
+    def back_to_back():
+        outputs["seq"] = [run().images for run in runs[0]]
+        return None, None
+
+    def in_lanes():
+        got: list[Any] = [None] * groups
+        errors: list[BaseException] = []
+
+        def lane(j: int) -> None:
+            try:
+                with torch.cuda.stream(streams[j]) if cuda else contextlib.nullcontext():
+                    for i in range(j, groups, lanes):
+                        got[i] = runs[j][i]().images
+            except BaseException as exc:  # re-raised on the timing thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=lane, args=(j,)) for j in range(lanes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        outputs["lanes"] = got
+        return None, None
+
+    fns = {"stock": back_to_back, f"stock_{lanes}_lanes": in_lanes}
+    times, sizes = _time_interleaved(fns, reps, model.device)
+    sync(model.device)
+    diffs = [float((a.double() - b.double()).abs().max()) for a, b in zip(outputs["seq"], outputs["lanes"])]
+    gate = {
+        "model": model.name,
+        "check": f"stock in {lanes} lanes vs back to back ({groups} batches of {group}, images)",
+        "exact": all(torch.equal(a, b) for a, b in zip(outputs["seq"], outputs["lanes"], strict=True)),
+        "max_abs_diff": max(diffs),
+        "note": "",
+    }
+    steps = _body(model)["num_inference_steps"]
+    return _rows(model, "grpo_lanes", times, sizes, group * groups, steps), gate
 
 
 def _gpu_gaps(fn, device: str) -> dict[str, Any]:
@@ -604,7 +670,7 @@ def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True)
 
 
 # ---------------------------------------------------------------------------------------------
-SD_PHASES = {"grpo", "grpo_iteration", "grpo_profile", "batch1", "drift", "grpo_compiled"}
+SD_PHASES = {"grpo", "grpo_iteration", "grpo_profile", "grpo_lanes", "batch1", "drift", "grpo_compiled"}
 FLUX_PHASES = {"flux", "flux_compiled"}
 DEFAULT_PHASES = ("grpo", "grpo_iteration", "batch1", "drift", "flux")
 
@@ -694,6 +760,10 @@ def run(args) -> dict[str, Any]:
             )
         if "grpo_profile" in phases and phase("grpo_profile", 60):
             profile_rows.extend(grpo_profile(model, group=args.group, groups=args.iteration_groups))
+        if "grpo_lanes" in phases and phase("grpo_lanes", 60):
+            rows, gate = grpo_lanes(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
+            speed_rows.extend(rows)
+            gate_rows.append(gate)
         if "batch1" in phases and phase("batch1", 30):
             rows, gates = batch1(model, reps=args.reps_b1, phase="batch1")
             speed_rows.extend(rows)
@@ -772,7 +842,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--phases",
         default=",".join(DEFAULT_PHASES),
-        help="comma-separated, run in this fixed order: grpo, grpo_iteration, grpo_profile, batch1, drift, "
+        help="comma-separated, run in this fixed order: grpo, grpo_iteration, grpo_profile, grpo_lanes, batch1, "
+        "drift, "
         "grpo_compiled "
         f"(SD3.5), flux, flux_compiled (FLUX.1-dev); default {','.join(DEFAULT_PHASES)}",
     )
