@@ -342,11 +342,12 @@ def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: 
     fns = {"stock": back_to_back, f"stock_{lanes}_lanes": in_lanes}
     times, sizes = _time_interleaved(fns, reps, model.device)
     sync(model.device)
-    diffs = [float((a.double() - b.double()).abs().max()) for a, b in zip(outputs["seq"], outputs["lanes"])]
+    pairs = list(zip(outputs["seq"], outputs["lanes"], strict=True))
+    diffs = [float((a.double() - b.double()).abs().max()) for a, b in pairs]
     gate = {
         "model": model.name,
         "check": f"stock in {lanes} lanes vs back to back ({groups} batches of {group}, images)",
-        "exact": all(torch.equal(a, b) for a, b in zip(outputs["seq"], outputs["lanes"], strict=True)),
+        "exact": all(torch.equal(a, b) for a, b in pairs),
         "max_abs_diff": max(diffs),
         "note": "",
     }
