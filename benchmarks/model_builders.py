@@ -779,6 +779,7 @@ class BenchModel:
     build_s: float
     server_overrides: dict[str, Any] = field(default_factory=dict)
     _server: Any = None
+    _lanes_server: Any = None
 
     @property
     def generator_device(self) -> str:
@@ -825,7 +826,26 @@ class BenchModel:
             self._server = LoopbackServer(engine, config)
         return self._server
 
+    def lanes_server(self, lanes: int):
+        """A second loopback server on the same loaded pipeline with ``pipeline_lanes=lanes`` (started on
+        first use). It runs the eager denoiser: time it with the first server's CUDA graphs off."""
+        if self._lanes_server is None:
+            from benchmarks.common import LoopbackServer
+            from diffusion_rollout.server.engine import Engine
+
+            base = self.server()
+            config = base.engine.config.model_copy(update={"pipeline_lanes": lanes, "cuda_graphs": False})
+            engine = Engine(config, loaded=base.engine.loaded)
+            engine.model_path = self.name
+            engine.start()
+            self._lanes_server = LoopbackServer(engine, config)
+        return self._lanes_server
+
     def close(self) -> None:
+        if self._lanes_server is not None:
+            self._lanes_server.close()
+            self._lanes_server.engine.stop(grace_s=5)
+            self._lanes_server = None
         if self._server is not None:
             self._server.close()
             self._server.engine.stop(grace_s=5)

@@ -256,14 +256,16 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
     bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
     lean = {**SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
     runs = [stock_runner(model, b) for b in bodies]
-    remote = model.server().remote()
 
     def stock():
         for run in runs:
             run()
         return None, None
 
-    def served(graphs: bool):
+    def served(graphs: bool, lanes: int = 1):
+        # Lanes run on a second server over the same pipeline, eager (the graphs are turned off).
+        remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote()
+
         def fn():
             with _graphs(model, graphs):
                 reply = remote.run([{**b, **lean} for b in bodies], clients=groups)
@@ -280,9 +282,15 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
 
     With several requests in flight the server overlaps one batch's host copies, serialization,
     transfer and client decode with the next batch's denoising, which one request at a time cannot.
+    The ``2_lanes`` variant is the eager server with ``pipeline_lanes=2`` (two batches in flight on
+    two CUDA streams, server/lanes.py).
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
-    fns = {"stock": stock, f"server_lean_uint8_{groups}_in_flight": served(False)}
+    fns = {
+        "stock": stock,
+        f"server_lean_uint8_{groups}_in_flight": served(False),
+        f"server_lean_uint8_2_lanes_{groups}_in_flight": served(False, lanes=2),
+    }
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)
@@ -353,6 +361,61 @@ def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: 
     }
     steps = _body(model)["num_inference_steps"]
     return _rows(model, "grpo_lanes", times, sizes, group * groups, steps), gate
+
+
+def lanes_gates(model: BenchModel, *, groups: int, n: int = 2) -> list[dict[str, Any]]:
+    """The two-lane server's exactness: ``groups`` requests sent at once (so both lanes run), each
+    ``rollout=false`` result vs the stock eager pipeline (ODE gate), and an SDE rollout's log-probs
+    replayed by the eager transformer in process (the on-policy ratio must be exactly 1)."""
+    import threading
+
+    srv = model.lanes_server(2)
+    bodies = [_body(model, num_outputs_per_prompt=n, seed=7 + 100 * k) for k in range(groups)]
+    sde = [{**b, **SDE_ROLLOUT_ENV, "lean_response": True} for b in bodies]
+    ode = [{**b, "rollout": False, "return_generated_output": False} for b in bodies]
+    got: dict[tuple[str, int], Any] = {}
+
+    def send(kind: str, i: int, req: dict[str, Any]) -> None:
+        client = srv.new_client()
+        try:
+            got[kind, i] = srv.generate(req, client=client)[0]
+        finally:
+            client.close()
+
+    threads = [
+        threading.Thread(target=send, args=(kind, i, req))
+        for kind, reqs in (("ode", ode), ("sde", sde))
+        for i, req in enumerate(reqs)
+    ]
+    before = list(srv.engine.worker.batches_per_lane)
+    with _graphs(model, False):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    ran = [a - b for a, b in zip(srv.engine.worker.batches_per_lane, before, strict=True)]
+    if len(got) != len(threads):
+        raise RuntimeError(f"lanes gate: {len(threads) - len(got)} request(s) failed")
+    rows = [compare(torch.stack([r["generated_output"] for r in got["ode", i]]),
+                    stock_reference(model, model.stock, bodies[i], "latent")) for i in range(groups)]  # fmt: skip
+    replay = [eager_replay(model, got["sde", i], sde[i]) for i in range(groups)]
+    note = f"batches per lane {ran}"
+    return [
+        {
+            "model": model.name,
+            "check": f"ODE gate pipeline_lanes=2 vs stock eager ({groups} requests at once)",
+            "exact": all(r["exact"] for r in rows),
+            "max_abs_diff": max(r["max_abs_diff"] for r in rows),
+            "note": note,
+        },
+        {
+            "model": model.name,
+            "check": "pipeline_lanes=2 rollout replayed by the eager transformer: ratio exactly 1",
+            "exact": all(r["replay_ratio_max_dev"] == 0.0 for r in replay),
+            "max_abs_diff": max(r["replay_log_prob_max_abs_diff"] for r in replay),
+            "note": note,
+        },
+    ]
 
 
 def _gpu_gaps(fn, device: str) -> dict[str, Any]:
@@ -759,6 +822,7 @@ def run(args) -> dict[str, Any]:
             speed_rows.extend(
                 grpo_iteration(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
             )
+            gate_rows.extend(lanes_gates(model, groups=args.iteration_groups))
         if "grpo_profile" in phases and phase("grpo_profile", 60):
             profile_rows.extend(grpo_profile(model, group=args.group, groups=args.iteration_groups))
         if "grpo_lanes" in phases and phase("grpo_lanes", 60):

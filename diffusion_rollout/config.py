@@ -132,6 +132,16 @@ class ServerConfig(BaseModel):
         8, ge=1, description="most captured CUDA-graph shape buckets; other shapes run eager"
     )
 
+    pipeline_lanes: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="pipeline calls in flight at once, each on its own thread, CUDA stream and pipeline "
+        "object sharing the modules (server/lanes.py): one call's kernels fill the gaps between "
+        "another's, every call bit-identical to one lane; eager only (no compile, cuda_graphs, "
+        "context_parallel), feature_cache requests get 400",
+    )
+
     # Context parallelism: one request's transformer calls over several ranks (server/context_parallel.py)
     context_parallel: int = Field(
         1,
@@ -188,6 +198,17 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"cuda_graphs needs a CUDA device; this server runs on {device!r}")
             if self.compile:
                 raise ValueError("cuda_graphs replays the eager denoiser; it cannot be combined with compile")
+        if self.pipeline_lanes > 1:
+            # Graph replays share static buffers, compiled blocks and the ranks' collectives their
+            # caller: two calls at once on them would race.
+            for name in ("compile", "cuda_graphs"):
+                if getattr(self, name):
+                    raise ValueError(f"pipeline_lanes={self.pipeline_lanes} cannot be combined with {name}")
+            if self.context_parallel > 1:
+                raise ValueError(
+                    f"pipeline_lanes={self.pipeline_lanes} cannot be combined with "
+                    f"context_parallel={self.context_parallel}"
+                )
         if self.context_parallel > 1:
             # Followers run the plain eager transformer; a compiled or graph-replayed rank 0 would not
             # call it through the hook that hands each call to them.

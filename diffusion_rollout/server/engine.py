@@ -64,6 +64,14 @@ from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.images import probe_image_png
 from diffusion_rollout.server.initial_noise import sample_noise
+from diffusion_rollout.server.lanes import (
+    Lane,
+    finish_before_sharing,
+    make_lane,
+    on_lane_stream,
+    same_modules,
+    share_tensors,
+)
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
@@ -96,7 +104,10 @@ class Engine:
             max_batch_samples=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000.0,
             on_batch_error=self._after_batch_error,
+            lanes=config.pipeline_lanes,
         )
+        # Pipeline calls in flight at once (server/lanes.py); built by load().
+        self._lanes: list[Lane] = []
         self.started_at = time.time()
         self.last_generate_ok_at: float | None = None
         self._shutdown_deadline: float | None = None
@@ -142,6 +153,8 @@ class Engine:
             )
         self.adapter = adapter_for(self.loaded.pipe)
         self.adapter.setup_schedulers(self.loaded)
+        n = self.config.pipeline_lanes
+        self._lanes = [make_lane(i, self.loaded, self.adapter, self.device, n) for i in range(n)]
         self.planner = RequestPlanner(
             self.config,
             self.adapter,
@@ -308,8 +321,24 @@ class Engine:
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread between batches (weight updates, memory moves)."""
-        fut = self.worker.submit(Job(payload=fn, batch_key=None))
+        fut = self.worker.submit(Job(payload=self._between_lanes(fn), batch_key=None))
         return await asyncio.wrap_future(fut)
+
+    def _between_lanes(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` fenced off from the lanes' streams: with several lanes, the kernels they queued may
+        still read the weights ``fn`` changes, and what ``fn`` queues must land before they read
+        again. (One lane runs everything on one stream, which orders it already.)"""
+        if len(self._lanes) < 2 or not self.device.startswith("cuda"):
+            return fn
+
+        def fenced() -> T:
+            torch.cuda.synchronize(self.device)
+            try:
+                return fn()
+            finally:
+                torch.cuda.synchronize(self.device)
+
+        return fenced
 
     def generate_sync(self, params: GenerateParams, timeout: float | None = None) -> list[SampleResult]:
         """Blocking variant for in-process callers (benchmarks, examples)."""
@@ -351,6 +380,13 @@ class Engine:
     # ------------------------------------------------------------------ validation
     def plan(self, p: GenerateParams) -> Plan:
         """Validate ``p`` against the model and the limits (``RequestError``) and plan its batch."""
+        if self.config.pipeline_lanes > 1 and p.feature_cache is not None:
+            # A cache's hooks keep per-call state on the transformer, which the lanes share.
+            raise RequestError(
+                f"feature_cache is not supported with pipeline_lanes={self.config.pipeline_lanes} "
+                "(the lanes share the transformer its hooks would keep state on)",
+                field="feature_cache",
+            )
         if self.context_parallel is not None and p.feature_cache is not None:
             # A cache skips blocks on rank 0 only; the followers would run them and fall out of step.
             raise RequestError(
@@ -370,35 +406,48 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    def _encodings(self, plan: Plan) -> dict[str, torch.Tensor]:
+    def _encodings(self, plan: Plan, a: FamilyAdapter) -> dict[str, torch.Tensor]:
         p = plan.params
-        a = self.adapter
         key = (p.prompt, p.negative_prompt, a.encoding_cache_key(plan.call))
+        # Another lane may take the cached encodings: they must be complete before they are shared.
+        shared = finish_before_sharing if len(self._lanes) > 1 else (lambda v: v)
         if not plan.images:
             return self.prompt_cache.get_or_compute(
-                key, lambda: a.encode(p.prompt, p.negative_prompt, plan.call)
+                key, lambda: shared(a.encode(p.prompt, p.negative_prompt, plan.call))
             )
         if a.encoding_uses_images():
             key = (*key, plan.image_key)
         return self.prompt_cache.get_or_compute(
-            key, lambda: a.encode_with_images(p.prompt, p.negative_prompt, plan.call, plan.images)
+            key, lambda: shared(a.encode_with_images(p.prompt, p.negative_prompt, plan.call, plan.images))
         )
 
-    def _run_batch(self, jobs: list[Job]) -> None:
-        # Jobs of one batch share a batch key, but their prompt encodings can still differ in shape
-        # (Qwen-Image's text has the prompt's own length, and padding would change the numbers):
-        # those groups run as separate pipeline calls, in queue order.
-        with torch.inference_mode():
-            encodings = [self._encodings(j.payload) for j in jobs]
-        groups: dict[tuple, list[int]] = {}
-        for i, enc in enumerate(encodings):
-            groups.setdefault(self.adapter.encoding_group_key(enc), []).append(i)
-        for rows in groups.values():
-            self._run_call([jobs[i] for i in rows], [encodings[i] for i in rows])
+    def _lane(self) -> Lane:
+        """The calling worker thread's lane, rebuilt if a component was replaced since it was made."""
+        i = self.worker.lane_index()
+        lane = self._lanes[i]
+        if not same_modules(lane, self.loaded):
+            lane = self._lanes[i] = make_lane(i, self.loaded, self.adapter, self.device, len(self._lanes))
+        return lane
 
-    def _run_call(self, jobs: list[Job], encodings: list[dict[str, torch.Tensor]]) -> None:
-        a = self.adapter
-        pipe = self.pipe
+    def _run_batch(self, jobs: list[Job]) -> None:
+        lane = self._lane()
+        with on_lane_stream(lane):
+            # Jobs of one batch share a batch key, but their prompt encodings can still differ in shape
+            # (Qwen-Image's text has the prompt's own length, and padding would change the numbers):
+            # those groups run as separate pipeline calls, in queue order.
+            with torch.inference_mode():
+                encodings = [self._encodings(j.payload, lane.adapter) for j in jobs]
+            if len(self._lanes) > 1:
+                share_tensors(encodings)
+            groups: dict[tuple, list[int]] = {}
+            for i, enc in enumerate(encodings):
+                groups.setdefault(lane.adapter.encoding_group_key(enc), []).append(i)
+            for rows in groups.values():
+                self._run_call([jobs[i] for i in rows], [encodings[i] for i in rows], lane)
+
+    def _run_call(self, jobs: list[Job], encodings: list[dict[str, torch.Tensor]], lane: Lane) -> None:
+        a = lane.adapter
+        pipe = lane.pipe
         plans: list[Plan] = [j.payload for j in jobs]
         first = plans[0]
         call = first.call
@@ -488,7 +537,7 @@ class Engine:
         cp_exact = self.context_parallel is None or self.context_parallel.exact
         exact = speed.exact and cache is None and cp_exact
         results, flags = split_batch(
-            self.adapter, plans, state, recorder, images, call, copier,
+            a, plans, state, recorder, images, call, copier,
             version=version, elapsed=elapsed, peak=peak, exact=exact, device=self.device,
         )  # fmt: skip
         copier.finish()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ class TransformerCallRecorder:
         self.timesteps: dict[int, torch.Tensor] = {}
         self.experts: dict[int, str] = {}
         self.timestep_dtype: torch.dtype | None = None
+        self._owner: int | None = None
 
     def _hook(self, name: str, module: torch.nn.Module):
         try:
@@ -48,6 +50,9 @@ class TransformerCallRecorder:
                 return dict(kwargs)
 
         def pre_hook(module, args, kwargs):
+            if threading.get_ident() != self._owner:
+                # Another pipeline lane's call of the shared module (server/lanes.py): not ours.
+                return None
             step = self._step_index()
             if step not in self.timesteps:
                 t = kwargs.get("timestep")
@@ -72,6 +77,9 @@ class TransformerCallRecorder:
 
     @contextlib.contextmanager
     def attach(self, modules: dict[str, torch.nn.Module]) -> Iterator[TransformerCallRecorder]:
+        # Only the attaching thread's calls are recorded: with pipeline lanes, several threads call
+        # the same modules at once.
+        self._owner = threading.get_ident()
         handles = [
             m.register_forward_pre_hook(self._hook(n, m), with_kwargs=True) for n, m in modules.items()
         ]

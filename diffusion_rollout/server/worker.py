@@ -1,9 +1,12 @@
-"""One worker thread that owns the pipeline, fed by a bounded job queue.
+"""The worker threads that own the pipeline, fed by a bounded job queue.
 
 Design decisions:
 - Everything that touches the pipeline (generation batches, weight updates, memory moves) runs on
-  this one thread, in queue order. A weight update therefore lands between batches, never under a
-  running denoising loop, and a request queued after an update sees the new weights.
+  the worker's lane threads, in queue order: one lane by default, ``lanes`` batches in flight at
+  once with ``pipeline_lanes`` (each lane runs whole batches; the engine gives every lane its own
+  pipeline object and stream). An admin job is exclusive: it starts only once every lane is idle,
+  and no lane starts a batch while it runs. A weight update therefore lands between batches, never
+  under a running denoising loop, and a request queued after an update sees the new weights.
 - Generation jobs that share a batch key and sit next to each other at the head of the queue are
   taken together (up to ``max_batch_samples``); an admin job is a barrier that batching never
   crosses, so no batch mixes weight versions.
@@ -54,7 +57,8 @@ class Job:
 
 
 class Worker:
-    """Runs ``run_batch(list[Job])`` for generation and ``job.payload()`` for admin jobs."""
+    """Runs ``run_batch(list[Job])`` for generation and ``job.payload()`` for admin jobs, on
+    ``lanes`` threads (``lane_index()`` tells a callee which lane it runs on)."""
 
     def __init__(
         self,
@@ -65,7 +69,10 @@ class Worker:
         batch_wait_s: float = 0.0,
         name: str = "rollout-worker",
         on_batch_error: Callable[[BaseException, list[Job]], None] | None = None,
+        lanes: int = 1,
     ) -> None:
+        if lanes < 1:
+            raise ValueError(f"lanes must be at least 1, got {lanes}")
         self._run_batch = run_batch
         self._on_batch_error = on_batch_error
         self.max_queue_depth = max_queue_depth
@@ -75,15 +82,30 @@ class Worker:
         self._cond = threading.Condition()
         self._paused = False
         self._stopping = False
-        self._busy = False
-        self._running: list[Job] = []  # the jobs of the batch in flight (for abort)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._busy_lanes = 0
+        self._admin_running = False
+        # The jobs of the batches in flight, per lane (for abort).
+        self._running: dict[int, list[Job]] = {}
+        self._local = threading.local()
+        self.lanes = lanes
+        self._threads = [
+            threading.Thread(
+                target=self._loop, args=(i,), name=name if lanes == 1 else f"{name}-{i}", daemon=True
+            )
+            for i in range(lanes)
+        ]
         self.batches_run = 0
+        self.batches_per_lane = [0] * lanes
         self.dropped_cancelled = 0
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
+
+    def lane_index(self) -> int:
+        """The lane the calling thread runs (0 outside the worker's threads)."""
+        return getattr(self._local, "lane", 0)
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Refuse new work, let queued and running work finish within ``grace_s``, then fail the rest."""
@@ -94,7 +116,7 @@ class Worker:
             self._cond.notify_all()
         while time.monotonic() < deadline:
             with self._cond:
-                if not self._queue and not self._busy:
+                if not self._queue and not self._busy_lanes:
                     break
             time.sleep(0.01)
         with self._cond:
@@ -104,8 +126,9 @@ class Worker:
         for job in leftover:
             if not job.future.done():
                 job.future.set_exception(ServiceUnavailableError("server is shutting down"))
-        if self._thread.ident is not None:  # never started when the model failed to load
-            self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        for t in self._threads:
+            if t.ident is not None:  # never started when the model failed to load
+                t.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
 
     def pause(self) -> None:
         with self._cond:
@@ -126,7 +149,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        return self._busy_lanes > 0
 
     # ------------------------------------------------------------------ submit
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -153,39 +176,43 @@ class Worker:
             if dropped:
                 ids = {id(j) for j in dropped}
                 self._queue = collections.deque(j for j in self._queue if id(j) not in ids)
-            running = sum(1 for j in self._running if not j.is_admin and match(j))
+            running = sum(1 for batch in self._running.values() for j in batch if not j.is_admin and match(j))
         for job in dropped:
             if not job.future.done():
                 job.future.set_exception(error(job))
         return len(dropped), running
 
     # ------------------------------------------------------------------ loop
-    def _take(self) -> list[Job] | None:
-        """Pick the next job(s) under the lock; None when stopping with nothing left."""
+    def _take(self, lane: int) -> list[Job] | None:
+        """Pick the next job(s) under the lock; None when stopping with nothing left.
+
+        An admin job waits until no lane runs anything, and nothing starts while it runs; batches
+        never start past an admin job at the head of the queue (queue order is kept)."""
         with self._cond:
             while True:
                 self._drop_cancelled()
-                if self._queue:
-                    if not self._paused:
+                if self._queue and not self._admin_running:
+                    admin = (
+                        next((j for j in self._queue if j.is_admin), None)
+                        if self._paused
+                        else (self._queue[0] if self._queue[0].is_admin else None)
+                    )
+                    if admin is not None and self._busy_lanes == 0:
+                        self._queue.remove(admin)
+                        self._busy_lanes += 1
+                        self._admin_running = True
+                        return [admin]
+                    if admin is None and not self._paused:
                         break
-                    if any(j.is_admin for j in self._queue):
-                        break
-                elif self._stopping:
+                elif not self._queue and self._stopping:
                     return None
                 self._cond.wait(timeout=0.5)
-            if self._paused:
-                job = next(j for j in self._queue if j.is_admin)
-                self._queue.remove(job)
-                self._busy = True
-                return [job]
             head = self._queue.popleft()
-            self._busy = True
-            if head.is_admin:
-                return [head]
+            self._busy_lanes += 1
             batch = [head]
             # Taken from the queue under the lock: from here on abort sees these jobs as running
             # (the same list object, so jobs added after the batch wait count too).
-            self._running = batch
+            self._running[lane] = batch
             self._extend_batch(batch)
         if self.batch_wait_s > 0 and sum(j.samples for j in batch) < self.max_batch_samples:
             time.sleep(self.batch_wait_s)
@@ -217,9 +244,10 @@ class Worker:
             self.dropped_cancelled += len(self._queue) - len(kept)
             self._queue = kept
 
-    def _loop(self) -> None:
+    def _loop(self, lane: int) -> None:
+        self._local.lane = lane
         while True:
-            jobs = self._take()
+            jobs = self._take(lane)
             if jobs is None:
                 return
             token = request_id_var.set(",".join(j.request_id for j in jobs))
@@ -237,7 +265,9 @@ class Worker:
                 else:
                     try:
                         self._run_batch(live)
-                        self.batches_run += 1
+                        with self._cond:  # lanes finish concurrently
+                            self.batches_run += 1
+                            self.batches_per_lane[lane] += 1
                     except Exception as exc:  # one failing batch fails only its own requests
                         logger.exception("batch of %d request(s) failed", len(live))
                         _clear_frames(exc)
@@ -254,8 +284,11 @@ class Worker:
             finally:
                 request_id_var.reset(token)
                 with self._cond:
-                    self._busy = False
-                    self._running = []
+                    self._busy_lanes -= 1
+                    if jobs and jobs[0].is_admin:
+                        self._admin_running = False
+                    self._running.pop(lane, None)
+                    self._cond.notify_all()
 
 
 def _clear_frames(exc: BaseException) -> None:
