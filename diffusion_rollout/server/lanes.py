@@ -18,7 +18,8 @@ Design decisions:
   stock and rollout schedulers (copied in one ``deepcopy`` so the pipeline's scheduler stays the same
   object as the one it was, e.g. the rollout scheduler), so a family that swaps schedulers for a
   call swaps them on its own lane only.
-- **Each lane has its own CUDA stream** (lanes > 1; one lane keeps the default stream). Kernels do
+- **Each lane has its own CUDA stream** (lanes > 1; one lane keeps the default stream), lane 0's at
+  the highest priority so the lanes' batches finish staggered rather than together. Kernels do
   not depend on what runs beside them, so every call computes the same bits as on one lane; only
   the interleaving differs. Tensors one lane hands to another (cached prompt encodings) are made
   complete before they are shared and marked used by the consuming stream (``share_tensors``), so
@@ -114,7 +115,13 @@ def make_lane(index: int, base: LoadedPipeline, adapter: FamilyAdapter, device: 
     """Lane ``index`` of ``lanes``: lane 0 is ``base`` with ``adapter``; others are twins."""
     if lanes > 1:
         guard_shared_modules(base.pipe)
-    stream = torch.cuda.Stream(device=device) if lanes > 1 and device.startswith("cuda") else None
+    stream = None
+    if lanes > 1 and device.startswith("cuda"):
+        # Lane 0 first on the GPU, the others in its gaps: the lanes' batches then end one after
+        # another, not together, so the last batch's response tail (copies, encoding, transfer, the
+        # client's decode) is one response long and the others' overlap the denoising still running.
+        # (Lower numbers are higher priorities; torch maps them into the device's range.)
+        stream = torch.cuda.Stream(device=device, priority=-1 if index == 0 else 0)
     if index == 0:
         return Lane(0, base, adapter, stream)
     loaded = twin_pipeline(base)
