@@ -150,7 +150,8 @@ def test_two_lanes_give_the_one_lane_outputs_bit_for_bit(served, fresh_server, f
     got = generate_together(two, bodies)
     assert all(g is not None for g in got)
     # Both lanes ran batches (four requests of two outputs, at most two outputs per batch).
-    assert all(n > 0 for n in two.engine.worker.batches_per_lane), two.engine.worker.batches_per_lane
+    lanes = two.client.get("/server_info").json()["speed"]["pipeline_lanes"]
+    assert lanes["lanes"] == 2 and all(n > 0 for n in lanes["batches_per_lane"]), lanes
     for body, outs in zip(bodies, got, strict=True):
         ref = one.generate(body)
         for r, o in zip(ref, outs, strict=True):

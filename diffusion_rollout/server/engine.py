@@ -224,6 +224,10 @@ class Engine:
         if self.loaded is None:
             return {}
         info = {**self.loaded.speed.report(), "feature_caches": list(SUPPORTED_CACHES.get(self.family, ()))}
+        info["pipeline_lanes"] = {
+            "lanes": self.config.pipeline_lanes,
+            "batches_per_lane": list(self.worker.batches_per_lane),
+        }
         if self.context_parallel is not None:
             info["context_parallel"] = self.context_parallel.stats()
         return info
