@@ -137,6 +137,21 @@ def _graphs(model: BenchModel, on: bool) -> Iterator[None]:
         speed.use_graphs = saved
 
 
+@contextlib.contextmanager
+def _equal_lane_priorities(model: BenchModel, on: bool) -> Iterator[None]:
+    """The lanes server's lane 0 on a stream of the same priority as the others for the next calls
+    (the experiment behind lane 0's higher priority, server/lanes.py)."""
+    lanes = model.lanes_server(2).engine._lanes
+    saved = [lane.stream for lane in lanes]
+    if on and saved[0] is not None:
+        lanes[0].stream = torch.cuda.Stream(priority=0)
+    try:
+        yield
+    finally:
+        for lane, stream in zip(lanes, saved, strict=True):
+            lane.stream = stream
+
+
 def _has_graphs(model: BenchModel) -> bool:
     return model.server().engine.loaded.speed.graphs is not None
 
@@ -262,12 +277,15 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
             run()
         return None, None
 
-    def served(graphs: bool, lanes: int = 1):
+    def served(graphs: bool, lanes: int = 1, equal_priorities: bool = False):
         # Lanes run on a second server over the same pipeline, eager (the graphs are turned off).
         remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote()
 
         def fn():
-            with _graphs(model, graphs):
+            with (
+                _graphs(model, graphs),
+                _equal_lane_priorities(model, equal_priorities) if lanes > 1 else contextlib.nullcontext(),
+            ):
                 reply = remote.run([{**b, **lean} for b in bodies], clients=groups)
             return reply["seconds"], sum(reply["bytes"]), reply["pipeline_s"]
 
@@ -283,13 +301,17 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
     With several requests in flight the server overlaps one batch's host copies, serialization,
     transfer and client decode with the next batch's denoising, which one request at a time cannot.
     The ``2_lanes`` variant is the eager server with ``pipeline_lanes=2`` (two batches in flight on
-    two CUDA streams, server/lanes.py).
+    two CUDA streams, server/lanes.py); ``2_lanes_equal_priority`` the same with lane 0's stream at
+    the other lane's priority (what lane 0's higher priority is measured against).
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {
         "stock": stock,
         f"server_lean_uint8_{groups}_in_flight": served(False),
         f"server_lean_uint8_2_lanes_{groups}_in_flight": served(False, lanes=2),
+        f"server_lean_uint8_2_lanes_equal_priority_{groups}_in_flight": served(
+            False, lanes=2, equal_priorities=True
+        ),
     }
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
