@@ -56,12 +56,17 @@ class HeaderError(ValueError):
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # ---------------------------------------------------------------------------- writing
 class SafetensorsBody:
-    """A safetensors file made of a header and views of the tensors' memory (no copy until sent)."""
+    """A safetensors file made of a header and views of the tensors' memory (no copy until sent).
+
+    ``head`` is the length prefix and the padded JSON header (bytes); ``views`` the tensors' bytes in
+    file order, one flat uint8 memoryview per non-empty tensor. For one tensor without metadata the
+    file is byte for byte what ``safetensors.torch.save`` writes (the wire codec relies on it).
+    """
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
@@ -69,7 +74,7 @@ class SafetensorsBody:
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        self._views: list[memoryview] = []
+        self.views: list[memoryview] = []
         offset = 0
         ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
         for name, tensor in ordered:
@@ -84,26 +89,26 @@ class SafetensorsBody:
             }
             if size:
                 # The numpy array keeps ``t`` alive for as long as the view exists.
-                self._views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                self.views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % 8)  # tensor data starts 8-byte aligned
-        self._head = struct.pack("<Q", len(raw)) + raw
+        self.head = struct.pack("<Q", len(raw)) + raw
         self.names = [name for name, _ in ordered]
-        self.nbytes = len(self._head) + offset
+        self.nbytes = len(self.head) + offset
 
     def __len__(self) -> int:
         return self.nbytes
 
     def slices(self, size: int) -> Iterator[memoryview | bytes]:
         """The body in pieces of at most ``size`` bytes (views, not copies)."""
-        yield self._head
-        for view in self._views:
+        yield self.head
+        for view in self.views:
             for start in range(0, len(view), size):
                 yield view[start : start + size]
 
     def __bytes__(self) -> bytes:
-        return b"".join(itertools.chain([self._head], self._views))
+        return b"".join(itertools.chain([self.head], self.views))
 
 
 # ---------------------------------------------------------------------------- reading
