@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from diffusion_rollout import wire
+from diffusion_rollout.entrypoints.buffers_response import BuffersResponse
 from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
 from diffusion_rollout.server.engine_api import RolloutEngine, WeightOps
 
@@ -25,8 +26,16 @@ def get_weights(request: Request) -> WeightOps:
 
 
 async def wire_response(request: Request, payload: Any) -> Response:
-    """msgpack (default) or JSON per the Accept header, encoded off the event loop."""
+    """msgpack (default) or JSON per the Accept header, encoded off the event loop.
+
+    msgpack goes out as the encoder's buffers (views of the payload's host tensors, which the
+    response keeps alive and which nothing changes once a result is made: result_copy.py) under a
+    Content-Length, without joining them into one copy of the body.
+    """
     media = wire.choose_media_type(request.headers.get("accept"))
+    if media == wire.MSGPACK:
+        buffers, length = await asyncio.to_thread(wire.encode_chunks, payload)
+        return BuffersResponse(buffers, length, media_type=media)
     body = await asyncio.to_thread(wire.encode, payload, media)
     return Response(content=body, media_type=media)
 
