@@ -308,12 +308,7 @@ class LoopbackServer:
 
     def generate(self, body: dict[str, Any], client=None) -> tuple[list[dict[str, Any]], int]:
         """POST /rollout/generate (msgpack) and decode; returns (results, response bytes)."""
-        from diffusion_rollout import wire
-
-        r = (client or self.client).post("/rollout/generate", json=body, headers={"Accept": wire.MSGPACK})
-        if r.status_code != 200:
-            raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:2000]}")
-        return wire.decode(r.content, r.headers["content-type"]), len(r.content)
+        return post_rollout(client or self.client, body)
 
     def post_json(self, path: str, body: Any = None, **kw) -> dict[str, Any]:
         r = self.client.post(path, json=body, **kw)
@@ -405,6 +400,20 @@ class RemoteClients:
             self.proc.kill()
 
 
+def post_rollout(client, body: dict[str, Any]) -> tuple[Any, int]:
+    """``POST /rollout/generate`` read as the project's clients read it (the msgpack body into one
+    buffer of its Content-Length, ``client/receive.py``), then decoded; (decoded body, bytes)."""
+    from diffusion_rollout import wire
+    from diffusion_rollout.client.receive import read_body
+
+    with client.stream("POST", "/rollout/generate", json=body, headers={"Accept": wire.MSGPACK}) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:2000]}")
+        data = read_body(r)
+    return wire.decode(data, r.headers["content-type"]), len(data)
+
+
 def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dict[str, Any]:
     k = len(clients)
     times: list[float] = [0.0] * len(bodies)
@@ -448,7 +457,7 @@ def _clients_main(url: str) -> int:
     """The client process of :class:`RemoteClients`."""
     import httpx
 
-    from diffusion_rollout import lean, wire
+    from diffusion_rollout import lean
 
     pool: list[httpx.Client] = []
 
@@ -457,16 +466,14 @@ def _clients_main(url: str) -> int:
 
     def send(client, body) -> tuple[float, int]:
         t0 = time.perf_counter()
-        r = client.post("/rollout/generate", json=body, headers={"Accept": wire.MSGPACK})
-        if r.status_code != 200:
-            raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:1000]}")
+        decoded, size = post_rollout(client, body)
         # The trainer's whole decode: tensors, then lean references back to per-output dicts.
-        results = lean.from_lean(wire.decode(r.content, r.headers["content-type"]))
+        results = lean.from_lean(decoded)
         # The server's own time for the pipeline call (denoising and decode, by the worker's clock):
         # the rest of the wait is queueing, copies, serialization, transfer and this decode.
         inference = max((float(d.get("inference_time_s") or 0.0) for d in results), default=0.0)
         batch = results[0].get("batch_id", "") if results else ""
-        return time.perf_counter() - t0, len(r.content), (inference, batch)
+        return time.perf_counter() - t0, size, (inference, batch)
 
     reply({"ready": True})
     for line in sys.stdin:

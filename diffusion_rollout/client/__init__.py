@@ -3,8 +3,9 @@
 - ``sync_client`` / ``async_client``: :class:`RolloutClient` / :class:`AsyncRolloutClient` (every
   endpoint of api.md and weights.md, typed results, bounded concurrency, retries only where a
   repeat is harmless); ``calls`` describes each endpoint once for both, ``base`` holds what they
-  share (connection settings, :class:`RetryPolicy`, headers, error mapping). ``http`` re-exports
-  the client names under their original import path.
+  share (connection settings, :class:`RetryPolicy`, headers, error mapping), ``receive`` reads a
+  rollout answer into one buffer of its Content-Length. ``http`` re-exports the client names under
+  their original import path.
 - ``results``: :class:`RolloutOutput` and friends (torch tensors, api.md's field names).
 - ``weights``: bounded multi-part safetensors uploads with one atomic commit, PEFT adapter pushes,
   checksum verification, the same-host IPC body and the NCCL/gloo broadcaster (one module each).

@@ -43,14 +43,15 @@ from diffusion_rollout.client.calls import (
     _lora_list_call,
     _lora_load_call,
     _merge_item,
-    _outputs,
     _ready_call,
     _slices,
     _tensor_call,
     _unload_call,
     _upload_call,
+    _wire_outputs,
 )
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
+from diffusion_rollout.client.receive import aread_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
@@ -111,13 +112,21 @@ class AsyncRolloutClient(_ClientBase):
 
         return chunks()
 
-    async def _send(self, call: _Call, url: str) -> httpx.Response:
+    async def _request(self, call: _Call, url: str, stream: bool) -> httpx.Response:
+        kwargs = self._request_kwargs(call, url)
+        if not stream:
+            return await self._http.request(call.method, url + call.path, **kwargs)
+        request = self._http.build_request(call.method, url + call.path, **kwargs)
+        return await self._http.send(request, stream=True)
+
+    async def _send(self, call: _Call, url: str, *, stream: bool = False) -> httpx.Response:
+        """As :meth:`RolloutClient._send` (with ``stream`` the body is read by :func:`aread_body`)."""
         attempt = 0
         while True:
             try:
-                resp = await self._http.request(
-                    call.method, url + call.path, **self._request_kwargs(call, url)
-                )
+                resp = await self._request(call, url, stream)
+                if stream and not resp.is_success:
+                    await resp.aread()  # the error answer's message
             except httpx.TransportError as exc:
                 delay = self._delay_after_transport_error(call, url, attempt, exc)
             else:
@@ -177,11 +186,17 @@ class AsyncRolloutClient(_ClientBase):
     ) -> list[RolloutOutput]:
         """``POST /rollout/generate``; keyword arguments as :meth:`RolloutClient.generate`."""
         call, settings = _generate_call(prompt, fields, timeout)
-        resp = await self._send(call, self._rollout_url(server))
+        url = self._rollout_url(server)
+        resp = await self._send(call, url, stream=True)
+        try:
+            body = await aread_body(resp)
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, url) from exc
+        finally:
+            await resp.aclose()
         media = resp.headers.get("content-type", wire.MSGPACK)
         # Decoding a large trajectory is CPU work: keep it off the event loop.
-        decoded = await asyncio.to_thread(wire.decode, resp.content, media)
-        return _outputs(decoded, settings)
+        return await asyncio.to_thread(_wire_outputs, body, media, settings)
 
     async def generate_many(
         self,

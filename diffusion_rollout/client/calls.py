@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import httpx
 
-from diffusion_rollout import lean
+from diffusion_rollout import lean, wire
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.safetensors_layout import SafetensorsBody
@@ -150,6 +150,15 @@ def _outputs(decoded: Any, settings: ReplaySettings) -> list[RolloutOutput]:
     except ValueError as exc:
         raise RolloutConnectionError(f"malformed lean /rollout/generate answer: {exc}") from None
     return [RolloutOutput.from_dict(d, settings) for d in decoded]
+
+
+def _wire_outputs(body, media_type: str, settings: ReplaySettings) -> list[RolloutOutput]:
+    """The outputs of a ``/rollout/generate`` answer body (any buffer)."""
+    try:
+        decoded = wire.decode(body, media_type)
+    except wire.WireFormatError as exc:
+        raise RolloutConnectionError(f"malformed /rollout/generate answer: {exc}") from None
+    return _outputs(decoded, settings)
 
 
 def _merge_item(item: str | Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,14 +44,15 @@ from diffusion_rollout.client.calls import (
     _lora_list_call,
     _lora_load_call,
     _merge_item,
-    _outputs,
     _ready_call,
     _slices,
     _tensor_call,
     _unload_call,
     _upload_call,
+    _wire_outputs,
 )
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
+from diffusion_rollout.client.receive import read_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
@@ -119,11 +120,21 @@ class RolloutClient(_ClientBase):
     def _body_chunks(self, data: bytes):
         return _slices(data)
 
-    def _send(self, call: _Call, url: str) -> httpx.Response:
+    def _request(self, call: _Call, url: str, stream: bool) -> httpx.Response:
+        kwargs = self._request_kwargs(call, url)
+        if not stream:
+            return self._http.request(call.method, url + call.path, **kwargs)
+        return self._http.send(self._http.build_request(call.method, url + call.path, **kwargs), stream=True)
+
+    def _send(self, call: _Call, url: str, *, stream: bool = False) -> httpx.Response:
+        """The successful answer to ``call``; with ``stream`` its body is left unread (the caller
+        reads it with :func:`read_body` and closes it)."""
         attempt = 0
         while True:
             try:
-                resp = self._http.request(call.method, url + call.path, **self._request_kwargs(call, url))
+                resp = self._request(call, url, stream)
+                if stream and not resp.is_success:
+                    resp.read()  # the error answer's message
             except httpx.TransportError as exc:
                 delay = self._delay_after_transport_error(call, url, attempt, exc)
             else:
@@ -236,8 +247,15 @@ class RolloutClient(_ClientBase):
         self, prompt: str, fields: Mapping[str, Any], server: int | None, timeout
     ) -> list[RolloutOutput]:
         call, settings = _generate_call(prompt, fields, timeout)
-        resp = self._send(call, self._rollout_url(server))
-        return _outputs(wire.decode(resp.content, resp.headers.get("content-type", wire.MSGPACK)), settings)
+        url = self._rollout_url(server)
+        resp = self._send(call, url, stream=True)
+        try:
+            body = read_body(resp)
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, url) from exc
+        finally:
+            resp.close()
+        return _wire_outputs(body, resp.headers.get("content-type", wire.MSGPACK), settings)
 
     def generate_many(
         self,
