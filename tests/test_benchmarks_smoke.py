@@ -17,6 +17,7 @@ from benchmarks import (
     speed_options,
     throughput,
     weight_sync,
+    wire_codec,
 )
 from benchmarks.model_builders import default_models
 
@@ -185,3 +186,12 @@ def test_speed_options_profile_phase_tiny(tmp_path):
     assert 0 < stock["gpu_busy_s"] <= stock["wall_s"] and stock["kernels_and_copies"] > 0
     assert stock["gpu_idle_within_s"] >= 0 and len(stock["largest_gaps_ms_at_ms"]) <= 12
     assert rows["server_lean_uint8_2_in_flight"]["wall_s"] > 0
+
+
+def test_wire_codec_tiny(tmp_path):
+    assert wire_codec.main(["--tiny", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    doc = _doc(tmp_path, "wire_codec")
+    assert doc["ok"]  # the current codec's bytes and tensors equal the previous one's
+    rows = {(r["phase"], r["variant"]) for r in doc["results"]}
+    assert rows == {(p, v) for p in wire_codec.PHASES for v in ("previous", "current")}
+    assert all(r["median_ms"] > 0 for r in doc["results"])
