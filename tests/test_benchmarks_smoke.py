@@ -157,6 +157,7 @@ def test_speed_options_tiny(tmp_path):
     assert set(grpo) == {"stock", "server_plain_float32", "server_lean_float32", "server_lean_uint8"}
     assert grpo["server_lean_float32"]["response_mb"] < grpo["server_plain_float32"]["response_mb"]
     assert doc["gates"] and all(g["exact"] for g in doc["gates"])
+    assert any("pipeline_lanes=2" in g["check"] for g in doc["gates"])
     drift = {r["option"]: r for r in doc["drift"]}
     eager = drift["eager"]
     assert eager["exact"] and eager["ode_gate_exact"] and eager["replay_ratio_max_dev"] == 0.0
@@ -166,7 +167,9 @@ def test_speed_options_tiny(tmp_path):
     # Every server row splits its wait: the server's own pipeline seconds (from the responses) and
     # the rest, which together are the row's median time.
     for row in doc["speed"]:
-        if row["variant"].startswith("server"):
+        if "_lanes_" in row["variant"]:  # overlapping calls: their sum is no part of the wait
+            assert row["server_pipeline_s"] > 0 and row["outside_pipeline_s"] is None
+        elif row["variant"].startswith("server"):
             assert 0 < row["server_pipeline_s"] < row["median_s"]
             assert row["outside_pipeline_s"] == pytest.approx(row["median_s"] - row["server_pipeline_s"])
         else:
