@@ -144,8 +144,20 @@ def _bodies(family: str) -> list[dict]:
 # its denoiser and conditioning paths are Qwen-Image's and FLUX Kontext's, both covered here.
 @pytest.mark.parametrize("family", [*FAMILIES, *(f for f in IMAGE_FAMILIES if f != "qwenimage-edit")])
 def test_two_lanes_give_the_one_lane_outputs_bit_for_bit(served, fresh_server, family):
-    one = served(family)
     two = fresh_server(family, pipeline_lanes=2, max_batch_size=2, batch_wait_ms=0)
+    _assert_lanes_match(family, served(family), two)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sd3", "flux", "wan", "ltx2", "flux-kontext"])
+def test_two_lanes_on_cuda_give_the_one_lane_outputs_bit_for_bit(fresh_server, family):
+    # Two CUDA streams at different priorities, encodings shared across them, bf16 kernels.
+    cuda = {"device": "cuda", "dtype": "bfloat16", "max_batch_size": 2, "batch_wait_ms": 0}
+    _assert_lanes_match(family, fresh_server(family, **cuda), fresh_server(family, pipeline_lanes=2, **cuda))
+
+
+def _assert_lanes_match(family: str, one, two) -> None:
+    """Requests sent to ``two`` (lanes) at once give what ``one`` gives them one by one."""
     bodies = _bodies(family)
     got = generate_together(two, bodies)
     assert all(g is not None for g in got)
