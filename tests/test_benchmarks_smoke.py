@@ -198,3 +198,16 @@ def test_wire_codec_tiny(tmp_path):
     rows = {(r["phase"], r["variant"]) for r in doc["results"]}
     assert rows == {(p, v) for p in wire_codec.PHASES for v in ("previous", "current")}
     assert all(r["median_ms"] > 0 for r in doc["results"])
+
+
+def test_flux_breakdown_tiny(tmp_path):
+    from benchmarks import flux_breakdown
+
+    assert flux_breakdown.main(["--tiny", "--device", "cpu", "--reps", "2", "--out", str(tmp_path)]) == 0
+    doc = _doc(tmp_path, "flux_breakdown")
+    assert [r["variant"] for r in doc["forward"]] == ["eager, sdpa math", "compiled, default sdpa"]
+    assert all(r["ms"] > 0 for r in doc["forward"])
+    # The CPU's math attention is counted as its matmuls; CUDA's fused kernels as attention.
+    assert doc["settings"]["tflop_per_forward"] > 0 and doc["settings"]["attention_tflop_per_forward"] >= 0
+    kinds = {r["kind"]: r for r in doc["compiled_kernels"]}
+    assert set(kinds) == {"attention", "matmul", "other"} and sum(r["share"] for r in kinds.values()) > 0.99

@@ -1,0 +1,216 @@
+"""Where a FLUX.1-dev 1024x1024 transformer call spends its time: matmuls, attention, the rest.
+
+The compiled server's full FLUX rollout step is about 140 ms on an H200; the issue asks for 120.
+This times one transformer forward, one rollout step's worth (batch 1, 1024x1024, 512 text tokens,
+inputs captured from a real pipeline call):
+
+- eager, under each SDPA kernel PyTorch offers for it (flash, cuDNN, memory-efficient);
+- with the server's regional compile (``--compile``), under the default and the cuDNN kernel.
+
+It also sorts the compiled call's GPU kernels, seen by the CUDA profiler, into matmuls, attention
+and the rest. For each it gives ms per forward and, from ``FlopCounterMode``'s count of the eager
+call, the TFLOP/s achieved.
+
+    python -m benchmarks.flux_breakdown --device cuda --out $OUT
+    python -m benchmarks.flux_breakdown --tiny --out /tmp/fb     # a CPU check of the script
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.bodies import GRPO_PROMPT, request_body
+from benchmarks.common import (
+    base_parser,
+    document,
+    log,
+    print_table,
+    quiet_libraries,
+    resolve_device,
+    write_json,
+)
+from benchmarks.model_builders import build
+
+_ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.IGNORECASE)
+_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|_mm_|triton_tem|splitk", re.IGNORECASE)
+COLUMNS = [
+    ("variant", "variant", ""),
+    ("ms", "ms/forward", ".2f"),
+    ("spread", "spread", ".3f"),
+    ("note", "note", ""),
+]
+KERNEL_COLUMNS = [
+    ("kind", "kernels", ""),
+    ("ms", "ms/forward", ".2f"),
+    ("share", "share", ".3f"),
+    ("tflops", "TFLOP/s", ".0f"),
+]
+
+
+def captured_inputs(model) -> dict[str, Any]:
+    """The transformer's keyword arguments of a real one-step pipeline call (batch 1)."""
+    body = {**request_body(model, GRPO_PROMPT, num_outputs_per_prompt=1), "num_inference_steps": 1}
+    kwargs = model.stock_kwargs(model.stock, body)
+    seen: dict[str, Any] = {}
+
+    def grab(module, args, kw):
+        if not seen:
+            seen.update(kw)
+
+    handle = model.stock.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model.stock(output_type="latent", **kwargs)
+    finally:
+        handle.remove()
+    return seen
+
+
+def time_forward(transformer, inputs: dict[str, Any], device: str, reps: int) -> dict[str, float]:
+    def once() -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            transformer(**inputs)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        once()
+    times = [once() for _ in range(reps)]
+    m = statistics.median(times)
+    return {"ms": 1000 * m, "spread": (max(times) - min(times)) / m}
+
+
+def flop_counts(transformer, inputs: dict[str, Any]) -> tuple[float, float]:
+    """(all FLOPs, attention FLOPs) of one eager forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        transformer(**inputs)
+    ops = counter.get_flop_counts().get("Global", {})
+    attention = sum(v for k, v in ops.items() if "attention" in str(k))
+    return float(counter.get_total_flops()), float(attention)
+
+
+def kernel_breakdown(transformer, inputs, device: str, flops: tuple[float, float], n: int = 3):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        with torch.inference_mode():
+            for _ in range(n):
+                transformer(**inputs)
+        if cuda:
+            torch.cuda.synchronize()
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for e in prof.events():
+        if e.device_type != kind:
+            continue
+        name = e.name
+        key = "attention" if _ATTENTION.search(name) else "matmul" if _MATMUL.search(name) else "other"
+        totals[key] += (e.time_range.end - e.time_range.start) / 1e3 / n  # ms per forward
+    all_ms = sum(totals.values()) or 1.0
+    total_flops, attention_flops = flops
+    work = {"attention": attention_flops, "matmul": total_flops - attention_flops, "other": 0.0}
+    return [
+        {
+            "kind": k,
+            "ms": ms,
+            "share": ms / all_ms,
+            "tflops": work[k] / (ms / 1e3) / 1e12 if ms and work[k] else None,
+        }
+        for k, ms in totals.items()
+    ]
+
+
+def run(args) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from diffusion_rollout.server.loader import repeated_blocks
+
+    device = resolve_device(args.device)
+    model = build("tiny-flux" if args.tiny else "flux.1-dev", device)
+    rows: list[dict[str, Any]] = []
+    try:
+        transformer = model.stock.transformer
+        inputs = captured_inputs(model)
+        flops = flop_counts(transformer, inputs)
+        log(f"flux_breakdown: {flops[0] / 1e12:.1f} TFLOP per forward, {flops[1] / 1e12:.1f} in attention")
+        kernels = (
+            [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+             ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+            if device.startswith("cuda") else [("math", SDPBackend.MATH)]
+        )  # fmt: skip
+        for name, backend in kernels:
+            try:
+                with sdpa_kernel([backend]):
+                    rows.append(
+                        {
+                            "variant": f"eager, sdpa {name}",
+                            **time_forward(transformer, inputs, device, args.reps),
+                        }
+                    )
+            except RuntimeError as exc:  # a kernel that does not take these inputs on this build
+                rows.append(
+                    {"variant": f"eager, sdpa {name}", "ms": None, "spread": None, "note": str(exc)[:100]}
+                )
+        for block in repeated_blocks(transformer):
+            block.compile()
+        rows.append(
+            {"variant": "compiled, default sdpa", **time_forward(transformer, inputs, device, args.reps)}
+        )
+        breakdown = kernel_breakdown(transformer, inputs, device, flops)
+        if device.startswith("cuda"):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                rows.append(
+                    {
+                        "variant": "compiled, sdpa cudnn",
+                        **time_forward(transformer, inputs, device, args.reps),
+                    }
+                )
+        for r in rows:
+            r.setdefault("note", "")
+    finally:
+        model.close()
+    doc = document(
+        "flux_breakdown",
+        device,
+        {"model": model.name, "reps": args.reps, "tflop_per_forward": flops[0] / 1e12,
+         "attention_tflop_per_forward": flops[1] / 1e12},
+        [*rows, *breakdown],
+    )  # fmt: skip
+    doc["forward"], doc["compiled_kernels"] = rows, breakdown
+    doc["table"] = "\n\n".join(
+        [
+            print_table("One transformer forward (batch 1, one rollout step)", rows, COLUMNS),
+            print_table("Compiled forward's GPU kernels", breakdown, KERNEL_COLUMNS),
+        ]
+    )
+    write_json(args.out, "flux_breakdown", doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="the tiny FLUX model (a CPU check of the script)")
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
