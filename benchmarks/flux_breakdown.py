@@ -5,7 +5,8 @@ This times one transformer forward, one rollout step's worth (batch 1, 1024x1024
 inputs captured from a real pipeline call):
 
 - eager, under each SDPA kernel PyTorch offers for it (flash, cuDNN, memory-efficient);
-- with the server's regional compile (``--compile``), under the default and the cuDNN kernel.
+- with the server's regional compile (``--compile``), under the default and the cuDNN kernel
+  (``--compile-mode max-autotune-no-cudagraphs`` tries Inductor's GEMM autotuning instead).
 
 It also sorts the compiled call's GPU kernels, seen by the CUDA profiler, into matmuls, attention
 and the rest. For each it gives ms per forward and, from ``FlopCounterMode``'s count of the eager
@@ -187,7 +188,8 @@ def run(args) -> dict[str, Any]:
     doc = document(
         "flux_breakdown",
         device,
-        {"model": model.name, "reps": args.reps, "tflop_per_forward": flops[0] / 1e12,
+        {"model": model.name, "reps": args.reps, "compile_mode": args.compile_mode,
+         "tflop_per_forward": flops[0] / 1e12,
          "attention_tflop_per_forward": flops[1] / 1e12},
         [*rows, *breakdown],
     )  # fmt: skip
@@ -198,7 +200,7 @@ def run(args) -> dict[str, Any]:
             print_table("Compiled forward's GPU kernels", breakdown, KERNEL_COLUMNS),
         ]
     )
-    write_json(args.out, "flux_breakdown", doc)
+    write_json(args.out, f"flux_breakdown{'_' + args.compile_mode if args.compile_mode else ''}", doc)
     return doc
 
 
@@ -207,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="the tiny FLUX model (a CPU check of the script)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode for the blocks (default: the server's, None), e.g. max-autotune-no-cudagraphs",
+    )
     args = p.parse_args(argv)
     run(args)
     return 0
