@@ -168,16 +168,17 @@ def run(args) -> dict[str, Any]:
                     {"variant": f"eager, sdpa {name}", "ms": None, "spread": None, "note": str(exc)[:100]}
                 )
         for block in repeated_blocks(transformer):
-            block.compile()
+            block.compile(mode=args.compile_mode)
+        label = f"compiled ({args.compile_mode})" if args.compile_mode else "compiled"
         rows.append(
-            {"variant": "compiled, default sdpa", **time_forward(transformer, inputs, device, args.reps)}
+            {"variant": f"{label}, default sdpa", **time_forward(transformer, inputs, device, args.reps)}
         )
         breakdown = kernel_breakdown(transformer, inputs, device, flops)
         if device.startswith("cuda"):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 rows.append(
                     {
-                        "variant": "compiled, sdpa cudnn",
+                        "variant": f"{label}, sdpa cudnn",
                         **time_forward(transformer, inputs, device, args.reps),
                     }
                 )
