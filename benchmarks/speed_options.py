@@ -608,9 +608,14 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
                 {"feature_cache": c, "allow_inexact": True},
             )
         )
+    # Lanes run on their own server over the same pipeline (``drift`` picks it by this name).
+    options.append((LANES_OPTION, contextlib.nullcontext, {}))
     if with_compile:
         options.append(("regional compile", lambda: _compiled(model), {}))
     return options
+
+
+LANES_OPTION = "pipeline_lanes 2"
 
 
 def drift(
@@ -633,14 +638,17 @@ def drift(
             rows.append({"model": model.name, "option": name, "note": "skipped: time budget"})
             continue
         req = {**body, **extra}
+        server = model.lanes_server(2) if name == LANES_OPTION else srv
         try:
             with _graphs(model, name == "cuda_graphs"), ctx():
-                srv.generate(req)  # warm-up (graph capture, compilation, kernel selection)
+                server.generate(req)  # warm-up (graph capture, compilation, kernel selection)
                 times = []
                 for _ in range(reps):
-                    (results, _), seconds = timed(functools.partial(srv.generate, req), model.device)
+                    (results, _), seconds = timed(functools.partial(server.generate, req), model.device)
                     times.append(seconds)
-                ode_out, _ = srv.generate({**ode, **{k: v for k, v in extra.items() if k == "feature_cache"}})
+                ode_out, _ = server.generate(
+                    {**ode, **{k: v for k, v in extra.items() if k == "feature_cache"}}
+                )
             replay = eager_replay(model, results, req)
         except Exception as exc:  # an option this build lacks (e.g. flash-attn not installed)
             rows.append(
@@ -665,7 +673,8 @@ def drift(
                 "log_prob_max_abs_diff": float((lps - ref[1]).abs().max()),
                 "ode_gate_exact": compare(ode_lat, ref_ode)["exact"],
                 **replay,
-                "note": "",
+                # One request at a time: lanes add speed only with several in flight (grpo_iteration).
+                "note": "one request at a time" if name == LANES_OPTION else "",
             }
         )
     return rows

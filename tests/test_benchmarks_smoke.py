@@ -164,6 +164,9 @@ def test_speed_options_tiny(tmp_path):
     cache = drift["feature_cache taylorseer"]
     assert cache["exact"] is False and cache["latent_max_abs_diff"] > 0 and not cache["ode_gate_exact"]
     assert drift["attention _native_math"]["exact"] is False
+    lanes = drift["pipeline_lanes 2"]  # an exact option: no drift at all
+    assert lanes["exact"] and lanes["ode_gate_exact"] and lanes["latent_max_abs_diff"] == 0.0
+    assert lanes["log_prob_max_abs_diff"] == 0.0 and lanes["replay_ratio_max_dev"] == 0.0
     # Every server row splits its wait: the server's own pipeline seconds (from the responses) and
     # the rest, which together are the row's median time.
     for row in doc["speed"]:
