@@ -155,6 +155,41 @@ def test_concurrent_rollouts_spread_over_both_replicas(cluster):
     assert float(total.split()[-1]) == sum(per) >= 16
 
 
+def test_a_replica_runs_pipeline_lanes(cluster, tiny_model_path):
+    # Beside the module's two replicas (which hold Ray's 2 CPUs), one replica at a time without a
+    # CPU reserved: one lane, then two. Both get the same thread settings from Ray, so their outputs
+    # compare bit for bit (the single-process server runs with the test process's threads).
+    from fastapi.testclient import TestClient
+
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.app import create_app
+
+    bodies = [{**BODY, "seed": 300 + 10 * i, "num_outputs_per_prompt": 2} for i in range(4)]
+
+    def run(lanes: int):
+        config = ServerConfig(
+            model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=1, gpus_per_replica=0,
+            cpus_per_replica=0, pipeline_lanes=lanes, max_batch_size=2, batch_wait_ms=0,
+        )  # fmt: skip
+        engine = ClusterEngine(config)
+        try:
+            engine.start()
+            with TestClient(create_app(config, engine=engine)) as client:
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    results = list(pool.map(lambda b: generate(client, b), bodies))
+                return results, client.get("/server_info").json()["speed"]["pipeline_lanes"]
+        finally:
+            engine.stop(grace_s=5)
+
+    one, _ = run(1)
+    two, lanes = run(2)
+    assert lanes["lanes"] == 2 and sum(lanes["batches_per_lane"]) == 4, lanes
+    for a, b in zip(one, two, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert_same_output(y, x)
+
+
 def test_full_update_fans_out_all_or_nothing(cluster, served):
     client, engine = cluster.client, cluster.engine
     reference = served("sd3").engine.pipe.transformer  # read only: names and shapes
