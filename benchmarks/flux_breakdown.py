@@ -19,9 +19,7 @@ call, the TFLOP/s achieved.
 from __future__ import annotations
 
 import re
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -31,9 +29,12 @@ from benchmarks.common import (
     base_parser,
     document,
     log,
+    median,
     print_table,
     quiet_libraries,
     resolve_device,
+    spread,
+    timed,
     write_json,
 )
 from benchmarks.model_builders import build
@@ -75,20 +76,13 @@ def captured_inputs(model) -> dict[str, Any]:
 
 def time_forward(transformer, inputs: dict[str, Any], device: str, reps: int) -> dict[str, float]:
     def once() -> float:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            transformer(**inputs)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+            return timed(lambda: transformer(**inputs), device)[1]
 
-    for _ in range(2):
+    for _ in range(2):  # warm-up: kernel selection, compilation
         once()
     times = [once() for _ in range(reps)]
-    m = statistics.median(times)
-    return {"ms": 1000 * m, "spread": (max(times) - min(times)) / m}
+    return {"ms": 1000 * median(times), "spread": spread(times)}
 
 
 def flop_counts(transformer, inputs: dict[str, Any]) -> tuple[float, float]:

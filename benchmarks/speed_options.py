@@ -323,15 +323,6 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
     return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
 
 
-def _twin_pipeline(pipe):
-    """A second pipeline object sharing ``pipe``'s modules (weights, VAE, encoders) with its own
-    scheduler: a pipeline call keeps per-call state on the pipeline and its scheduler, the modules
-    themselves are stateless."""
-    import copy
-
-    return type(pipe)(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
-
-
 def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: int = 2):
     """An experiment: the stock pipeline's ``groups`` batches back to back vs the same batches on
     ``lanes`` threads, each with its own CUDA stream and pipeline object (shared modules), so one
@@ -340,7 +331,11 @@ def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: 
     import threading
 
     bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
-    pipes = [model.stock] + [_twin_pipeline(model.stock) for _ in range(lanes - 1)]
+    from diffusion_rollout.server.lanes import guard_shared_modules, twin_of
+
+    # The server's own lane recipe: shared modules, copied schedulers and tokenizers, locked VAE.
+    guard_shared_modules(model.stock)
+    pipes = [model.stock] + [twin_of(model.stock) for _ in range(lanes - 1)]
     cuda = model.device.startswith("cuda")
     streams = [torch.cuda.Stream() if cuda else None for _ in range(lanes)]
     runs = [[stock_runner(model, b, pipe=p) for b in bodies] for p in pipes]

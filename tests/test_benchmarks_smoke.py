@@ -214,3 +214,13 @@ def test_flux_breakdown_tiny(tmp_path):
     assert doc["settings"]["tflop_per_forward"] > 0 and doc["settings"]["attention_tflop_per_forward"] >= 0
     kinds = {r["kind"]: r for r in doc["compiled_kernels"]}
     assert set(kinds) == {"attention", "matmul", "other"} and sum(r["share"] for r in kinds.values()) > 0.99
+
+
+def test_speed_options_grpo_lanes_tiny(tmp_path):
+    # The stock pipeline on two lanes (the server's twin recipe) vs back to back, with its gate.
+    argv = ["--tiny", "--device", "cpu", "--phases", "grpo_lanes", "--out", str(tmp_path)]
+    assert speed_options.main(argv) == 0
+    doc = _doc(tmp_path, "speed_options")
+    assert {r["variant"] for r in doc["speed"]} == {"stock", "stock_2_lanes"}
+    [gate] = doc["gates"]
+    assert gate["exact"] and gate["max_abs_diff"] == 0.0

@@ -69,7 +69,6 @@ from diffusion_rollout.server.lanes import (
     finish_before_sharing,
     make_lane,
     on_lane_stream,
-    same_modules,
     share_tensors,
 )
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
@@ -425,16 +424,8 @@ class Engine:
             key, lambda: shared(a.encode_with_images(p.prompt, p.negative_prompt, plan.call, plan.images))
         )
 
-    def _lane(self) -> Lane:
-        """The calling worker thread's lane, rebuilt if a component was replaced since it was made."""
-        i = self.worker.lane_index()
-        lane = self._lanes[i]
-        if not same_modules(lane, self.loaded):
-            lane = self._lanes[i] = make_lane(i, self.loaded, self.adapter, self.device, len(self._lanes))
-        return lane
-
     def _run_batch(self, jobs: list[Job]) -> None:
-        lane = self._lane()
+        lane = self._lanes[self.worker.lane_index()]
         with on_lane_stream(lane):
             # Jobs of one batch share a batch key, but their prompt encodings can still differ in shape
             # (Qwen-Image's text has the prompt's own length, and padding would change the numbers):

@@ -30,6 +30,8 @@ Design decisions:
   ``encode``/``decode``/``forward``: one lane at a time issues its kernels (which still overlap the
   other lane's denoising on the GPU). The test suite compares every family's two-lane outputs with
   one lane's, bit for bit.
+- **Built once, at load.** Weight updates, LoRA and memory moves change the shared modules in
+  place (nothing in the server replaces a module object), so every lane sees them as they land.
 - Speed options that keep state on a shared module (CUDA graphs' static buffers, compiled blocks,
   feature-cache hooks, context-parallel ranks) cannot run two calls at once: the config refuses
   them with lanes > 1, and a ``feature_cache`` request gets a 400.
@@ -71,15 +73,22 @@ def _modules(pipe: Any) -> dict[str, Any]:
     return {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
 
 
-def twin_pipeline(loaded: LoadedPipeline) -> LoadedPipeline:
-    """``loaded`` with a pipeline object of its own: the same modules, copies of everything else."""
-    pipe = loaded.pipe
-    memo: dict[int, Any] = {}
+def twin_of(pipe: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A pipeline object of its own over ``pipe``'s modules: every other component is a deep copy
+    (made through ``memo``, so objects copied with the same memo keep their identities)."""
+    memo = {} if memo is None else memo
     twin = copy.copy(pipe)
     for name, component in pipe.components.items():
         if component is not None and not isinstance(component, torch.nn.Module):
             # Plain attribute assignment: the class and so the pipeline's config stay the same.
             object.__setattr__(twin, name, copy.deepcopy(component, memo))
+    return twin
+
+
+def twin_pipeline(loaded: LoadedPipeline) -> LoadedPipeline:
+    """``loaded`` with a pipeline object of its own: the same modules, copies of everything else."""
+    memo: dict[int, Any] = {}
+    twin = twin_of(loaded.pipe, memo)
     # The loaded schedulers through the same memo: the twin's scheduler is the copy of whichever
     # of them the pipeline holds, so identity checks (``pipe.scheduler is rollout``) still hold.
     stock = copy.deepcopy(loaded.stock_scheduler, memo)
@@ -130,14 +139,6 @@ def make_lane(index: int, base: LoadedPipeline, adapter: FamilyAdapter, device: 
     return Lane(index, loaded, own, stream)
 
 
-def same_modules(lane: Lane, base: LoadedPipeline) -> bool:
-    """Whether the lane's pipeline still holds the base pipeline's modules (no component replaced)."""
-    if lane.loaded is base:
-        return True
-    mine, theirs = _modules(lane.pipe), _modules(base.pipe)
-    return mine.keys() == theirs.keys() and all(mine[k] is theirs[k] for k in mine)
-
-
 @contextlib.contextmanager
 def on_lane_stream(lane: Lane) -> Iterator[None]:
     """Run the block's kernels on the lane's stream (a no-op without one)."""
@@ -151,7 +152,7 @@ def on_lane_stream(lane: Lane) -> Iterator[None]:
 def finish_before_sharing(value: Any) -> Any:
     """Wait for the kernels that produced ``value`` (on this thread's stream) before another lane
     may read it; returns ``value``."""
-    if torch.cuda.is_available() and _any_cuda(value):
+    if next(_cuda_tensors(value), None) is not None:
         torch.cuda.current_stream().synchronize()
     return value
 
@@ -159,22 +160,18 @@ def finish_before_sharing(value: Any) -> Any:
 def share_tensors(value: Any) -> None:
     """Mark every CUDA tensor in ``value`` as used by this thread's stream, so the allocator does not
     hand its memory to another stream while this lane's queued kernels may still read it."""
+    for t in _cuda_tensors(value):
+        t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _cuda_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The CUDA tensors of a nested dict/list/tuple structure."""
     if isinstance(value, torch.Tensor):
         if value.is_cuda:
-            value.record_stream(torch.cuda.current_stream(value.device))
+            yield value
     elif isinstance(value, dict):
         for v in value.values():
-            share_tensors(v)
+            yield from _cuda_tensors(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            share_tensors(v)
-
-
-def _any_cuda(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.is_cuda
-    if isinstance(value, dict):
-        return any(_any_cuda(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_any_cuda(v) for v in value)
-    return False
+            yield from _cuda_tensors(v)
