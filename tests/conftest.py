@@ -70,18 +70,25 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class ServedModel:
     """A started engine on a tiny model, its app and a TestClient through the real HTTP stack."""
 
-    def __init__(self, path: Path, **config_overrides) -> None:
+    def __init__(self, path: Path | None, *, pipeline=None, **config_overrides) -> None:
+        """Serve the model folder ``path``, or an in-memory ``pipeline`` (``path=None``) for a tiny
+        model that cannot be saved here (Qwen-Image-Edit's processor needs torchvision to save)."""
         from fastapi.testclient import TestClient
 
         from diffusion_rollout.config import ServerConfig
         from diffusion_rollout.entrypoints.app import create_app
         from diffusion_rollout.server.engine import Engine
+        from diffusion_rollout.server.loader import prepare_pipeline
 
         self.path = path
+        model = None if path is None else str(path)
         self.config = ServerConfig(
-            **{"model": str(path), "device": "cpu", "dtype": "float32", **config_overrides}
+            **{"model": model, "device": "cpu", "dtype": "float32", **config_overrides}
         )
-        self.engine = Engine(self.config)
+        loaded = None
+        if pipeline is not None:
+            loaded = prepare_pipeline(pipeline, device=self.config.resolved_device())
+        self.engine = Engine(self.config, loaded=loaded)
         self.engine.start()
         self.app = create_app(self.config, engine=self.engine)
         self.client = TestClient(self.app)

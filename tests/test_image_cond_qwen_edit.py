@@ -50,21 +50,7 @@ def body(**kw) -> dict:
 
 @pytest.fixture(scope="module")
 def served():
-    from fastapi.testclient import TestClient
-
-    from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.entrypoints.app import create_app
-    from diffusion_rollout.server.engine import Engine
-    from diffusion_rollout.server.loader import prepare_pipeline
-
-    srv = ServedModel.__new__(ServedModel)  # the same helper, over an in-memory pipeline
-    srv.path = None
-    srv.config = ServerConfig(model=None, device="cpu", dtype="float32")
-    srv.engine = Engine(srv.config, loaded=prepare_pipeline(build_tiny_pipeline(FAMILY), device="cpu"))
-    srv.engine.start()
-    srv.app = create_app(srv.config, engine=srv.engine)
-    srv.client = TestClient(srv.app)
-    srv.client.__enter__()
+    srv = ServedModel(None, pipeline=build_tiny_pipeline(FAMILY))
     yield srv
     srv.close()
 
