@@ -82,7 +82,6 @@ class Worker:
         self._cond = threading.Condition()
         self._paused = False
         self._stopping = False
-        self._busy_lanes = 0
         self._admin_running = False
         # The jobs of the batches in flight, per lane (for abort).
         self._running: dict[int, list[Job]] = {}
@@ -116,7 +115,7 @@ class Worker:
             self._cond.notify_all()
         while time.monotonic() < deadline:
             with self._cond:
-                if not self._queue and not self._busy_lanes:
+                if not self._queue and not self._busy_lanes():
                     break
             time.sleep(0.01)
         with self._cond:
@@ -149,7 +148,11 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._busy_lanes > 0
+        return self._busy_lanes() > 0
+
+    def _busy_lanes(self) -> int:
+        # Lanes running a batch, plus the one running an admin job (call under the lock).
+        return len(self._running) + self._admin_running
 
     # ------------------------------------------------------------------ submit
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -197,9 +200,8 @@ class Worker:
                         if self._paused
                         else (self._queue[0] if self._queue[0].is_admin else None)
                     )
-                    if admin is not None and self._busy_lanes == 0:
+                    if admin is not None and self._busy_lanes() == 0:
                         self._queue.remove(admin)
-                        self._busy_lanes += 1
                         self._admin_running = True
                         return [admin]
                     if admin is None and not self._paused:
@@ -208,7 +210,6 @@ class Worker:
                     return None
                 self._cond.wait(timeout=0.5)
             head = self._queue.popleft()
-            self._busy_lanes += 1
             batch = [head]
             # Taken from the queue under the lock: from here on abort sees these jobs as running
             # (the same list object, so jobs added after the batch wait count too).
@@ -284,7 +285,6 @@ class Worker:
             finally:
                 request_id_var.reset(token)
                 with self._cond:
-                    self._busy_lanes -= 1
                     if jobs and jobs[0].is_admin:
                         self._admin_running = False
                     self._running.pop(lane, None)
