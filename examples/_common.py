@@ -1,24 +1,42 @@
-"""Pieces shared by the example trainers: a server to talk to, the trainer's model, a toy reward.
+"""Pieces the training recipes share: a server to talk to, the trainer's model, timing, records.
 
-Design decisions:
+The recipes (``flow_grpo.py``, ``diffusion_nft.py``) are meant to be read top to bottom; everything
+they have in common and that is not the algorithm lives here:
 
-- Without ``--url`` the examples bring their own server on a tiny random SD3 model: generated into a
-  temporary folder with ``diffusion_rollout.models.save_tiny_model`` and served either by
-  ``diffusion-rollout serve`` in a subprocess (``--server subprocess``, the realistic layout: two
-  processes talking HTTP) or by the same app under uvicorn on a thread (``--server thread``, faster
-  to start; still real HTTP on 127.0.0.1). Either way the server gets ``max_batch_size`` equal to the
-  group size, so every request (one GRPO group) is one pipeline batch and the trainer, replaying a
-  group as one batch, reproduces the server's model outputs bit for bit (ratio exactly 1).
-- The trainer loads its own copy of the transformer from the same folder, in the server's dtype,
-  and trains a PEFT LoRA on it; the server only ever receives the adapter.
-- The reward (closeness of the image's colours to a target colour) needs no model and no download.
+- **Where the rollouts come from.** ``--url`` points at a running server (the trainer must load the
+  same ``--model`` folder). Without it the recipe starts ``diffusion-rollout serve`` itself on
+  ``--model`` (default on a CPU: a fresh tiny random SD3 model) in a subprocess bound to
+  ``--server-gpu`` (``CUDA_VISIBLE_DEVICES``), or on a thread (``--server thread``, CPU only: faster to
+  start, still real HTTP). ``--server-gpu 0 --trainer-gpu 0`` is the colocated layout (two processes
+  on one GPU), ``--trainer-gpu 1`` the disaggregated one: the same code with other GPU numbers.
+  ``--layout in-process`` has no server at all: :class:`InProcessSampler` runs the stock diffusers
+  pipeline with the project's scheduler mixin on the trainer's own transformer (flow_grpo's and
+  DanceGRPO's layout, the baseline the server is timed against).
+- **One batch per group.** The server gets ``max_batch_size`` equal to the group size, so each
+  request (one GRPO group) is one pipeline call, and the trainer replays a group as one batch: the
+  transformer then sees the same batch shape on both sides and the on-policy ratio is exactly 1.
+- **The trainer's model.** Its own copy of the denoiser from the same folder, in bf16 on CUDA
+  (float32 on a CPU), frozen, with a PEFT LoRA whose weights are kept in the model's dtype: the
+  server holds the pushed adapter in its dtype, and the same dtype on both sides is what makes the
+  replayed model output equal the server's bit for bit. (An fp32 master copy would be more precise
+  for tiny updates; the optimizer here is Adam with a learning rate large enough for bf16 steps.)
+- **Timing.** :class:`Phases` times the phases of an iteration (rollout, reward, replay with
+  backward, push) with a device synchronise at each boundary, and samples the GPU's memory in use by
+  every process (``torch.cuda.mem_get_info``) besides the trainer's own peak.
+- **Records.** One JSON object per iteration, the whole run rewritten after every iteration (a run
+  cut short keeps what it did), with :func:`learning_stats` (first vs last iterations' rewards, in
+  standard errors) and :func:`plot_reward_curves` (matplotlib, optional extra ``plot``).
+- **Resuming.** ``--checkpoint DIR`` saves the adapters, the optimizer and the history after every
+  iteration; a rerun with the same ``DIR`` continues from there (GPU time comes in stretches).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -27,15 +45,110 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from diffusion_rollout.client import DitTrajectory, ReplaySettings, RolloutOutput
+
 logger = logging.getLogger("examples")
 
+# DDPO's animal prompts: simple subjects; JPEG compressibility does not read them, a user's reward may.
+PROMPTS = [
+    "a cat", "a dog", "a horse", "a monkey", "a rabbit", "a zebra", "a spider", "a bird",
+    "a sheep", "a deer", "a cow", "a goat", "a lion", "a tiger", "a bear", "a raccoon",
+]  # fmt: skip
+# The adapter's target layers: attention projections, the same names in SD3/SD3.5, FLUX and Wan.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
+
+# ---------------------------------------------------------------------------------------------- options
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options every recipe shares: where rollouts come from, the trainer's device, the run's size."""
+    p = argparse.ArgumentParser(description=description)
+    g = p.add_argument_group("server and layout")
+    g.add_argument("--url", help="a running server (default: start one here)")
+    g.add_argument(
+        "--model", help="diffusers folder the trainer loads (and the server serves, if started here)"
+    )
+    g.add_argument(
+        "--layout",
+        choices=["server", "in-process"],
+        default="server",
+        help="server: rollouts over HTTP; in-process: the stock pipeline in the trainer (SD3 only)",
+    )
+    g.add_argument(
+        "--server",
+        choices=["subprocess", "thread"],
+        default="subprocess",
+        help="how to start the server when no --url is given (thread: CPU only)",
+    )
+    g.add_argument(
+        "--server-gpu", type=int, default=None, help="GPU of a server started here (default 0 on CUDA)"
+    )
+    g.add_argument("--trainer-gpu", type=int, default=None, help="GPU of the trainer (default 0 on CUDA)")
+    g.add_argument(
+        "--cpu", action="store_true", help="run the trainer (and a server started here) on the CPU"
+    )
+    g.add_argument(
+        "--server-args", default="", help="extra `diffusion-rollout serve` options for a server started here"
+    )
+    g.add_argument(
+        "--release-memory",
+        action="store_true",
+        help="colocated: the server releases its GPU memory while the trainer trains",
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--iterations", type=int, default=12)
+    g.add_argument("--prompts", type=int, default=4, help="prompts (groups) per iteration")
+    g.add_argument("--group-size", type=int, default=8)
+    g.add_argument("--steps", type=int, default=4, help="num_inference_steps")
+    g.add_argument("--size", type=int, default=32, help="image width and height (see --width/--height)")
+    g.add_argument("--width", type=int, default=None)
+    g.add_argument("--height", type=int, default=None)
+    g.add_argument("--frames", type=int, default=None, help="num_frames (video models)")
+    g.add_argument(
+        "--reward", default="jpeg_compressibility", help="a reward of rewards.py or module:callable"
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", help="write the run (per-iteration records and summary) as JSON here")
+    g.add_argument("--checkpoint", help="save adapters and optimizer here every iteration; resume from it")
+    g = p.add_argument_group("trainer")
+    g.add_argument("--lora-rank", type=int, default=4)
+    g.add_argument("--lr", type=float, default=1e-2)
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the model's dtype, trainer and server alike (auto: bf16 on CUDA, float32 on a CPU)",
+    )
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    return p
+
+
+def image_size(args: argparse.Namespace) -> tuple[int, int]:
+    return (args.width or args.size, args.height or args.size)
+
+
+def trainer_device(args: argparse.Namespace) -> torch.device:
+    if args.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", args.trainer_gpu or 0)
+    torch.cuda.set_device(device)  # so that generator_device "cuda" means the trainer's GPU in-process
+    return device
+
+
+def trainer_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """``--dtype``; auto: bf16 on CUDA (what the server serves there), float32 on a CPU."""
+    if args.dtype != "auto":
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- server
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -44,9 +157,9 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    url: str
+    url: str | None
     admin_key: str | None
-    model_path: Path | None
+    model_path: Path
 
 
 @contextlib.contextmanager
@@ -56,16 +169,9 @@ def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: 
     from diffusion_rollout.entrypoints.http_server import make_server
 
     config = ServerConfig(
-        model=str(model_path),
-        device="cpu",
-        dtype="float32",
-        host="127.0.0.1",
-        port=port,
-        admin_key=admin_key,
-        max_batch_size=max_batch_size,
-        log_level="warning",
-        shutdown_grace_s=5.0,
-    )
+        model=str(model_path), device="cpu", dtype="float32", host="127.0.0.1", port=port,
+        admin_key=admin_key, max_batch_size=max_batch_size, log_level="warning", shutdown_grace_s=5.0,
+    )  # fmt: skip
     server = make_server(create_app(config), config)
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
     thread.start()
@@ -77,14 +183,22 @@ def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: 
 
 
 @contextlib.contextmanager
-def _subprocess_server(model_path: Path, port: int, admin_key: str, max_batch_size: int) -> Iterator[None]:
+def _subprocess_server(
+    model_path: Path, port: int, admin_key: str, max_batch_size: int, gpu: int | None, dtype: str, extra: str
+) -> Iterator[None]:
+    device = "cpu" if gpu is None else "cuda"
+    if dtype == "auto":
+        dtype = "float32" if gpu is None else "bfloat16"
     cmd = [
         sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(model_path),
-        "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+        "--device", device, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
         "--max-batch-size", str(max_batch_size), "--log-level", "warning", "--shutdown-grace-s", "5",
+        *extra.split(),
     ]  # fmt: skip
     # The key travels in the environment, not on the command line (where `ps` would show it).
     env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     proc = subprocess.Popen(cmd, env=env)
     try:
         yield
@@ -98,67 +212,339 @@ def _subprocess_server(model_path: Path, port: int, admin_key: str, max_batch_si
 
 
 @contextlib.contextmanager
-def rollout_server(
-    url: str | None, model: str | None, mode: str, group_size: int, *, family: str = "sd3"
-) -> Iterator[Server]:
-    """Connect to ``url``, or start a server on ``model`` (default: a fresh tiny model) and stop it after."""
-    if url:
-        yield Server(url, os.environ.get("DIFFUSION_ROLLOUT_ADMIN_KEY"), Path(model) if model else None)
+def rollout_server(args: argparse.Namespace, *, family: str = "sd3") -> Iterator[Server]:
+    """The server of ``--url``, or one started here on ``--model`` (no server with ``--layout in-process``)."""
+    if args.url:
+        if not args.model:
+            raise SystemExit("--model is required with --url: the trainer loads the same weights")
+        yield Server(args.url, os.environ.get("DIFFUSION_ROLLOUT_ADMIN_KEY"), Path(args.model))
         return
-    with tempfile.TemporaryDirectory(prefix="diffusion-rollout-example-") as tmp:
-        if model is None:
+    with tempfile.TemporaryDirectory(prefix="diffusion-rollout-recipe-") as tmp:
+        if args.model is None:
+            if torch.cuda.is_available() and not args.cpu:
+                raise SystemExit("--model is required on a GPU (a diffusers folder of the model to train)")
             from diffusion_rollout.models import save_tiny_model
 
             model_path = save_tiny_model(family, Path(tmp) / f"tiny-{family}")
             logger.info("generated a tiny random %s model in %s", family, model_path)
         else:
-            model_path = Path(model)
-        port = free_port()
-        admin_key = secrets.token_hex(16)
-        start = _thread_server if mode == "thread" else _subprocess_server
-        with start(model_path, port, admin_key, group_size):
+            model_path = Path(args.model)
+        if args.layout == "in-process":
+            yield Server(None, None, model_path)
+            return
+        port, admin_key = free_port(), secrets.token_hex(16)
+        on_gpu = torch.cuda.is_available() and not args.cpu
+        if args.server == "thread":
+            if on_gpu or args.dtype == "bfloat16":
+                raise SystemExit("--server thread runs in float32 on the CPU only: use --server subprocess")
+            start = _thread_server(model_path, port, admin_key, args.group_size)
+        else:
+            gpu = (args.server_gpu or 0) if on_gpu else None
+            start = _subprocess_server(
+                model_path, port, admin_key, args.group_size, gpu, args.dtype, args.server_args
+            )
+        with start:
             yield Server(f"http://127.0.0.1:{port}", admin_key, model_path)
 
 
-def load_trainer_transformer(model_path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The trainer's own copy of the denoiser, frozen (the LoRA added afterwards is what trains)."""
-    from diffusers import AutoModel
-
-    transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer", dtype=dtype)
-    transformer.requires_grad_(False)
-    return transformer
-
-
-def color_reward(images: torch.Tensor, target: tuple[float, float, float]) -> torch.Tensor:
-    """``[N]`` rewards: minus the mean squared distance of each ``[C, H, W]`` image in [0, 1] to ``target``."""
-    goal = torch.tensor(target, dtype=torch.float32).view(1, 3, 1, 1)
-    return -((images.float() - goal) ** 2).mean(dim=(1, 2, 3))
-
-
-def wait_ready(client, timeout_s: float = 300.0) -> None:
+def wait_ready(client, timeout_s: float = 600.0) -> None:
     t0 = time.monotonic()
     client.wait_until_ready(timeout_s=timeout_s)
     logger.info("server %s ready after %.1f s", client.url, time.monotonic() - t0)
 
 
-# The adapter's target layers and the prompt pool, the same for both examples.
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
-PROMPTS = ["a red square", "a crimson circle", "a scarlet sky", "a ruby"]
+# ---------------------------------------------------------------------------------------------- trainer
+def load_trainer_transformer(
+    model_path: Path, *, device: torch.device, dtype: torch.dtype, gradient_checkpointing: bool = False
+) -> torch.nn.Module:
+    """The trainer's own copy of the denoiser, frozen (the LoRA added afterwards is what trains)."""
+    from diffusers import AutoModel
+
+    transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer", dtype=dtype).to(device)
+    transformer.requires_grad_(False)
+    if gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The options both examples share: where the server is, and the size of a run."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--url", help="a running server (default: start one on a tiny SD3 model)")
-    p.add_argument(
-        "--model", help="diffusers folder the trainer loads (and the server serves, if started here)"
+def add_lora(transformer: torch.nn.Module, rank: int, name: str = "default") -> list[torch.nn.Parameter]:
+    """A PEFT LoRA adapter ``name`` in the model's dtype; returns its trainable parameters."""
+    import warnings
+
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights=True
     )
-    p.add_argument(
-        "--server", choices=["subprocess", "thread"], default="subprocess", help="how to start the server"
-    )
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--prompts", type=int, default=4, help="prompts (groups) per iteration")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
-    p.add_argument("--size", type=int, default=32, help="image width and height")
-    return p
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns about a second adapter (DiffusionNFT's "old")
+        transformer.add_adapter(config, adapter_name=name)
+    dtype = next(p.dtype for n, p in transformer.named_parameters() if ".lora_" not in n)
+    params = []
+    for n, p in transformer.named_parameters():
+        if f".{name}." in n:
+            p.data = p.data.to(dtype)  # see the module docstring: the server's dtype on both sides
+            params.append(p)
+    return params
+
+
+class Checkpoint:
+    """Adapters, optimizer and history in ``DIR`` (``--checkpoint``), written after every iteration."""
+
+    def __init__(self, directory: str | None) -> None:
+        self.dir = Path(directory) if directory else None
+
+    def load(self, transformer, optimizer) -> dict[str, Any] | None:
+        if self.dir is None or not (self.dir / "state.json").exists():
+            return None
+        from peft.utils import set_peft_model_state_dict
+
+        saved = torch.load(self.dir / "trainer.pt", map_location="cpu", weights_only=True)
+        for name, sd in saved["adapters"].items():
+            set_peft_model_state_dict(transformer, sd, adapter_name=name)
+        optimizer.load_state_dict(saved["optimizer"])
+        state = json.loads((self.dir / "state.json").read_text())
+        logger.info("resumed from %s at iteration %d", self.dir, state["next_iteration"])
+        return state
+
+    def save(self, transformer, optimizer, adapters: Sequence[str], state: Mapping[str, Any]) -> None:
+        if self.dir is None:
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        sd = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in adapters}
+        torch.save({"adapters": sd, "optimizer": optimizer.state_dict()}, self.dir / "trainer.pt.tmp")
+        os.replace(self.dir / "trainer.pt.tmp", self.dir / "trainer.pt")
+        (self.dir / "state.json").write_text(json.dumps(state))
+
+
+def uint8_images(outputs: Sequence[RolloutOutput]) -> torch.Tensor:
+    return torch.stack([o.generated_output for o in outputs])
+
+
+# ---------------------------------------------------------------------------------------------- in process
+class InProcessSampler:
+    """Rollouts in the trainer's process: the stock SD3 pipeline, the rollout scheduler, no server.
+
+    The pipeline's transformer *is* the trainer's (PEFT-wrapped) transformer, so there is nothing to
+    push. ``generate`` takes the same request fields as the client's and returns the same
+    :class:`RolloutOutput` objects (tensors left on the device), so a recipe's training code does not
+    know which layout it runs in. The pipeline is called as the server calls it: prompt encodings
+    computed once and repeated for the group, ``initial_noise_seed``'s x_T drawn by
+    ``prepare_latents`` and shared, generator ``i`` seeded ``seed + i`` drawing each step's noise.
+    """
+
+    def __init__(self, model_path: Path, transformer: torch.nn.Module, device: torch.device) -> None:
+        from diffusers import DiffusionPipeline
+
+        from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
+
+        dtype = next(transformer.parameters()).dtype
+        pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)
+        if type(pipe).__name__ != "StableDiffusion3Pipeline":
+            raise SystemExit(f"--layout in-process supports SD3/SD3.5 pipelines, not {type(pipe).__name__}")
+        pipe.scheduler = RolloutFlowMatchEulerScheduler.from_config(pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe.to(device)
+        self.device = device
+        self.weight_version: Any = None
+
+    def generate_many(self, jobs: Sequence[Mapping[str, Any]], **fields: Any) -> list[list[RolloutOutput]]:
+        return [self.generate(**{**fields, **job}) for job in jobs]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: str, *, seed: int, num_outputs_per_prompt: int, num_inference_steps: int,
+        width: int, height: int, guidance_scale: float, rollout_sde_type: str = "sde",
+        rollout_noise_level: float = 0.7, rollout_sde_step_indices: Sequence[int] | None = None,
+        rollout_return_step_indices: Sequence[int] | None = None, initial_noise_seed: int | None = None,
+        generator_device: str = "cuda", **_: Any,
+    ) -> list[RolloutOutput]:  # fmt: skip
+        from diffusion_rollout.scheduler_mixins import RolloutSettings, RolloutState, rollout_context
+
+        pipe, n = self.pipe, num_outputs_per_prompt
+        gen_device = generator_device if self.device.type == "cuda" else "cpu"
+        cfg = guidance_scale > 1
+        pe, npe, ppe, nppe = pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, do_classifier_free_guidance=cfg,
+            device=self.device, num_images_per_prompt=1,
+        )  # fmt: skip
+        latents = None
+        if initial_noise_seed is not None:
+            g = torch.Generator(gen_device).manual_seed(initial_noise_seed)
+            channels = pipe.transformer.config.in_channels
+            x = pipe.prepare_latents(1, channels, height, width, pe.dtype, self.device, g)
+            latents = x.repeat(n, *([1] * (x.ndim - 1)))
+        generators = [torch.Generator(gen_device).manual_seed(seed + i) for i in range(n)]
+        settings = RolloutSettings(
+            kind=rollout_sde_type,
+            eta=rollout_noise_level,
+            sde_step_indices=rollout_sde_step_indices,
+            return_step_indices=rollout_return_step_indices,
+        )
+        state = RolloutState(settings, generators)
+        rep = lambda t: None if t is None else t.repeat(n, *([1] * (t.ndim - 1)))  # noqa: E731
+        with rollout_context(state):
+            images = pipe(
+                prompt_embeds=rep(pe), negative_prompt_embeds=rep(npe), pooled_prompt_embeds=rep(ppe),
+                negative_pooled_prompt_embeds=rep(nppe), height=height, width=width,
+                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                generator=generators, latents=latents, output_type="pt",
+            ).images  # fmt: skip
+        as_bytes = (images.float() * 255.0).round().clamp(0, 255).to(torch.uint8).cpu()
+        env = {
+            "image_kwargs": {},
+            "pos_cond_kwargs": {"encoder_hidden_states": pe, "pooled_projections": ppe},
+            "neg_cond_kwargs": {"encoder_hidden_states": npe, "pooled_projections": nppe} if cfg else None,
+            "guidance": {"rule": "cfg_batched" if cfg else "none", "guidance_scale": guidance_scale},
+            "batch_kwargs": ["encoder_hidden_states", "pooled_projections"],
+            "timestep_dtype": str(state.timesteps.dtype),
+        }
+        replay = ReplaySettings(kind=rollout_sde_type, eta=rollout_noise_level, log_prob_form="gaussian")
+        return [
+            RolloutOutput(
+                request_id=f"in-process-{seed}",
+                prompt=prompt,
+                seed=seed + i,
+                weight_version=self.weight_version,
+                generated_output=as_bytes[i],
+                rollout_log_probs=state.log_probs[i],
+                denoising_env=env,
+                dit_trajectory=DitTrajectory(
+                    latents=state.trajectory_latents[i],
+                    timesteps=state.timesteps,
+                    sigmas=state.sigmas,
+                    latent_step_indices=list(state.latent_step_indices),
+                ),
+                sde_step_indices=list(state.sde_step_indices),
+                batch_index=i,
+                batch_size=n,
+                replay_settings=replay,
+            )
+            for i in range(n)
+        ]
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class Phases:
+    """Seconds per phase of one iteration, synchronised with the device; GPU memory in use sampled."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.device_used_max_gb = 0.0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.device_used_max_gb = max(self.device_used_max_gb, (total - free) / 2**30)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"{k}_s": round(v, 4) for k, v in self.seconds.items()}
+        if self.device.type == "cuda":
+            out["trainer_peak_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            out["device_used_max_gb"] = round(self.device_used_max_gb, 3)
+        return out
+
+
+def server_peak_gb(outputs: Sequence[RolloutOutput]) -> float | None:
+    peaks = [o.peak_memory_mb for o in outputs if o.peak_memory_mb is not None]
+    return round(max(peaks) / 1024, 3) if peaks else None
+
+
+# ---------------------------------------------------------------------------------------------- records
+def learning_stats(history: Sequence[Mapping[str, Any]], k: int = 5) -> dict[str, Any]:
+    """First ``k`` vs last ``k`` iterations' rewards: the difference in standard errors, and Cohen's d.
+
+    ``z_samples`` treats every sample as one observation (the SE of a difference of two means,
+    Welch); ``z_iterations`` treats each iteration's mean as one (more conservative: samples of an
+    iteration share prompts and weights).
+    """
+    if len(history) < 2 * k:
+        return {}
+
+    def pooled(rows):
+        return torch.tensor([r for h in rows for r in h["rewards"]], dtype=torch.float64)
+
+    first, last = pooled(history[:k]), pooled(history[-k:])
+    diff = float(last.mean() - first.mean())
+    se = math.sqrt(float(first.var() / first.numel() + last.var() / last.numel()))
+    it_first = torch.tensor([h["reward_mean"] for h in history[:k]], dtype=torch.float64)
+    it_last = torch.tensor([h["reward_mean"] for h in history[-k:]], dtype=torch.float64)
+    se_it = math.sqrt(float(it_first.var() / k + it_last.var() / k))
+    sd = math.sqrt(float((first.var() + last.var()) / 2))
+    return {
+        "k": k,
+        "reward_first_k": float(first.mean()),
+        "reward_last_k": float(last.mean()),
+        "difference": diff,
+        "z_samples": diff / se if se > 0 else math.inf,
+        "z_iterations": diff / se_it if se_it > 0 else math.inf,
+        "cohens_d": diff / sd if sd > 0 else math.inf,
+    }
+
+
+def write_run(path: str | None, run: Mapping[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(run, indent=1))
+        os.replace(tmp, path)
+
+
+def environment() -> dict[str, Any]:
+    import diffusers
+    import peft
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__, "diffusers": diffusers.__version__, "peft": peft.__version__,
+        "python": sys.version.split()[0],
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    with contextlib.suppress(Exception):
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    return info
+
+
+def plot_reward_curves(runs: Mapping[str, Mapping[str, Any]], png: str, title: str = "") -> None:
+    """Mean reward per iteration (with one standard error) of each run, on one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, run in runs.items():
+        hist = run["history"]
+        x = [h["iteration"] for h in hist]
+        mean = [h["reward_mean"] for h in hist]
+        se = [h["reward_std"] / math.sqrt(len(h["rewards"])) for h in hist]
+        ax.plot(x, mean, label=label)
+        low = [m - s for m, s in zip(mean, se, strict=True)]
+        high = [m + s for m, s in zip(mean, se, strict=True)]
+        ax.fill_between(x, low, high, alpha=0.25)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

@@ -1,28 +1,32 @@
-"""DiffusionNFT with two LoRA adapters on one server: rollouts from ``old`` (EMA), training ``default``.
+"""DiffusionNFT with UniRL's EMA pattern: the server samples from ``old`` (EMA), the trainer trains ``default``.
 
-    python examples/diffusion_nft.py                      # brings its own tiny SD3 server (CPU, ~30 s)
-    python examples/diffusion_nft.py --url http://host:30000 --model /path/to/the/same/diffusers/folder
+    python examples/diffusion_nft.py                      # CPU: a tiny SD3 model and its own server
+    python examples/diffusion_nft.py --model /models/sd35m --server-gpu 0 --trainer-gpu 0 \
+        --steps 10 --size 512 --group-size 8 --lora-rank 32 --iterations 30 --out run.json
+    python examples/diffusion_nft.py --url http://gpu-host:30000 --model /same/diffusers/folder
 
 DiffusionNFT (Zheng et al., 2025) trains on the forward process, so rollouts need no log-probs and
 no SDE: any ODE sampler will do. Each iteration:
 
-1. **Rollouts under ``old``.** The server holds both adapters; ``old`` is active
-   (``client.lora_activate("old")``). Requests send ``rollout_sde_step_indices=[]`` (every step
-   ODE, no noise drawn) with ``rollout_log_prob_no_const=true`` (an all-ODE request with the
-   ``gaussian`` form is a 400: an ODE step has no density), and keep only the final latent of the
-   trajectory (``rollout_return_step_indices=[T]``) plus the conditioning.
+1. **Rollouts under ``old``.** The server holds both adapters with ``old`` active. Requests send
+   ``rollout_sde_step_indices=[]`` (every step ODE, no noise drawn) with
+   ``rollout_log_prob_no_const=true`` (an all-ODE request in the ``gaussian`` form is a 400: an ODE step
+   has no density), and keep only two trajectory entries (a parity check, below) and the final latent,
+   plus the conditioning and uint8 images.
 2. **Reward -> optimality.** ``r = 0.5 + 0.5 * clip(A / max|A|, -1, 1)`` from group advantages.
 3. **Forward-process loss.** For the final latent ``x0``, a schedule point ``(sigma, timestep)`` of
    the rollout and fresh noise: ``x_t = (1 - sigma) x0 + sigma eps``, target ``v = eps - x0``;
    ``v_old`` from the trainer's ``old`` adapter (no grad), ``v_theta`` from ``default``;
    ``L = r |(1 - b) v_old + b v_theta - v|^2 + (1 - r) |(1 + b) v_old - b v_theta - v|^2``.
-   The model is called through ``client.replay_model_output`` with the rollout's
-   ``denoising_env`` (conditional branch only: DiffusionNFT is CFG-free).
+   The model is called through ``replay_model_output`` with the rollout's ``denoising_env``
+   (conditional branch only: DiffusionNFT is CFG-free).
 4. **EMA and sync.** ``old <- decay * old + (1 - decay) * default`` on the trainer; both adapters are
-   pushed (``push_lora``, checksums verified) and ``old`` stays active for the next rollouts.
-5. **Evaluation** switches the server to ``default`` and back (``client.lora_activate``).
+   pushed (``push_lora``, checksums verified, and read back) and ``old`` stays active.
 
-Prints one JSON line per iteration and a summary; ``--out`` writes the summary as JSON.
+**Parity check** (the counterpart of Flow-GRPO's ratio of exactly 1 for deterministic rollouts): the
+trainer's ``old`` adapter recomputes one ODE step of every group from the returned trajectory entry,
+as one batch, and the result must equal the server's next entry bit for bit (``old_policy_max_dev``
+is 0): the trainer holds exactly the policy the server sampled from.
 """
 
 from __future__ import annotations
@@ -32,63 +36,56 @@ import json
 import logging
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from _common import (
-    LORA_TARGETS,
     PROMPTS,
+    Checkpoint,
+    Phases,
+    add_lora,
     base_parser,
-    color_reward,
+    environment,
+    image_size,
+    learning_stats,
     load_trainer_transformer,
     rollout_server,
+    server_peak_gb,
+    trainer_device,
+    trainer_dtype,
+    uint8_images,
     wait_ready,
+    write_run,
 )
+from rewards import load_reward
 
 from diffusion_rollout.client import (
     RolloutClient,
     group_advantages,
+    lora_checksum,
     push_lora,
     replay_model_output,
     stack_envs,
 )
+from diffusion_rollout.scheduler_mixins import transition
 
 logger = logging.getLogger("examples.diffusion_nft")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--beta", type=float, default=1.0, help="DiffusionNFT's guidance strength b")
-    p.add_argument("--ema-decay", type=float, default=0.5, help="old <- decay * old + (1 - decay) * default")
-    p.add_argument("--timesteps-per-sample", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-2)
-    p.add_argument("--lora-rank", type=int, default=4)
-    p.add_argument(
-        "--target", type=float, nargs=3, default=(0.9, 0.1, 0.1), help="target RGB colour in [0, 1]"
+    g = p.add_argument_group("DiffusionNFT")
+    g.add_argument("--beta", type=float, default=1.0, help="DiffusionNFT's guidance strength b")
+    g.add_argument("--ema-decay", type=float, default=0.5, help="old <- decay * old + (1 - decay) * default")
+    g.add_argument("--timesteps-per-sample", type=int, default=2)
+    g.add_argument(
+        "--parity-step", type=int, default=None, help="ODE step checked for parity (default T // 2)"
     )
-    p.add_argument("--eval-samples", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the summary JSON here")
-    return p.parse_args(argv)
-
-
-def evaluate(client: RolloutClient, args: argparse.Namespace, adapter: str) -> float:
-    """Mean reward of ODE samples at fixed seeds with ``adapter`` active on the server."""
-    client.lora_activate(adapter)
-    outs = client.generate(
-        "a red square",
-        seed=10_000,
-        num_outputs_per_prompt=args.eval_samples,
-        num_inference_steps=args.steps,
-        width=args.size,
-        height=args.size,
-        guidance_scale=1.0,
-        rollout=False,
-        generator_device="cpu",
-    )
-    return float(color_reward(torch.stack([o.generated_output for o in outs]), args.target).mean())
+    args = p.parse_args(argv)
+    if args.layout != "server":
+        p.error("DiffusionNFT runs against a server (--layout server)")
+    return args
 
 
 def cfg_free(env: dict[str, Any]) -> dict[str, Any]:
@@ -96,26 +93,27 @@ def cfg_free(env: dict[str, Any]) -> dict[str, Any]:
     return {**env, "neg_cond_kwargs": None, "guidance": {**env["guidance"], "rule": "none"}}
 
 
-def nft_loss(transformer, groups, optimality, args: argparse.Namespace, gen: torch.Generator) -> torch.Tensor:
+def nft_loss(transformer, groups, optimality, args, gen: torch.Generator, device) -> torch.Tensor:
     """DiffusionNFT's loss on the rollouts' final latents, averaged over groups and timesteps."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     terms = 0
     for group, r in zip(groups, optimality, strict=True):
         traj = group[0].dit_trajectory
         T = traj.num_steps
-        x0 = torch.stack([o.dit_trajectory.latent(T) for o in group])
+        x0 = torch.stack([o.dit_trajectory.latent(T) for o in group]).to(device)
         env = cfg_free(stack_envs([o.denoising_env for o in group]))
+        r = r.to(device)
         for _ in range(args.timesteps_per_sample):
             i = int(torch.randint(0, T, (), generator=gen))
-            sigma, timestep = traj.sigmas[i], traj.timesteps[i]
-            eps = torch.randn(x0.shape, generator=gen, dtype=x0.dtype)
-            x_t = (1 - sigma) * x0 + sigma * eps
-            target = eps - x0
+            sigma, timestep = float(traj.sigmas[i]), traj.timesteps[i]
+            eps = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(device)
+            x_t = ((1 - sigma) * x0.float() + sigma * eps).to(x0.dtype)
+            target = eps - x0.float()
             with torch.no_grad():
                 transformer.set_adapter("old")
-                v_old = replay_model_output(transformer, x_t, timestep, env)
+                v_old = replay_model_output(transformer, x_t, timestep, env).float()
             transformer.set_adapter("default")
-            v_theta = replay_model_output(transformer, x_t, timestep, env)
+            v_theta = replay_model_output(transformer, x_t, timestep, env).float()
             b = args.beta
             pos = ((1 - b) * v_old + b * v_theta - target).pow(2).flatten(1).mean(1)
             neg = ((1 + b) * v_old - b * v_theta - target).pow(2).flatten(1).mean(1)
@@ -125,103 +123,159 @@ def nft_loss(transformer, groups, optimality, args: argparse.Namespace, gen: tor
 
 
 @torch.no_grad()
+def old_policy_max_dev(transformer, groups, step: int, device) -> float:
+    """Max |server's ODE step - the trainer's ``old`` adapter's| over every group (0: same policy)."""
+    transformer.set_adapter("old")
+    dev = 0.0
+    for group in groups:
+        traj = group[0].dit_trajectory
+        x = torch.stack([o.dit_trajectory.latent(step) for o in group]).to(device)
+        served_next = torch.stack([o.dit_trajectory.latent(step + 1) for o in group]).to(device)
+        env = stack_envs([o.denoising_env for o in group])
+        v = replay_model_output(transformer, x, traj.timesteps[step], env, step=step)
+        s, s_next = traj.sigmas[step].to(device), traj.sigmas[step + 1].to(device)
+        res = transition("ode", x, v, s, s_next, eta=0.0, sigma_max=traj.sigmas[1].to(device))
+        dev = max(dev, float((res.next_sample.to(served_next.dtype) - served_next).abs().max()))
+    transformer.set_adapter("default")
+    return dev
+
+
+@torch.no_grad()
 def ema_update(transformer, decay: float) -> None:
     params = dict(transformer.named_parameters())
     for name, p in params.items():
         if ".default." in name:
-            params[name.replace(".default.", ".old.")].mul_(decay).add_(p, alpha=1 - decay)
+            old = params[name.replace(".default.", ".old.")]
+            old.copy_((old.float() * decay + p.float() * (1 - decay)).to(old.dtype))
 
 
-def run(client: RolloutClient, model_path, args: argparse.Namespace) -> dict[str, Any]:
-    from peft import LoraConfig
+def adapter_checksums(client: RolloutClient) -> dict[str, str]:
+    adapters = client.lora_list()["modules"]["transformer"]["adapters"]
+    return {name: a["checksum"] for name, a in adapters.items()}
 
+
+def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: str | None) -> dict[str, Any]:
+    device = trainer_device(args)
+    dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    transformer = load_trainer_transformer(model_path)
-    config = LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0
+    reward_fn = load_reward(args.reward)
+    transformer = load_trainer_transformer(
+        model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
     )
-    transformer.add_adapter(config, adapter_name="default")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT warns about a second adapter: two is the point here
-        transformer.add_adapter(config, adapter_name="old")
+    params = add_lora(transformer, args.lora_rank, "default")
+    add_lora(transformer, args.lora_rank, "old")
+    with torch.no_grad():  # old starts as a copy of default (both change nothing yet: lora_B = 0)
+        named = dict(transformer.named_parameters())
+        for n, p in named.items():
+            if ".default." in n:
+                named[n.replace(".default.", ".old.")].copy_(p)
     transformer.set_adapter("default")
-    params = [p for n, p in transformer.named_parameters() if ".default." in n]
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=args.lr)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    checkpoint = Checkpoint(args.checkpoint)
+    state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}
+    history: list[dict[str, Any]] = state["history"]
+    parity_step = args.steps // 2 if args.parity_step is None else args.parity_step
 
-    def sync(version: str) -> None:
+    def sync(version: str) -> bool:
         push_lora(client, transformer, name="default", activate=False, weight_version=version)
         push_lora(client, transformer, name="old", activate=True, weight_version=version)
-
-    version = "nft-0"
-    sync(version)
-    eval_default = [evaluate(client, args, "default")]
-    client.lora_activate("old")
-    history: list[dict[str, Any]] = []
-    for it in range(args.iterations):
-        t0 = time.perf_counter()
-        jobs = [
-            {"prompt": PROMPTS[k % len(PROMPTS)], "seed": args.seed + 1000 * it + 100 * k}
-            for k in range(args.prompts)
-        ]
-        groups = client.generate_many(
-            jobs,
-            num_outputs_per_prompt=args.group_size,
-            num_inference_steps=args.steps,
-            width=args.size,
-            height=args.size,
-            guidance_scale=1.0,
-            rollout_sde_step_indices=[],
-            rollout_log_prob_no_const=True,
-            rollout_return_dit_trajectory=True,
-            rollout_return_step_indices=[args.steps],
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=False,
-            generator_device="cpu",
+        served = adapter_checksums(client)
+        return all(
+            lora_checksum(transformer, adapter_name=a, dtype=dtype) == served[a] for a in ("default", "old")
         )
+
+    version = f"nft-{state['next_iteration']}"
+    sync(version)
+    width, height = image_size(args)
+    run_record: dict[str, Any] = {
+        "recipe": "diffusion_nft", "layout": "server", "args": vars(args), "environment": environment(),
+        "history": history,
+    }  # fmt: skip
+    for it in range(state["next_iteration"], args.iterations):
+        phases = Phases(device)
+        t_iter = time.perf_counter()
+        jobs = [
+            {"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)],
+             "seed": (it * args.prompts + k) * 1000 + args.seed * 10_000_000}
+            for k in range(args.prompts)
+        ]  # fmt: skip
+        with phases("rollout"):
+            groups = client.generate_many(
+                jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
+                width=width, height=height, num_frames=args.frames, guidance_scale=1.0,
+                rollout_sde_step_indices=[], rollout_log_prob_no_const=True,
+                rollout_return_dit_trajectory=True,
+                rollout_return_step_indices=sorted({parity_step, parity_step + 1, args.steps}),
+                rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
+                generator_device="cuda" if device.type == "cuda" else "cpu",
+            )  # fmt: skip
         outputs = [o for g in groups for o in g]
         if any(o.sde_step_indices for o in outputs) or any(bool(o.rollout_log_probs.any()) for o in outputs):
             raise RuntimeError("an ODE rollout reported a stochastic step")
-        rewards = color_reward(torch.stack([o.generated_output for o in outputs]), args.target)
-        adv = group_advantages(rewards, args.group_size)
-        optimality = (0.5 + 0.5 * (adv / adv.abs().max().clamp_min(1e-8)).clamp(-1, 1)).view(
-            len(groups), args.group_size
-        )
-
-        optimizer.zero_grad(set_to_none=True)
-        loss = nft_loss(transformer, groups, optimality, args, gen)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        ema_update(transformer, args.ema_decay)
-
+        if {o.weight_version for o in outputs} != {version}:
+            raise RuntimeError(
+                f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
+            )
+        with phases("reward"):
+            rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+            adv = group_advantages(rewards, args.group_size)
+            optimality = (0.5 + 0.5 * (adv / adv.abs().max().clamp_min(1e-8)).clamp(-1, 1)).view(
+                len(groups), args.group_size
+            )
+        with phases("train"):
+            parity = old_policy_max_dev(transformer, groups, parity_step, device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = nft_loss(transformer, groups, optimality, args, gen, device)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            ema_update(transformer, args.ema_decay)
         version = f"nft-{it + 1}"
-        sync(version)
-        listing = client.lora_list()["modules"]["transformer"]
-        eval_default.append(evaluate(client, args, "default"))
-        client.lora_activate("old")  # rollouts sample from the EMA policy
+        with phases("push"):
+            checksum_ok = sync(version)
         record = {
             "iteration": it,
-            "reward_mean": float(rewards.mean()),
-            "loss": float(loss.detach()),
-            "eval_reward_default": eval_default[-1],
-            "active_during_rollouts": listing["active"],
-            "adapters": sorted(listing["adapters"]),
             "weight_version": version,
-            "iteration_s": round(time.perf_counter() - t0, 3),
+            "rewards": [round(float(r), 5) for r in rewards],
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "loss": float(loss.detach()),
+            "old_policy_max_dev": parity,
+            "checksum_ok": checksum_ok,
+            "images": len(outputs),
+            **phases.record(),
+            "server_peak_gb": server_peak_gb(outputs),
         }
+        record["iteration_s"] = round(time.perf_counter() - t_iter, 4)
+        record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
         history.append(record)
-        print(json.dumps(record), flush=True)
+        print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
+        run_record["summary"] = summarize(history)
+        write_run(out_path, run_record)
+        checkpoint.save(
+            transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
+        )
+    run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]
+    run_record["summary"] = summarize(history)
+    write_run(out_path, run_record)
+    return run_record
+
+
+def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    timed = history[1:] or history
+    phases = sorted({k for h in timed for k in h if k.endswith("_s")})
     return {
-        "iterations": args.iterations,
-        "eval_reward_start": eval_default[0],
-        "eval_reward_end": eval_default[-1],
-        "eval_rewards": eval_default,
-        "active_adapter": client.lora_list()["modules"]["transformer"]["active"],
-        "weight_version": version,
-        "history": history,
+        "iterations": len(history),
+        "old_policy_max_dev": max((h["old_policy_max_dev"] for h in history), default=None),
+        "checksums_ok": all(h["checksum_ok"] for h in history),
+        "mean_seconds": {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for k in phases},
+        "images_per_second": sum(h["images"] for h in timed) / sum(h["iteration_s"] for h in timed),
+        "trainer_peak_gb": max((h.get("trainer_peak_gb", 0.0) for h in history), default=None),
+        "device_used_max_gb": max((h.get("device_used_max_gb", 0.0) for h in history), default=None),
+        "learning": learning_stats(history),
     }
 
 
@@ -229,17 +283,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    with rollout_server(args.url, args.model, args.server, args.group_size) as server:
-        if server.model_path is None:
-            raise SystemExit("--model is required with --url: the trainer loads the same weights")
-        with RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client:
-            wait_ready(client)
-            summary = run(client, server.model_path, args)
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    t0 = time.perf_counter()
+    with (
+        rollout_server(args) as server,
+        RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client,
+    ):
+        wait_ready(client)
+        record = run(client, server.model_path, args, args.out)
+    record["wall_s"] = round(time.perf_counter() - t0, 2)
+    write_run(args.out, record)
+    print(json.dumps(record["summary"]), flush=True)
+    return record
 
 
 if __name__ == "__main__":

@@ -1,25 +1,36 @@
-"""Flow-GRPO with a LoRA, driving a rollout server through ``diffusion_rollout.client``.
+"""Flow-GRPO (and DanceGRPO) with a LoRA, rollouts from a diffusion-rollout server.
 
-    python examples/flow_grpo.py                         # brings its own tiny SD3 server (CPU, ~30 s)
-    python examples/flow_grpo.py --url http://host:30000 --model /path/to/the/same/diffusers/folder
+    python examples/flow_grpo.py                          # CPU: a tiny SD3 model and its own server
+    python examples/flow_grpo.py --step-kind dance        # DanceGRPO: the same trainer, `dance` steps
+    python examples/flow_grpo.py --model /models/sd35m --server-gpu 0 --trainer-gpu 0 \
+        --steps 10 --size 512 --group-size 8 --lora-rank 32 --iterations 40 --out run.json
+    python examples/flow_grpo.py --model /models/sd35m --layout in-process     # no server: the baseline
+    python examples/flow_grpo.py --url http://gpu-host:30000 --model /same/diffusers/folder
 
 Each iteration:
 
-1. **Rollouts.** One request per prompt with ``num_outputs_per_prompt = G`` (a GRPO group), SDE
-   steps (``rollout_sde_type="sde"``), the trajectory and the conditioning returned for replay.
-2. **Reward and advantages.** A toy reward (how close the image's colours are to ``--target``),
-   normalised within each group.
-3. **Training.** For ``--inner-epochs`` passes: replay every stochastic step of every group with the
-   trainer's PEFT-wrapped transformer (``client.replay_steps``), Flow-GRPO's clipped ratio loss,
-   backward per step, one optimizer step per pass. The first pass is on-policy: the trainer holds
-   exactly the server's weights and replays each group as the batch the server ran, so the ratio
-   is exactly 1 (logged as ``first_ratio_max_dev``, which must be 0).
-4. **Sync.** The adapter is pushed to the server (``client.push_lora``: one safetensors body with its
-   LoraConfig, reloaded in place, activated) and its checksum verified against the trainer's.
-5. **Evaluation.** ODE samples at fixed seeds (``rollout=False``) under the new adapter; their mean
-   reward should rise over the run.
+1. **Rollouts.** One request per prompt with ``num_outputs_per_prompt = G`` (a GRPO group, one
+   shared x_T per group as in Flow-GRPO-Fast), stochastic steps only in a window of ``--sde-window``
+   steps whose start is drawn per iteration from the first ``--sde-window-range`` steps (the other
+   steps are ODE and draw no noise); the trajectory and the conditioning come back for replay, the
+   images as uint8.
+2. **Reward and advantages.** The ``--reward`` plug-in (``rewards.py``; JPEG compressibility by
+   default) on the images, normalised within each group.
+3. **Training.** For ``--inner-epochs`` passes: replay each group's stochastic steps with the
+   trainer's PEFT-wrapped transformer (``replay_steps``: the family's guidance rule, the shared step
+   math), Flow-GRPO's clipped ratio loss (optionally plus ``--kl-beta`` times the KL to the base
+   model, i.e. the adapter disabled), backward per step, one optimizer step per pass. The first pass is
+   on-policy: the trainer holds exactly the server's weights and replays each group as the batch the
+   server ran, so the ratio is exactly 1 (``first_ratio_max_dev``, which must be 0).
+4. **Sync.** The adapter is pushed (``push_lora``: reloaded in place, activated, checksum verified)
+   and the server's checksum read back and compared with the trainer's.
 
-Prints one JSON line per iteration and a summary; ``--out`` writes the summary as JSON.
+``--layout in-process`` samples with the stock pipeline on the trainer's own transformer instead
+(``_common.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
+has a colocated server release its GPU memory while the trainer trains.
+
+The run is written to ``--out`` as JSON after every iteration: per iteration the rewards, the ratio
+statistics, the checksums and the seconds of each phase; at the end the learning statistics.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -35,23 +46,35 @@ from typing import Any
 
 import torch
 from _common import (
-    LORA_TARGETS,
     PROMPTS,
+    Checkpoint,
+    InProcessSampler,
+    Phases,
+    add_lora,
     base_parser,
-    color_reward,
+    environment,
+    image_size,
+    learning_stats,
     load_trainer_transformer,
     rollout_server,
+    server_peak_gb,
+    trainer_device,
+    trainer_dtype,
+    uint8_images,
     wait_ready,
+    write_run,
 )
+from rewards import load_reward
 
 from diffusion_rollout.client import (
     ReplayBatch,
     RolloutClient,
     clipped_policy_loss,
+    gaussian_kl,
     group_advantages,
     lora_checksum,
     push_lora,
-    replay_steps,
+    replay_step,
 )
 
 logger = logging.getLogger("examples.flow_grpo")
@@ -59,65 +82,66 @@ logger = logging.getLogger("examples.flow_grpo")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--guidance-scale", type=float, default=4.5)
-    p.add_argument("--noise-level", type=float, default=0.7, help="rollout_noise_level (eta)")
-    p.add_argument("--inner-epochs", type=int, default=2, help="optimizer steps per batch of rollouts")
-    p.add_argument("--lr", type=float, default=2e-2)
-    p.add_argument("--clip-range", type=float, default=0.2)
-    p.add_argument("--lora-rank", type=int, default=4)
-    p.add_argument(
-        "--target", type=float, nargs=3, default=(0.9, 0.1, 0.1), help="target RGB colour in [0, 1]"
+    g = p.add_argument_group("Flow-GRPO")
+    g.add_argument(
+        "--step-kind",
+        choices=["sde", "dance", "cps"],
+        default="sde",
+        help="sde: Flow-GRPO; dance: DanceGRPO; cps: coefficients-preserving",
     )
-    p.add_argument("--eval-samples", type=int, default=4)
-    p.add_argument(
-        "--shared-noise",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="one initial noise per group (initial_noise_seed)",
+    g.add_argument("--guidance-scale", type=float, default=4.5)
+    g.add_argument("--noise-level", type=float, default=0.7, help="rollout_noise_level (eta)")
+    g.add_argument("--sde-window", type=int, default=2, help="stochastic steps per rollout (0: every step)")
+    g.add_argument(
+        "--sde-window-range",
+        type=int,
+        default=None,
+        help="the window starts within the first N steps (default: half the steps)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the summary JSON here")
+    g.add_argument("--inner-epochs", type=int, default=1, help="optimizer steps per batch of rollouts")
+    g.add_argument("--clip-range", type=float, default=1e-4)
+    g.add_argument("--adv-clip-max", type=float, default=5.0)
+    g.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model (0: off)")
     return p.parse_args(argv)
 
 
-def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str:
-    return client.lora_list()["modules"]["transformer"]["adapters"][name]["checksum"]
+def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
+    """This iteration's stochastic steps: a window drawn from a per-iteration seeded RNG."""
+    if args.sde_window <= 0:
+        return None
+    # The last step ends at sigma 0 and has no density in the gaussian form: never in the window.
+    upper = min(args.sde_window_range or max(args.steps // 2, args.sde_window), args.steps - 1)
+    start = random.Random(args.seed * 100_003 + iteration).randint(0, max(upper - args.sde_window, 0))
+    return list(range(start, min(start + args.sde_window, args.steps - 1)))
 
 
-def evaluate(client: RolloutClient, args: argparse.Namespace) -> float:
-    """Mean reward of ODE samples at fixed seeds under the server's current policy."""
-    outs = client.generate(
-        "a red square",
-        seed=10_000,
-        num_outputs_per_prompt=args.eval_samples,
-        num_inference_steps=args.steps,
-        width=args.size,
-        height=args.size,
-        guidance_scale=args.guidance_scale,
-        rollout=False,
-        generator_device="cpu",
-    )
-    return float(color_reward(torch.stack([o.generated_output for o in outs]), args.target).mean())
-
-
-def train_iteration(
-    transformer, optimizer, params, groups, advantages, args: argparse.Namespace
-) -> dict[str, Any]:
+def train_iteration(transformer, optimizer, params, groups, advantages, args) -> dict[str, Any]:
     batches = [ReplayBatch(group) for group in groups]
     n_terms = sum(len(b.trainable_steps()) for b in batches)
-    first_dev = 0.0
-    ratios, clip_fracs, losses = [], [], []
+    first_dev, ratios, clip_fracs, losses, kls = 0.0, [], [], [], []
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         for batch, adv in zip(batches, advantages, strict=True):
-            for step in replay_steps(transformer, batch):
+            for t in batch.trainable_steps():
+                step = replay_step(transformer, batch, t)
                 loss, stats = clipped_policy_loss(
-                    step.log_prob, step.old_log_prob, adv, clip_range=args.clip_range, adv_clip_max=5.0
-                )
+                    step.log_prob, step.old_log_prob, adv,
+                    clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
+                )  # fmt: skip
+                if args.kl_beta > 0:
+                    with torch.no_grad():
+                        transformer.disable_adapters()
+                        try:
+                            ref = replay_step(transformer, batch, t)
+                        finally:
+                            transformer.enable_adapters()
+                    kl = gaussian_kl(step.mean, ref.mean, step.std).mean()
+                    loss = loss + args.kl_beta * kl
+                    kls.append(float(kl.detach()))
                 (loss / n_terms).backward()  # one step's graph at a time
                 if epoch == 0:
                     first_dev = max(first_dev, float((step.ratio.detach() - 1).abs().max()))
-                ratios.append(step.ratio.detach())
+                ratios.append(step.ratio.detach().float().cpu())
                 clip_fracs.append(stats["clip_frac"])
                 losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -130,98 +154,128 @@ def train_iteration(
         "ratio_max": float(r.max()),
         "clip_frac": sum(clip_fracs) / len(clip_fracs),
         "loss": sum(losses) / len(losses),
+        **({"kl": sum(kls) / len(kls)} if kls else {}),
     }
 
 
-def run(client: RolloutClient, model_path, args: argparse.Namespace) -> dict[str, Any]:
-    from peft import LoraConfig
+def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str:
+    return client.lora_list()["modules"]["transformer"]["adapters"][name]["checksum"]
 
+
+def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_path: str | None) -> dict:
+    device = trainer_device(args)
     torch.manual_seed(args.seed)
-    transformer = load_trainer_transformer(model_path)
-    transformer.add_adapter(
-        LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    reward_fn = load_reward(args.reward)
+    transformer = load_trainer_transformer(
+        model_path,
+        device=device,
+        dtype=trainer_dtype(args, device),
+        gradient_checkpointing=args.gradient_checkpointing,
     )
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=args.lr)
-
-    # lora_B starts at zero: the adapter changes nothing yet, so the server samples the base model's
-    # policy with the adapter's structure in place and later pushes reload it in place.
-    push_lora(client, transformer, name="default", activate=True, weight_version="iter-0")
-    version = "iter-0"
-    eval_rewards = [evaluate(client, args)]
-    history: list[dict[str, Any]] = []
-    checksums_ok = True
-    first_dev_all = 0.0
-    for it in range(args.iterations):
-        t0 = time.perf_counter()
-        jobs = [
-            {
-                "prompt": PROMPTS[k % len(PROMPTS)],
-                "seed": args.seed + 1000 * it + 100 * k,
-                # One x_T per group (Flow-GRPO-Fast): the group's samples then differ only by the
-                # SDE noise of the steps being trained, which sharpens the credit assignment.
-                "initial_noise_seed": args.seed + 1000 * it + 100 * k + 50 if args.shared_noise else None,
-            }
-            for k in range(args.prompts)
-        ]
-        groups = client.generate_many(
-            jobs,
-            num_outputs_per_prompt=args.group_size,
-            num_inference_steps=args.steps,
-            width=args.size,
-            height=args.size,
-            guidance_scale=args.guidance_scale,
-            rollout_sde_type="sde",
-            rollout_noise_level=args.noise_level,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-            rollout_debug_mode=False,
-            generator_device="cpu",
-        )
-        versions = {o.weight_version for g in groups for o in g}
-        if versions != {version}:
-            raise RuntimeError(f"rollouts came from weight versions {versions}, expected {version!r}")
-        images = torch.stack([o.generated_output for g in groups for o in g])
-        rewards = color_reward(images, args.target)
-        adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
-        t_roll = time.perf_counter() - t0
-
-        stats = train_iteration(transformer, optimizer, params, groups, adv, args)
-        first_dev_all = max(first_dev_all, stats["first_ratio_max_dev"])
-
+    params = add_lora(transformer, args.lora_rank)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    checkpoint = Checkpoint(args.checkpoint)
+    state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}
+    history: list[dict[str, Any]] = state["history"]
+    in_process = client is None
+    sampler = InProcessSampler(model_path, transformer, device) if in_process else client
+    version = f"iter-{state['next_iteration']}"
+    if not in_process:
+        # lora_B starts at zero: the adapter changes nothing yet, so the first rollouts sample the base
+        # policy with the adapter's structure in place, and later pushes reload it in place.
+        push_lora(client, transformer, name="default", activate=True, weight_version=version)
+    width, height = image_size(args)
+    run_record: dict[str, Any] = {
+        "recipe": "flow_grpo", "layout": "in-process" if in_process else "server",
+        "args": vars(args), "environment": environment(), "history": history,
+    }  # fmt: skip
+    for it in range(state["next_iteration"], args.iterations):
+        phases = Phases(device)
+        t_iter = time.perf_counter()
+        window = sde_window(args, it)
+        jobs = []
+        for k in range(args.prompts):
+            seed = (it * args.prompts + k) * 1000 + args.seed * 10_000_000
+            # One x_T per group (Flow-GRPO-Fast): samples of a group differ only by the noise of the
+            # steps being trained, which sharpens the credit assignment.
+            jobs.append({"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)], "seed": seed,
+                         "initial_noise_seed": seed + 999})  # fmt: skip
+        with phases("rollout"):
+            groups = sampler.generate_many(
+                jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
+                width=width, height=height, num_frames=args.frames, guidance_scale=args.guidance_scale,
+                rollout_sde_type=args.step_kind, rollout_noise_level=args.noise_level,
+                rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
+                # Replay needs the latents entering and leaving each stochastic step, nothing else.
+                rollout_return_step_indices=None if window is None else sorted({*window, *(s + 1 for s in window)}),
+                rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
+                generator_device="cuda" if device.type == "cuda" else "cpu",
+            )  # fmt: skip
+        outputs = [o for g in groups for o in g]
+        if not in_process and {o.weight_version for o in outputs} != {version}:
+            raise RuntimeError(
+                f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
+            )
+        if args.release_memory and not in_process:
+            with phases("release"):
+                client.release_memory_occupation()
+        with phases("reward"):
+            rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+            adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
+        with phases("train"):
+            stats = train_iteration(transformer, optimizer, params, groups, adv, args)
         version = f"iter-{it + 1}"
-        result = push_lora(client, transformer, name="default", activate=True, weight_version=version)
-        local = lora_checksum(transformer, dtype=torch.float32)
-        remote = server_adapter_checksum(client)
-        checksums_ok &= local == remote and result.weight_version == version
-        eval_rewards.append(evaluate(client, args))
+        checksum_ok = None
+        if args.release_memory and not in_process:
+            with phases("resume"):
+                client.resume_memory_occupation()
+        if not in_process:
+            with phases("push"):
+                result = push_lora(client, transformer, name="default", activate=True, weight_version=version)
+                local = lora_checksum(transformer, dtype=trainer_dtype(args, device))
+                checksum_ok = local == server_adapter_checksum(client) and result.weight_version == version
         record = {
             "iteration": it,
+            "weight_version": version,
+            "sde_steps": outputs[0].sde_step_indices,
+            "rewards": [round(float(r), 5) for r in rewards],
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            "eval_reward": eval_rewards[-1],
             **stats,
-            "weight_version": result.weight_version,
-            "adapter_checksum": local,
-            "checksum_ok": local == remote,
-            "rollout_s": round(t_roll, 3),
-            "iteration_s": round(time.perf_counter() - t0, 3),
+            "checksum_ok": checksum_ok,
+            "images": len(outputs),
+            **phases.record(),
+            "server_peak_gb": server_peak_gb(outputs),
         }
+        record["iteration_s"] = round(time.perf_counter() - t_iter, 4)
+        record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
         history.append(record)
-        print(json.dumps(record), flush=True)
+        print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
+        run_record["summary"] = summarize(history)
+        write_run(out_path, run_record)
+        checkpoint.save(transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history})
+    if not in_process:
+        run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=trainer_dtype(args, device))
+        run_record["server_adapter_checksum"] = server_adapter_checksum(client)
+    run_record["summary"] = summarize(history)
+    write_run(out_path, run_record)
+    return run_record
+
+
+def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run at a glance; phase seconds are means over iterations after the first (warm-up)."""
+    timed = history[1:] or history
+    phases = sorted({k for h in timed for k in h if k.endswith("_s")})
     return {
-        "iterations": args.iterations,
-        "first_ratio_max_dev": first_dev_all,
-        "eval_reward_start": eval_rewards[0],
-        "eval_reward_end": eval_rewards[-1],
-        "eval_rewards": eval_rewards,
-        "train_reward_first": history[0]["reward_mean"] if history else math.nan,
-        "train_reward_last": history[-1]["reward_mean"] if history else math.nan,
-        "checksums_ok": checksums_ok,
-        "final_adapter_checksum": lora_checksum(transformer, dtype=torch.float32),
-        "server_adapter_checksum": server_adapter_checksum(client),
-        "weight_version": version,
-        "history": history,
+        "iterations": len(history),
+        "first_ratio_max_dev": max((h["first_ratio_max_dev"] for h in history), default=None),
+        "checksums_ok": all(h["checksum_ok"] is not False for h in history),
+        "mean_seconds": {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for k in phases},
+        "images_per_second": sum(h["images"] for h in timed) / sum(h["iteration_s"] for h in timed),
+        "trainer_peak_gb": max((h.get("trainer_peak_gb", 0.0) for h in history), default=None),
+        "device_used_max_gb": max((h.get("device_used_max_gb", 0.0) for h in history), default=None),
+        "server_peak_gb": max((h.get("server_peak_gb") or 0.0 for h in history), default=None),
+        "learning": learning_stats(history),
     }
 
 
@@ -229,17 +283,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    with rollout_server(args.url, args.model, args.server, args.group_size) as server:
-        if server.model_path is None:
-            raise SystemExit("--model is required with --url: the trainer loads the same weights")
-        with RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client:
-            wait_ready(client)
-            summary = run(client, server.model_path, args)
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    t0 = time.perf_counter()
+    with rollout_server(args) as server:
+        if server.url is None:
+            record = run(None, server.model_path, args, args.out)
+        else:
+            with RolloutClient(
+                server.url, admin_key=server.admin_key, max_concurrency=args.prompts
+            ) as client:
+                wait_ready(client)
+                record = run(client, server.model_path, args, args.out)
+    record["wall_s"] = round(time.perf_counter() - t0, 2)
+    write_run(args.out, record)
+    print(json.dumps(record["summary"]), flush=True)
+    return record
 
 
 if __name__ == "__main__":

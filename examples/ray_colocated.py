@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import LORA_TARGETS, PROMPTS, color_reward, load_trainer_transformer
+from _common import LORA_TARGETS, PROMPTS, load_trainer_transformer
 from flow_grpo import train_iteration
+from rewards import load_reward
 
 from diffusion_rollout.client import group_advantages, lora_checksum
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
@@ -72,8 +73,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--inner-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-2)
     p.add_argument("--clip-range", type=float, default=0.2)
+    p.add_argument("--adv-clip-max", type=float, default=5.0)
+    p.add_argument("--kl-beta", type=float, default=0.0)
     p.add_argument("--lora-rank", type=int, default=4)
-    p.add_argument("--target", type=float, nargs=3, default=(0.9, 0.1, 0.1))
+    p.add_argument("--reward", default="brightness", help="a reward of rewards.py or module:callable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the summary JSON here")
     return p.parse_args(argv)
@@ -170,7 +173,8 @@ def run(ray, model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
     try:
         front.start()  # loads the model on every replica
         torch.manual_seed(args.seed)
-        transformer = load_trainer_transformer(model_path)
+        transformer = load_trainer_transformer(model_path, device=torch.device("cpu"), dtype=torch.float32)
+        reward_fn = load_reward(args.reward)
         transformer.add_adapter(
             LoraConfig(
                 r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0
@@ -192,7 +196,9 @@ def run(ray, model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
             versions = {o.weight_version for g in groups for o in g}
             if versions != {version}:
                 raise RuntimeError(f"rollouts came from weight versions {versions}, expected {version!r}")
-            rewards = color_reward(torch.stack([o.generated_output for g in groups for o in g]), args.target)
+            images = torch.stack([o.generated_output for g in groups for o in g])
+            as_bytes = (images.float() * 255).round().clamp(0, 255).to(torch.uint8)
+            rewards = reward_fn(as_bytes, [o.prompt for g in groups for o in g])
             adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
             t_roll = time.perf_counter() - t0
             stats = train_iteration(transformer, optimizer, params, groups, adv, args)

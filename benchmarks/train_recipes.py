@@ -1,0 +1,133 @@
+"""The training recipes run as a user runs them, on real architectures: the runs behind RESULTS.md.
+
+    python -m benchmarks.train_recipes --out DIR sd35-flow-grpo sd35-in-process ...   # on a GPU
+    python -m benchmarks.train_recipes --out DIR tiny-flow-grpo tiny-in-process        # CPU smoke run
+
+Each named run (``RUNS``) is one recipe command (``examples/flow_grpo.py`` or ``diffusion_nft.py``)
+started in its own process: the recipe starts ``diffusion-rollout serve`` itself on the saved model
+folder (colocated: ``--server-gpu 0 --trainer-gpu 0``) or samples in process, and writes its JSON to
+``DIR/<run>.json`` after every iteration. The model folder is a real architecture with random weights
+(``model_builders``), built once per machine in a process of its own (so its GPU memory is returned)
+and saved with ``save_pretrained``: the server then loads it with the ordinary ``from_pretrained``.
+
+Design decisions:
+
+- **Continue, never restart.** Every run keeps a checkpoint (adapters, optimizer, history) under
+  ``--work``; a run that does not fit one command continues from it in the next, with the same seeds.
+- **Budgeted.** ``--deadline-s`` stops starting runs that would not finish in the time left, and
+  gives the running one a ``SIGTERM`` before the command's own limit, so its JSON and checkpoint
+  (written after every iteration) come back.
+- The sizes are the issue's: SD3.5-medium at 512², 10 steps, 4 prompts x 8, an SDE window of 2 of the
+  first 5 steps, LoRA rank 32; Wan 2.1 1.3B at 480x832, 33 frames, 2 prompts x 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_SD35 = ["--steps", "10", "--size", "512", "--prompts", "4", "--group-size", "8", "--lora-rank", "32",
+         "--guidance-scale", "4.5", "--lr", "1e-3"]  # fmt: skip
+_WAN = ["--steps", "10", "--width", "832", "--height", "480", "--frames", "33", "--prompts", "2",
+        "--group-size", "4", "--lora-rank", "32", "--guidance-scale", "5.0", "--lr", "1e-3",
+        "--gradient-checkpointing"]  # fmt: skip
+_TINY = ["--cpu", "--steps", "4", "--size", "32", "--prompts", "2", "--group-size", "4", "--lora-rank", "4"]
+
+# run name -> (model, recipe, arguments)
+RUNS: dict[str, tuple[str, str, list[str]]] = {
+    "sd35-flow-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "40"]),
+    "sd35-in-process": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "5", "--layout", "in-process"]),
+    "sd35-flow-grpo-released": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SD35, "--iterations", "5", "--release-memory"],
+    ),
+    "sd35-dance-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "5", "--step-kind", "dance"]),
+    "sd35-diffusion-nft": ("sd3.5-medium", "diffusion_nft", [*_SD35, "--iterations", "30"]),
+    "wan-flow-grpo": ("wan2.1-1.3b", "flow_grpo", [*_WAN, "--iterations", "15", "--sde-window-range", "5"]),
+    "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
+    "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
+    "tiny-diffusion-nft": ("tiny-sd3", "diffusion_nft", [*_TINY, "--iterations", "2"]),
+}
+
+
+def model_folder(name: str, work: Path) -> Path:
+    """The saved diffusers folder of ``name`` (built here on first use, in a process of its own)."""
+    path = work / "models" / name
+    if (path / "model_index.json").exists():
+        return path
+    code = (
+        "import sys, torch; from pathlib import Path\n"
+        "name, path = sys.argv[1], Path(sys.argv[2])\n"
+        "if name.startswith('tiny-'):\n"
+        "    from diffusion_rollout.models import save_tiny_model; save_tiny_model(name[5:], path)\n"
+        "else:\n"
+        "    from benchmarks.model_builders import build_real_pipeline\n"
+        "    build_real_pipeline(name, 'cuda', torch.bfloat16, 0).save_pretrained(path)\n"
+    )
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, name, str(path)], check=True, cwd=ROOT)
+    print(f"[train_recipes] built and saved {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
+def run_one(name: str, args: argparse.Namespace, deadline: float) -> int:
+    model, recipe, extra = RUNS[name]
+    path = model_folder(model, args.work)
+    out = Path(args.out) / f"{name}.json"
+    cmd = [sys.executable, str(ROOT / "examples" / f"{recipe}.py"), "--model", str(path), *extra,
+           "--out", str(out), "--checkpoint", str(args.work / "checkpoints" / name)]  # fmt: skip
+    if not model.startswith("tiny-"):
+        cmd += ["--server-gpu", str(args.server_gpu), "--trainer-gpu", str(args.trainer_gpu)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    print(f"[train_recipes] {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    # A session of its own, so that stopping it stops the server it started too (its GPU memory).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+    except subprocess.TimeoutExpired:
+        print(f"[train_recipes] {name}: out of time, stopping it (its checkpoint continues it)", flush=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    print(f"[train_recipes] {name}: exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+    if out.exists():
+        summary = json.loads(out.read_text()).get("summary", {})
+        print(f"[train_recipes] {name} summary: {json.dumps(summary)}", flush=True)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", choices=sorted(RUNS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", type=Path, default=Path("/tmp/train_recipes"), help="models and checkpoints")
+    p.add_argument("--server-gpu", type=int, default=0)
+    p.add_argument("--trainer-gpu", type=int, default=0)
+    p.add_argument("--deadline-s", type=float, default=None, help="stop everything after this many seconds")
+    args = p.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + (args.deadline_s or 10**9)
+    worst = 0
+    for name in args.runs:
+        if time.monotonic() >= deadline:
+            print(f"[train_recipes] {name}: not started (no time left)", flush=True)
+            continue
+        worst = max(worst, run_one(name, args, deadline))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
