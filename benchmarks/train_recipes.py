@@ -35,24 +35,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _SD35 = ["--steps", "10", "--size", "512", "--prompts", "4", "--group-size", "8", "--lora-rank", "32",
-         "--guidance-scale", "4.5", "--lr", "1e-3"]  # fmt: skip
-_WAN = ["--steps", "10", "--width", "832", "--height", "480", "--frames", "33", "--prompts", "2",
+         "--lr", "1e-3"]  # fmt: skip
+_CFG = ["--guidance-scale", "4.5"]  # Flow-GRPO samples with CFG; DiffusionNFT is CFG-free
+_WAN = ["--steps", "10", "--width", "832", "--height", "480", "--frames", "33", "--prompts", "1",
         "--group-size", "4", "--lora-rank", "32", "--guidance-scale", "5.0", "--lr", "1e-3",
         "--gradient-checkpointing"]  # fmt: skip
 _TINY = ["--cpu", "--steps", "4", "--size", "32", "--prompts", "2", "--group-size", "4", "--lora-rank", "4"]
 
 # run name -> (model, recipe, arguments)
 RUNS: dict[str, tuple[str, str, list[str]]] = {
-    "sd35-flow-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "40"]),
-    "sd35-in-process": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "5", "--layout", "in-process"]),
+    "sd35-flow-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "40"]),
+    "sd35-in-process": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SD35, *_CFG, "--iterations", "5", "--layout", "in-process"],
+    ),
     "sd35-flow-grpo-released": (
         "sd3.5-medium",
         "flow_grpo",
-        [*_SD35, "--iterations", "5", "--release-memory"],
+        [*_SD35, *_CFG, "--iterations", "5", "--release-memory"],
     ),
-    "sd35-dance-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, "--iterations", "5", "--step-kind", "dance"]),
+    "sd35-dance-grpo": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SD35, *_CFG, "--iterations", "5", "--step-kind", "dance"],
+    ),
     "sd35-diffusion-nft": ("sd3.5-medium", "diffusion_nft", [*_SD35, "--iterations", "30"]),
-    "wan-flow-grpo": ("wan2.1-1.3b", "flow_grpo", [*_WAN, "--iterations", "15", "--sde-window-range", "5"]),
+    # One stochastic step per rollout: 15 iterations of 33-frame videos then fit one 10-minute stretch.
+    "wan-flow-grpo": (
+        "wan2.1-1.3b",
+        "flow_grpo",
+        [*_WAN, "--iterations", "15", "--sde-window", "1", "--sde-window-range", "5"],
+    ),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
     "tiny-diffusion-nft": ("tiny-sd3", "diffusion_nft", [*_TINY, "--iterations", "2"]),

@@ -267,8 +267,10 @@ def load_trainer_transformer(
     return transformer
 
 
-def add_lora(transformer: torch.nn.Module, rank: int, name: str = "default") -> list[torch.nn.Parameter]:
-    """A PEFT LoRA adapter ``name`` in the model's dtype; returns its trainable parameters."""
+def add_lora(
+    transformer: torch.nn.Module, rank: int, dtype: torch.dtype, name: str = "default"
+) -> list[torch.nn.Parameter]:
+    """A PEFT LoRA adapter ``name`` in ``dtype`` (the served dtype); returns its trainable parameters."""
     import warnings
 
     from peft import LoraConfig
@@ -279,7 +281,8 @@ def add_lora(transformer: torch.nn.Module, rank: int, name: str = "default") -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT warns about a second adapter (DiffusionNFT's "old")
         transformer.add_adapter(config, adapter_name=name)
-    dtype = next(p.dtype for n, p in transformer.named_parameters() if ".lora_" not in n)
+    # Not "the dtype of the first parameter": Wan keeps some (scale_shift_table) in float32, and a
+    # float32 adapter on the trainer against the server's bf16 one breaks the ratio's exactness.
     params = []
     for n, p in transformer.named_parameters():
         if f".{name}." in n:
@@ -516,10 +519,18 @@ def environment() -> dict[str, Any]:
     }  # fmt: skip
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
+    # A copied tree (the GPU machine's) may carry stale git metadata: the caller may name the commit.
+    info["commit"] = os.environ.get("RECIPE_COMMIT")
     with contextlib.suppress(Exception):
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
+        info["commit"] = (
+            info["commit"]
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+        )
     return info
 
 

@@ -93,10 +93,14 @@ def cfg_free(env: dict[str, Any]) -> dict[str, Any]:
     return {**env, "neg_cond_kwargs": None, "guidance": {**env["guidance"], "rule": "none"}}
 
 
-def nft_loss(transformer, groups, optimality, args, gen: torch.Generator, device) -> torch.Tensor:
-    """DiffusionNFT's loss on the rollouts' final latents, averaged over groups and timesteps."""
-    total = torch.zeros((), device=device)
-    terms = 0
+def nft_backward(transformer, groups, optimality, args, gen: torch.Generator, device) -> float:
+    """DiffusionNFT's loss on the rollouts' final latents, averaged over groups and timesteps.
+
+    Each (group, timestep) term is backpropagated on its own, so only one term's graph is alive.
+    Returns the loss value.
+    """
+    terms = len(groups) * args.timesteps_per_sample
+    total = 0.0
     for group, r in zip(groups, optimality, strict=True):
         traj = group[0].dit_trajectory
         T = traj.num_steps
@@ -117,9 +121,10 @@ def nft_loss(transformer, groups, optimality, args, gen: torch.Generator, device
             b = args.beta
             pos = ((1 - b) * v_old + b * v_theta - target).pow(2).flatten(1).mean(1)
             neg = ((1 + b) * v_old - b * v_theta - target).pow(2).flatten(1).mean(1)
-            total = total + (r * pos + (1 - r) * neg).mean()
-            terms += 1
-    return total / terms
+            loss = (r * pos + (1 - r) * neg).mean() / terms
+            loss.backward()
+            total += float(loss.detach())
+    return total
 
 
 @torch.no_grad()
@@ -158,13 +163,12 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
     device = trainer_device(args)
     dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
     reward_fn = load_reward(args.reward)
     transformer = load_trainer_transformer(
         model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
     )
-    params = add_lora(transformer, args.lora_rank, "default")
-    add_lora(transformer, args.lora_rank, "old")
+    params = add_lora(transformer, args.lora_rank, dtype, "default")
+    add_lora(transformer, args.lora_rank, dtype, "old")
     with torch.no_grad():  # old starts as a copy of default (both change nothing yet: lora_B = 0)
         named = dict(transformer.named_parameters())
         for n, p in named.items():
@@ -195,6 +199,8 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
         "history": history,
     }  # fmt: skip
     for it in range(state["next_iteration"], args.iterations):
+        # Per-iteration draws (loss timesteps and noise), so a resumed run continues with the same ones.
+        gen = torch.Generator().manual_seed(args.seed * 100_003 + it)
         phases = Phases(device)
         t_iter = time.perf_counter()
         jobs = [
@@ -228,8 +234,7 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
         with phases("train"):
             parity = old_policy_max_dev(transformer, groups, parity_step, device)
             optimizer.zero_grad(set_to_none=True)
-            loss = nft_loss(transformer, groups, optimality, args, gen, device)
-            loss.backward()
+            loss = nft_backward(transformer, groups, optimality, args, gen, device)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             ema_update(transformer, args.ema_decay)
@@ -242,7 +247,7 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
             "rewards": [round(float(r), 5) for r in rewards],
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            "loss": float(loss.detach()),
+            "loss": loss,
             "old_policy_max_dev": parity,
             "checksum_ok": checksum_ok,
             "images": len(outputs),

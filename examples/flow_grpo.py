@@ -172,7 +172,7 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
         dtype=trainer_dtype(args, device),
         gradient_checkpointing=args.gradient_checkpointing,
     )
-    params = add_lora(transformer, args.lora_rank)
+    params = add_lora(transformer, args.lora_rank, trainer_dtype(args, device))
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     checkpoint = Checkpoint(args.checkpoint)
     state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}

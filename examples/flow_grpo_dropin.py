@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # The trainer's copy in the server's dtype: the same bits on both sides.
         dtype = getattr(torch, client.model_info()["dtype"].removeprefix("torch."))
         transformer = load_trainer_transformer(server.model_path, device=device, dtype=dtype)
-        optimizer = torch.optim.AdamW(add_lora(transformer, args.lora_rank), lr=args.lr)
+        optimizer = torch.optim.AdamW(add_lora(transformer, args.lora_rank, dtype), lr=args.lr)
         images, latents, log_probs, outputs = pipeline_with_logprob(
             client, prompt=prompts, height=args.size, width=args.size,
             num_inference_steps=args.steps, guidance_scale=args.guidance_scale,

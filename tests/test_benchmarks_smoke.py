@@ -224,3 +224,25 @@ def test_speed_options_grpo_lanes_tiny(tmp_path):
     assert {r["variant"] for r in doc["speed"]} == {"stock", "stock_2_lanes"}
     [gate] = doc["gates"]
     assert gate["exact"] and gate["max_abs_diff"] == 0.0
+
+
+def test_train_recipes_tiny_runs(tmp_path):
+    """The recipe runner on the tiny SD3 model: each recipe in its own process (the server layout
+    starts ``diffusion-rollout serve`` as a subprocess), from a model folder saved under ``--work``."""
+    from benchmarks import train_recipes
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--out", str(out), "--work", str(work), "tiny-flow-grpo", "tiny-in-process"]
+    assert train_recipes.main(argv) == 0
+    model = work / "models" / "tiny-sd3"
+    assert (model / "model_index.json").exists()
+    for name, layout in (("tiny-flow-grpo", "server"), ("tiny-in-process", "in-process")):
+        run = json.loads((out / f"{name}.json").read_text())
+        assert run["recipe"] == "flow_grpo" and run["layout"] == layout
+        assert run["args"]["model"] == str(model)
+        assert len(run["history"]) == 2 and run["summary"]["first_ratio_max_dev"] == 0.0
+        assert all(h["first_ratio_max_dev"] == 0.0 for h in run["history"])
+        assert (work / "checkpoints" / name / "state.json").exists()
+    served = json.loads((out / "tiny-flow-grpo.json").read_text())
+    assert all(h["checksum_ok"] is True for h in served["history"])
+    assert served["final_adapter_checksum"] == served["server_adapter_checksum"]

@@ -1,14 +1,28 @@
-"""The example trainers run end to end against a real server (uvicorn on a thread, real HTTP)."""
+"""The training recipes end to end on the CPU: a tiny SD3 model, a real server (uvicorn on a thread,
+real HTTP), the recipe's own ``main``. Each run is a few seconds.
+
+What these check is the plumbing, not learning (CPU noise on a random model does not "learn"): the
+first inner pass replays the server's policy exactly (ratio 1, to the last bit), every push is
+verified (the server's adapter checksum is the trainer's), the reward plug-in sees the images and
+prompts the server returned and its values are what the recipe trains on, and resuming continues
+the run exactly. Negative controls show that those checks fail when the server and the trainer do
+not hold the same weights.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
+import types
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# Small: 2 groups of 4 images per iteration, 2 iterations (the recipe's defaults otherwise: 4 steps, 32x32).
+SMALL = ["--server", "thread", "--iterations", "2", "--prompts", "2", "--group-size", "4"]
+PHASE_KEYS = ("rollout_s", "reward_s", "train_s", "push_s", "iteration_s", "images_per_second")
 
 
 @pytest.fixture
@@ -21,36 +35,223 @@ def examples(monkeypatch):
     return load
 
 
-def test_flow_grpo_runs_on_policy_verifies_and_improves(examples, tmp_path):
+def _rewards(run) -> list[list[float]]:
+    return [h["rewards"] for h in run["history"]]
+
+
+# ---------------------------------------------------------------------------------------------- Flow-GRPO
+def test_flow_grpo_on_policy_ratio_verified_pushes_and_records(examples, tmp_path):
     flow_grpo = examples("flow_grpo")
-    out = tmp_path / "summary.json"
-    summary = flow_grpo.main(["--server", "thread", "--iterations", "5", "--out", str(out)])
-    assert summary["iterations"] == 5 and len(summary["history"]) == 5
-    # Every first inner step replayed the server's policy exactly: ratio 1, to the last bit.
-    assert summary["first_ratio_max_dev"] == 0.0
-    assert all(h["first_ratio_max_dev"] == 0.0 for h in summary["history"])
-    # Later inner steps are off-policy: the ratio moved.
-    assert any(h["ratio_min"] < 1.0 or h["ratio_max"] > 1.0 for h in summary["history"])
-    # Every pushed adapter's checksum matched the trainer's, and the last one is what the server holds.
-    assert summary["checksums_ok"] and all(h["checksum_ok"] for h in summary["history"])
-    assert summary["final_adapter_checksum"] == summary["server_adapter_checksum"]
-    assert summary["weight_version"] == "iter-5"
-    # The server's deterministic samples got closer to the target colour.
-    assert summary["eval_reward_end"] > summary["eval_reward_start"]
-    assert json.loads(out.read_text())["first_ratio_max_dev"] == 0.0
+    out = tmp_path / "run.json"
+    run = flow_grpo.main([*SMALL, "--inner-epochs", "2", "--out", str(out)])
+    history = run["history"]
+    assert run["layout"] == "server" and len(history) == 2
+    for i, h in enumerate(history):
+        # The first inner pass replayed the server's policy exactly: ratio 1, to the last bit.
+        assert h["first_ratio_max_dev"] == 0.0
+        # The second pass runs after an optimizer step: its ratio moved (so the check above can fail).
+        assert h["ratio_min"] < 1.0 or h["ratio_max"] > 1.0, h
+        # The pushed adapter's checksum (read back from the server) is the trainer's.
+        assert h["checksum_ok"] is True
+        assert h["weight_version"] == f"iter-{i + 1}" and h["iteration"] == i
+        assert h["images"] == 8 and len(h["rewards"]) == 8
+        assert len(h["sde_steps"]) == 2  # --sde-window 2 (default)
+        for key in PHASE_KEYS:
+            assert h[key] > 0, key
+    summary = run["summary"]
+    assert summary["iterations"] == 2 and summary["first_ratio_max_dev"] == 0.0 and summary["checksums_ok"]
+    assert {"rollout_s", "reward_s", "train_s", "push_s", "iteration_s"} <= set(summary["mean_seconds"])
+    assert summary["images_per_second"] > 0
+    assert run["final_adapter_checksum"] == run["server_adapter_checksum"]
+    # The --out file is the whole returned record.
+    written = json.loads(out.read_text())
+    assert len(written["history"]) == len(history) == 2
+    assert written == run
 
 
-def test_diffusion_nft_samples_from_old_while_default_trains(examples):
+def test_flow_grpo_reward_plugin_gets_the_served_images_and_prompts(examples, tmp_path):
+    flow_grpo, recipe_prompts = examples("flow_grpo"), examples("_common").PROMPTS
+    calls = tmp_path / "calls.json"
+    plugin = tmp_path / "myreward.py"
+    plugin.write_text(
+        "import json\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        f"CALLS = Path({str(calls)!r})\n"
+        "def score(images, prompts):\n"
+        "    r = images.float().mean(dim=(1, 2, 3))\n"
+        "    done = json.loads(CALLS.read_text()) if CALLS.exists() else []\n"
+        "    done.append({'dtype': str(images.dtype), 'shape': list(images.shape),\n"
+        "                 'prompts': list(prompts), 'returned': r.tolist()})\n"
+        "    CALLS.write_text(json.dumps(done))\n"
+        "    return r\n"
+    )
+    run = flow_grpo.main([*SMALL, "--reward", f"{plugin}:score"])
+    seen = json.loads(calls.read_text())
+    assert len(seen) == 2  # once per iteration
+    for it, (call, h) in enumerate(zip(seen, run["history"], strict=True)):
+        assert call["dtype"] == "torch.uint8" and call["shape"] == [2 * 4, 3, 32, 32]
+        # One prompt per sample: each group's prompt, group_size times, in the order of the groups.
+        assert call["prompts"] == [recipe_prompts[it * 2 + k] for k in range(2) for _ in range(4)]
+        # What the recipe recorded (and normalised into advantages) is what the plug-in returned.
+        assert h["rewards"] == [round(r, 5) for r in call["returned"]]
+        assert min(call["returned"]) > 0 and max(call["returned"]) < 255
+    assert run["summary"]["checksums_ok"] and run["summary"]["first_ratio_max_dev"] == 0.0
+
+
+def test_dance_grpo_replays_exactly(examples):
+    run = examples("flow_grpo").main([*SMALL, "--step-kind", "dance"])
+    for h in run["history"]:
+        assert h["first_ratio_max_dev"] == 0.0 and h["ratio_min"] == 1.0 and h["ratio_max"] == 1.0
+        assert h["checksum_ok"] is True
+    assert run["final_adapter_checksum"] == run["server_adapter_checksum"]
+
+
+def test_flow_grpo_kl_to_the_base_model(examples):
+    run = examples("flow_grpo").main([*SMALL, "--kl-beta", "0.1"])
+    kls = [h["kl"] for h in run["history"]]
+    assert all(math.isfinite(k) and k >= 0 for k in kls), kls
+    # The adapter starts at zero (the policy is the base model: KL 0) and has moved by iteration 2.
+    assert kls[0] == 0.0 and kls[1] > 0, kls
+    for h in run["history"]:  # the reference pass (adapter disabled) leaves the ratio exactly 1
+        assert h["first_ratio_max_dev"] == 0.0 and h["ratio_min"] == 1.0 and h["ratio_max"] == 1.0
+        assert h["checksum_ok"] is True
+
+
+def test_in_process_layout_samples_what_the_server_samples(examples):
+    """The stock pipeline in the trainer and the server, same seeds: the same images, bit for bit."""
+    flow_grpo = examples("flow_grpo")
+    served = flow_grpo.main(SMALL)
+    local = flow_grpo.main([*SMALL, "--layout", "in-process"])
+    assert served["layout"] == "server" and local["layout"] == "in-process"
+    assert _rewards(local) == _rewards(served)
+    assert len(set(_rewards(served)[0])) > 1  # the samples of a group differ (the check is not vacuous)
+    assert all(h["first_ratio_max_dev"] == 0.0 for h in served["history"] + local["history"])
+    assert all(h["checksum_ok"] is None for h in local["history"])  # nothing to push in process
+    assert "final_adapter_checksum" not in local
+
+
+def test_flow_grpo_resumes_from_its_checkpoint(examples, tmp_path):
+    flow_grpo = examples("flow_grpo")
+    ckpt = tmp_path / "ckpt"
+    first = flow_grpo.main([*SMALL, "--checkpoint", str(ckpt)])
+    assert (ckpt / "trainer.pt").exists() and json.loads((ckpt / "state.json").read_text())[
+        "next_iteration"
+    ] == 2
+    resumed = flow_grpo.main([*SMALL, "--iterations", "3", "--checkpoint", str(ckpt)])
+    assert len(resumed["history"]) == 3 and resumed["history"][:2] == first["history"]
+    third = resumed["history"][2]
+    # The resumed adapter went to a fresh server (weight version iter-2) and the replay was exact.
+    assert third["iteration"] == 2 and third["weight_version"] == "iter-3"
+    assert third["first_ratio_max_dev"] == 0.0 and third["checksum_ok"] is True
+    assert resumed["final_adapter_checksum"] == resumed["server_adapter_checksum"]
+    # Adapter and optimizer state came back whole: the same as three iterations in one go.
+    straight = flow_grpo.main([*SMALL, "--iterations", "3"])
+    assert _rewards(straight) == _rewards(resumed)
+    assert straight["final_adapter_checksum"] == resumed["final_adapter_checksum"]
+
+
+def test_flow_grpo_checks_fail_when_the_server_keeps_stale_weights(examples, monkeypatch):
+    """Negative control: pushes after the first only relabel the server's adapter (its weights stay at
+    the initial zero adapter) -- the checksum check and the ratio check must both fail."""
+    flow_grpo = examples("flow_grpo")
+    real_push, versions = flow_grpo.push_lora, []
+
+    def stale_push(client, model, *, name="default", weight_version=None, **kw):
+        versions.append(weight_version)
+        if len(versions) == 1:
+            return real_push(client, model, name=name, weight_version=weight_version, **kw)
+        return client.lora_activate(name, weight_version=weight_version)
+
+    monkeypatch.setattr(flow_grpo, "push_lora", stale_push)
+    run = flow_grpo.main(SMALL)
+    assert versions == ["iter-0", "iter-1", "iter-2"]
+    first, second = run["history"]
+    assert first["checksum_ok"] is False and second["checksum_ok"] is False
+    assert first["first_ratio_max_dev"] == 0.0  # both still held the zero adapter at iteration 0
+    assert second["first_ratio_max_dev"] > 0  # the server sampled from other weights than the trainer's
+    assert run["summary"]["first_ratio_max_dev"] > 0 and not run["summary"]["checksums_ok"]
+    assert run["final_adapter_checksum"] != run["server_adapter_checksum"]
+
+
+def test_flow_grpo_stops_on_rollouts_from_an_old_weight_version(examples, monkeypatch, tmp_path):
+    """Negative control: pushes after the first never reach the server -- the iteration-0 record shows
+    the failed checksum and the next iteration refuses rollouts labelled with the old version."""
+    flow_grpo = examples("flow_grpo")
+    real_push, calls = flow_grpo.push_lora, []
+
+    def lost_push(client, model, *, name="default", weight_version=None, **kw):
+        calls.append(weight_version)
+        if len(calls) == 1:
+            return real_push(client, model, name=name, weight_version=weight_version, **kw)
+        return types.SimpleNamespace(weight_version=weight_version)  # claims success, sent nothing
+
+    monkeypatch.setattr(flow_grpo, "push_lora", lost_push)
+    out = tmp_path / "run.json"
+    with pytest.raises(RuntimeError, match=r"rollouts came from \{'iter-0'\}, expected 'iter-1'"):
+        flow_grpo.main([*SMALL, "--out", str(out)])
+    [record] = json.loads(out.read_text())["history"]
+    assert record["checksum_ok"] is False and record["first_ratio_max_dev"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- DiffusionNFT
+def test_diffusion_nft_samples_from_old_and_holds_the_servers_old_policy(examples):
     nft = examples("diffusion_nft")
-    summary = nft.main(["--server", "thread", "--iterations", "2", "--prompts", "2", "--group-size", "4"])
-    assert summary["iterations"] == 2 and summary["weight_version"] == "nft-2"
-    assert summary["active_adapter"] == "old"
-    for record in summary["history"]:
-        assert record["active_during_rollouts"] == "old"
-        assert record["adapters"] == ["default", "old"]
-        assert record["loss"] > 0
+    run = nft.main(SMALL)
+    assert run["active_adapter"] == "old" and len(run["history"]) == 2
+    for i, h in enumerate(run["history"]):
+        # The trainer's `old` adapter recomputes the server's ODE step bit for bit.
+        assert h["old_policy_max_dev"] == 0.0
+        assert h["checksum_ok"] is True  # both adapters, read back from the server
+        assert h["weight_version"] == f"nft-{i + 1}"
+        assert math.isfinite(h["loss"]) and h["loss"] > 0
+        assert len(h["rewards"]) == 8
+        for key in PHASE_KEYS:
+            assert h[key] > 0, key
+    assert run["summary"]["old_policy_max_dev"] == 0.0 and run["summary"]["checksums_ok"]
 
 
+def test_diffusion_nft_parity_and_checksum_fail_when_old_is_not_pushed(examples, monkeypatch):
+    """Negative control: the push of `old` after iteration 0 is skipped, so the server samples
+    iteration 1 from the previous `old` while the trainer's EMA moved on."""
+    nft = examples("diffusion_nft")
+    real_push, names = nft.push_lora, []
+
+    def push_skipping_old_once(client, model, *, name, **kw):
+        names.append(name)
+        if name == "old" and names.count("old") == 2:
+            return None
+        return real_push(client, model, name=name, **kw)
+
+    monkeypatch.setattr(nft, "push_lora", push_skipping_old_once)
+    run = nft.main(SMALL)
+    assert names == ["default", "old"] * 3
+    first, second = run["history"]
+    assert first["old_policy_max_dev"] == 0.0 and first["checksum_ok"] is False
+    assert second["old_policy_max_dev"] > 0
+    assert second["checksum_ok"] is True  # the next sync pushed `old` again
+    assert run["summary"]["old_policy_max_dev"] > 0 and not run["summary"]["checksums_ok"]
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def test_plot_reward_curves_writes_a_png(examples, tmp_path):
+    common = examples("_common")
+
+    def fake_run(offset: float) -> dict:
+        history = [
+            {"iteration": i, "rewards": [offset + i, offset + i + 1.0], "reward_mean": offset + i + 0.5,
+             "reward_std": 0.7}
+            for i in range(4)
+        ]  # fmt: skip
+        return {"history": history}
+
+    png = tmp_path / "curves.png"
+    common.plot_reward_curves({"server": fake_run(0.0), "in-process": fake_run(1.0)}, str(png), "test")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+# ---------------------------------------------------------------------------------------------- Ray
 def test_ray_trainer_places_replicas_and_trains_without_http(tmp_path):
     """The Ray example in its own process (it starts and stops its own Ray instance)."""
     import os
