@@ -557,5 +557,5 @@ def plot_reward_curves(runs: Mapping[str, Mapping[str, Any]], png: str, title: s
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, metadata={"Software": None})  # no version in the file: same JSON, same bytes
     plt.close(fig)

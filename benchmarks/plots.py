@@ -1,0 +1,240 @@
+"""Plots of the committed benchmark JSON: ``python -m benchmarks.plots [--out DIR]``.
+
+Draws PNGs into ``benchmarks/results/plots/`` from the JSON under ``benchmarks/results/`` only, so
+a plot always shows what a RESULTS.md row cites. The files carry no date and no library version
+(``metadata`` cleared, Agg backend, fixed size and dpi): the same JSON draws the same bytes.
+Reward curves use the recipes' own ``plot_reward_curves`` (``examples/_common.py``). Needs
+matplotlib (``pip install -e .[plot]``).
+
+Ray replica scaling is not drawn: its run (2026-11-22) committed no JSON, only the journal's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+METADATA = {"Software": None}  # no matplotlib version in the PNG: output depends on the JSON alone
+DPI = 110
+
+
+def _load(rel: str) -> dict[str, Any]:
+    return json.loads((RESULTS / rel).read_text())
+
+
+def _pick(rows: list[dict], **want: Any) -> dict:
+    hits = [r for r in rows if all(r.get(k) == v for k, v in want.items())]
+    if len(hits) != 1:
+        raise ValueError(f"{len(hits)} rows match {want}")
+    return hits[0]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, metadata=METADATA)
+    _plt().close(fig)
+
+
+def _speedup(row: dict) -> float:
+    """Throughput relative to stock, > 1 faster, whichever way the benchmark expressed its ratio."""
+    return row["ratio"] if row["ratio_kind"].startswith("throughput") else 1.0 / row["ratio"]
+
+
+def speed_vs_stock(out: Path) -> Path:
+    it = _load("h200/speed_options_grpo_iteration_lanes_codec.json")["speed"]
+    comp = _load("h200/speed_options_grpo_iteration_compiled.json")["speed"]
+    sd35 = _load("h200/speed_options_sd35.json")["speed"]
+    flux = _load("h200/speed_options_flux_codec.json")["speed"]
+    bars = [
+        ("Flow-GRPO iteration, eager, 1 lane", _pick(it, variant="server_lean_uint8_4_in_flight")),
+        ("Flow-GRPO iteration, eager, 2 lanes", _pick(it, variant="server_lean_uint8_2_lanes_4_in_flight")),
+        (
+            "Flow-GRPO iteration, --cuda-graphs",
+            _pick(it, variant="server_lean_uint8_cuda_graphs_4_in_flight"),
+        ),
+        ("Flow-GRPO iteration, compiled", _pick(comp, variant="server_lean_uint8_compiled_4_in_flight")),
+        ("Flow-GRPO request, plain float32", _pick(sd35, phase="grpo", variant="server_plain_float32")),
+        ("Flow-GRPO request, lean uint8", _pick(sd35, phase="grpo", variant="server_lean_uint8")),
+        ("SD3.5 batch 1, eager", _pick(sd35, phase="batch1", variant="server_eager")),
+        ("SD3.5 batch 1, --cuda-graphs", _pick(sd35, phase="batch1", variant="server_cuda_graphs")),
+        ("FLUX.1-dev 1024², eager float32", _pick(flux, variant="server_eager")),
+        ("FLUX.1-dev 1024², eager uint8", _pick(flux, variant="server_eager_uint8")),
+        ("FLUX.1-dev 1024², --cuda-graphs uint8", _pick(flux, variant="server_cuda_graphs_uint8")),
+    ]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = [b[0] for b in bars][::-1]
+    values = [_speedup(b[1]) for b in bars][::-1]
+    ax.barh(labels, values, color=["tab:green" if v >= 1 else "tab:orange" for v in values])
+    ax.axvline(1.0, color="black", linewidth=1)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.3f}x", va="center", fontsize=8)
+    ax.set_xlabel("speed vs the stock diffusers pipeline (> 1 is faster), one H200")
+    ax.set_xlim(0, max(values) * 1.15)
+    ax.set_title("Server vs stock, side by side (SD3.5-medium 512² unless named)", fontsize=10)
+    path = out / "speed_vs_stock.png"
+    _save(fig, path)
+    return path
+
+
+def scaling(out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for rel, name in [
+        ("h200/context_parallel_wan2.1-1.3b_x2.json", "Wan 2.1 1.3B"),
+        ("h200/context_parallel_wan2.2-a14b_x2.json", "Wan 2.2 A14B"),
+    ]:
+        rows = _load(rel)["results"]
+        one = _pick(rows, mode="single_gpu")["ms_per_step"]
+        for mode, style in [("ulysses", "-o"), ("ring", "--s")]:
+            k2 = _pick(rows, mode=mode)["ms_per_step"]
+            ax.plot([1, 2], [one / one, one / k2], style, label=f"{name}, {mode}")
+    ax.plot([1, 2], [1, 2], ":", color="gray", label="linear")
+    ax.set_xticks([1, 2])
+    ax.set_xlabel("GPUs for one video (context parallel k)")
+    ax.set_ylabel("speedup vs one GPU (ms/step)")
+    ax.set_title("One 480x832x81 video over GPUs, 2x H200")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = out / "scaling.png"
+    _save(fig, path)
+    return path
+
+
+def weight_sync(out: Path) -> Path:
+    panels = [
+        ("h100/weight_sync.json", "FLUX.1-dev transformer, H100", ["ipc", "http", "disk"]),
+        (
+            "h200/weight_sync_sd35_direct.json",
+            "SD3.5-medium transformer, H200",
+            ["http_stream", "http_direct"],
+        ),
+    ]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (rel, title, transports) in zip(axes, panels, strict=True):
+        rows = _load(rel)["results"]
+        names, values = [], []
+        for t in transports:
+            # the steady state: the last push of each transport (the first allocates or injects)
+            best = [r for r in rows if r["transport"] == t][-1]
+            names.append(t)
+            values.append(best["gb_per_s"])
+        ax.bar(names, values, color="tab:blue")
+        for x, v in enumerate(values):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        for t, style, label in [
+            ("h2d_pinned", "-", "pinned host-to-device"),
+            ("tcp_raw", "--", "bare loopback socket"),
+        ]:
+            lim = [r for r in rows if r["transport"] == t]
+            if lim:
+                ax.axhline(
+                    lim[0]["gb_per_s"],
+                    linestyle=style,
+                    color="black",
+                    label=f"{label} {lim[0]['gb_per_s']:.1f}",
+                )
+        ax.set_yscale("log")
+        ax.set_ylim(0.1, 200)
+        ax.set_ylabel("GB/s (log)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Weight sync per transport (last push of each), loopback")
+    path = out / "weight_sync.png"
+    _save(fig, path)
+    return path
+
+
+def drift(out: Path) -> Path:
+    panels = [
+        ("h200/speed_options_drift_lanes.json", "SD3.5-medium"),
+        ("h200/speed_options_flux.json", "FLUX.1-dev"),
+    ]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (rel, title) in zip(axes, panels, strict=True):
+        rows = _load(rel)["drift"]
+        names = [r["option"] for r in rows]
+        lat = [r["latent_max_abs_diff"] for r in rows]
+        ratio = [r["replay_ratio_max_dev"] for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], lat, width=0.4, label="latents max |diff| vs eager")
+        ax.bar([x + 0.2 for x in xs], ratio, width=0.4, label="max |ratio - 1| on eager replay")
+        for x, r in zip(xs, rows, strict=True):
+            if r["latent_max_abs_diff"] == 0 and r["replay_ratio_max_dev"] == 0:
+                ax.text(x, 0, "exact", ha="center", va="bottom", fontsize=8, color="tab:green")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{title}, one H200", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle("Drift per speed option (0 = bit-identical to the eager server)")
+    path = out / "drift.png"
+    _save(fig, path)
+    return path
+
+
+def reward_curves(out: Path) -> list[Path]:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from _common import plot_reward_curves
+
+    train = RESULTS / "h100" / "training"
+
+    def run(name: str) -> dict:
+        return json.loads((train / name).read_text())
+
+    figures = [
+        (
+            "reward_sd35.png",
+            "SD3.5-medium, JPEG compressibility, one H100",
+            {
+                "Flow-GRPO colocated": run("sd35-flow-grpo.json"),
+                "Flow-GRPO in-process": run("sd35-in-process.json"),
+                "Flow-GRPO released": run("sd35-flow-grpo-released.json"),
+                "DiffusionNFT": run("sd35-diffusion-nft.json"),
+            },
+        ),
+        (
+            "reward_wan.png",
+            "Wan 2.1 1.3B, JPEG compressibility, one H100",
+            {
+                "Flow-GRPO, 1-step window": run("wan-flow-grpo.json"),
+                "fp32 trainer adapter (bug)": run("wan-flow-grpo-fp32-adapter.json"),
+            },
+        ),
+    ]
+    paths = []
+    for name, title, runs in figures:
+        plot_reward_curves(runs, str(out / name), title=title)
+        paths.append(out / name)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=RESULTS / "plots")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    paths = [speed_vs_stock(args.out), scaling(args.out), weight_sync(args.out), drift(args.out)]
+    paths += reward_curves(args.out)
+    for path in paths:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
