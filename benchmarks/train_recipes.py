@@ -61,11 +61,25 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         [*_SD35, *_CFG, "--iterations", "5", "--step-kind", "dance"],
     ),
     "sd35-diffusion-nft": ("sd3.5-medium", "diffusion_nft", [*_SD35, "--iterations", "30"]),
-    # One stochastic step per rollout: 15 iterations of 33-frame videos then fit one 10-minute stretch.
+    # One stochastic step per rollout: 15 iterations of 33-frame videos then fit one 10-minute stretch
+    # (the committed run). It learned less than the 2-step window (wan-flow-grpo-w2, ~37 s per
+    # iteration on an H100: two stretches, continued from the checkpoint on the same machine).
     "wan-flow-grpo": (
         "wan2.1-1.3b",
         "flow_grpo",
         [*_WAN, "--iterations", "15", "--sde-window", "1", "--sde-window-range", "5"],
+    ),
+    "wan-flow-grpo-w2": (
+        "wan2.1-1.3b",
+        "flow_grpo",
+        [*_WAN, "--iterations", "15", "--sde-window-range", "5"],
+    ),
+    # DiffusionNFT with more forward-process samples per rollout (its loss is noisier per sample than
+    # Flow-GRPO's; 2 timesteps per sample did not move the reward in 30 iterations).
+    "sd35-diffusion-nft-t8": (
+        "sd3.5-medium",
+        "diffusion_nft",
+        [*_SD35, "--iterations", "30", "--timesteps-per-sample", "8"],
     ),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
