@@ -54,6 +54,18 @@ class PermissionDeniedError(DiffusionRolloutError):
     error_type = "permission_denied"
 
 
+class WeightVersionNotHeldError(DiffusionRolloutError):
+    """A rollout asked for ``min_weight_version`` with ``min_weight_version_wait: false`` and the
+    server does not hold that version yet (``weight_versions.py`` defines "holds").
+
+    409 (conflict with the server's current state): the request is valid and may succeed once the
+    trainer's update lands, so it is neither a 400 nor a 503.
+    """
+
+    status_code = 409
+    error_type = "weight_version_not_held"
+
+
 class PayloadTooLargeError(DiffusionRolloutError):
     """The request body is over the configured limit."""
 

@@ -25,6 +25,13 @@ Each iteration:
 4. **Sync.** The adapter is pushed (``push_lora``: reloaded in place, activated, checksum verified)
    and the server's checksum read back and compared with the trainer's.
 
+``--async-depth k`` (k > 0) makes the rollouts of the next k iterations while the trainer trains
+(``RolloutClient.rollout_stream``): a batch is at most k pushes behind the trainer (older ones are
+regenerated), is trained with the truncated importance weight of ``tis_policy_loss`` when stale,
+and each iteration records its ``staleness`` and the first-step ratio statistics per staleness
+(``ratio_by_staleness``; |ratio - 1| is exactly 0 at staleness 0). ``0`` (the default) is the
+synchronous loop above, unchanged.
+
 ``--layout in-process`` samples with the stock pipeline on the trainer's own transformer instead
 (``_common.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
 has a colocated server release its GPU memory while the trainer trains.
@@ -36,6 +43,7 @@ statistics, the checksums and the seconds of each phase; at the end the learning
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import random
@@ -74,7 +82,9 @@ from diffusion_rollout.client import (
     group_advantages,
     lora_checksum,
     push_lora,
+    ratio_stats_by_staleness,
     replay_step,
+    tis_policy_loss,
 )
 
 logger = logging.getLogger("examples.flow_grpo")
@@ -102,6 +112,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--clip-range", type=float, default=1e-4)
     g.add_argument("--adv-clip-max", type=float, default=5.0)
     g.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model (0: off)")
+    g.add_argument(
+        "--async-depth",
+        type=int,
+        default=0,
+        help="rollouts made this many iterations ahead, at most this many pushes stale (0: synchronous)",
+    )
+    g.add_argument(
+        "--tis-cap", type=float, default=2.0, help="truncated importance weight cap (stale batches)"
+    )
     return p.parse_args(argv)
 
 
@@ -115,19 +134,34 @@ def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
     return list(range(start, min(start + args.sde_window, args.steps - 1)))
 
 
-def train_iteration(transformer, optimizer, params, groups, advantages, args) -> dict[str, Any]:
+def train_iteration(
+    transformer, optimizer, params, groups, advantages, args, staleness=None
+) -> dict[str, Any]:
+    """``staleness`` (``--async-depth``; None: synchronous) is recorded with the first-step ratio
+    statistics; > 0: the rollouts came from older weights (``--async-depth``); the loss is then
+    the clipped ratio against the trainer's own policy, weighted by the truncated importance weight
+    to the server's (behaviour) log-probs."""
     batches = [ReplayBatch(group) for group in groups]
     n_terms = sum(len(b.trainable_steps()) for b in batches)
-    first_dev, ratios, clip_fracs, losses, kls = 0.0, [], [], [], []
+    first_dev, ratios, clip_fracs, losses, kls, first = 0.0, [], [], [], [], []
+    proximal: dict[tuple[int, int], torch.Tensor] = {}
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         for batch, adv in zip(batches, advantages, strict=True):
             for t in batch.trainable_steps():
                 step = replay_step(transformer, batch, t)
-                loss, stats = clipped_policy_loss(
-                    step.log_prob, step.old_log_prob, adv,
-                    clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
-                )  # fmt: skip
+                if staleness:
+                    if epoch == 0:  # the trainer's policy before this update, per (batch, step)
+                        proximal[(id(batch), t)] = step.log_prob.detach()
+                    loss, stats = tis_policy_loss(
+                        step.log_prob, proximal[(id(batch), t)], step.old_log_prob, adv,
+                        clip_range=args.clip_range, tis_cap=args.tis_cap, adv_clip_max=args.adv_clip_max,
+                    )  # fmt: skip
+                else:
+                    loss, stats = clipped_policy_loss(
+                        step.log_prob, step.old_log_prob, adv,
+                        clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
+                    )  # fmt: skip
                 if args.kl_beta > 0:
                     with torch.no_grad():
                         transformer.disable_adapters()
@@ -141,12 +175,14 @@ def train_iteration(transformer, optimizer, params, groups, advantages, args) ->
                 (loss / n_terms).backward()  # one step's graph at a time
                 if epoch == 0:
                     first_dev = max(first_dev, float((step.ratio.detach() - 1).abs().max()))
+                    first.append((staleness, step.ratio.detach()))
                 ratios.append(step.ratio.detach().float().cpu())
                 clip_fracs.append(stats["clip_frac"])
                 losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     r = torch.cat(ratios)
+    by_staleness = ratio_stats_by_staleness(first) if staleness is not None else None
     return {
         "first_ratio_max_dev": first_dev,
         "ratio_mean": float(r.mean()),
@@ -155,6 +191,7 @@ def train_iteration(transformer, optimizer, params, groups, advantages, args) ->
         "clip_frac": sum(clip_fracs) / len(clip_fracs),
         "loss": sum(losses) / len(losses),
         **({"kl": sum(kls) / len(kls)} if kls else {}),
+        **({"staleness": staleness, "ratio_by_staleness": by_staleness} if by_staleness is not None else {}),
     }
 
 
@@ -189,9 +226,15 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
         "recipe": "flow_grpo", "layout": "in-process" if in_process else "server",
         "args": vars(args), "environment": environment(), "history": history,
     }  # fmt: skip
-    for it in range(state["next_iteration"], args.iterations):
-        phases = Phases(device)
-        t_iter = time.perf_counter()
+    shared = dict(
+        num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
+        width=width, height=height, num_frames=args.frames, guidance_scale=args.guidance_scale,
+        rollout_sde_type=args.step_kind, rollout_noise_level=args.noise_level,
+        rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, rollout_debug_mode=False,
+        output_dtype="uint8", generator_device="cuda" if device.type == "cuda" else "cpu",
+    )  # fmt: skip
+
+    def iteration_jobs(it: int) -> list[dict[str, Any]]:
         window = sde_window(args, it)
         jobs = []
         for k in range(args.prompts):
@@ -199,61 +242,85 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
             # One x_T per group (Flow-GRPO-Fast): samples of a group differ only by the noise of the
             # steps being trained, which sharpens the credit assignment.
             jobs.append({"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)], "seed": seed,
-                         "initial_noise_seed": seed + 999})  # fmt: skip
-        with phases("rollout"):
-            groups = sampler.generate_many(
-                jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
-                width=width, height=height, num_frames=args.frames, guidance_scale=args.guidance_scale,
-                rollout_sde_type=args.step_kind, rollout_noise_level=args.noise_level,
-                rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
-                # Replay needs the latents entering and leaving each stochastic step, nothing else.
-                rollout_return_step_indices=None if window is None else sorted({*window, *(s + 1 for s in window)}),
-                rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
-                generator_device="cuda" if device.type == "cuda" else "cpu",
-            )  # fmt: skip
-        outputs = [o for g in groups for o in g]
-        if not in_process and {o.weight_version for o in outputs} != {version}:
-            raise RuntimeError(
-                f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
+                         "initial_noise_seed": seed + 999, "rollout_sde_step_indices": window,
+                         # Replay needs the latents entering and leaving each stochastic step, nothing else.
+                         "rollout_return_step_indices":
+                             None if window is None else sorted({*window, *(s + 1 for s in window)})})  # fmt: skip
+        return jobs
+
+    stream = None
+    if args.async_depth > 0 and not in_process:
+        # Iteration it + k is sent while the trainer trains on iteration it (k = --async-depth).
+        first_it = state["next_iteration"]
+        stream = client.rollout_stream(
+            lambda i: iteration_jobs(first_it + i), max_staleness=args.async_depth, on_stale="regenerate",
+            max_batches=args.iterations - first_it, **shared,
+        )  # fmt: skip
+        stream.pushed(version)
+    with stream if stream is not None else contextlib.nullcontext():  # closing aborts what is in flight
+        for it in range(state["next_iteration"], args.iterations):
+            phases = Phases(device)
+            t_iter = time.perf_counter()
+            staleness = None
+            with phases("rollout"):
+                if stream is not None:
+                    batch = next(stream)
+                    groups, staleness = batch.outputs, batch.staleness
+                else:
+                    groups = sampler.generate_many(iteration_jobs(it), **shared)
+            outputs = [o for g in groups for o in g]
+            if stream is not None and len({o.weight_version for o in outputs}) != 1:
+                raise RuntimeError(f"a batch mixed versions { ({o.weight_version for o in outputs}) }")
+            if stream is None and not in_process and {o.weight_version for o in outputs} != {version}:
+                raise RuntimeError(
+                    f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
+                )
+            if args.release_memory and not in_process:
+                with phases("release"):
+                    client.release_memory_occupation()
+            with phases("reward"):
+                rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+                adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
+            with phases("train"):
+                stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness)
+            version = f"iter-{it + 1}"
+            checksum_ok = None
+            if args.release_memory and not in_process:
+                with phases("resume"):
+                    client.resume_memory_occupation()
+            if not in_process:
+                with phases("push"):
+                    result = push_lora(
+                        client, transformer, name="default", activate=True, weight_version=version
+                    )
+                    local = lora_checksum(transformer, dtype=trainer_dtype(args, device))
+                    checksum_ok = (
+                        local == server_adapter_checksum(client) and result.weight_version == version
+                    )
+                if stream is not None:
+                    stream.pushed(version)
+            record = {
+                "iteration": it,
+                "weight_version": version,
+                "sde_steps": outputs[0].sde_step_indices,
+                "rewards": [round(float(r), 5) for r in rewards],
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std()),
+                **stats,
+                "checksum_ok": checksum_ok,
+                "images": len(outputs),
+                **phases.record(),
+                "server_peak_gb": server_peak_gb(outputs),
+            }
+            record["iteration_s"] = round(time.perf_counter() - t_iter, 4)
+            record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
+            history.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
+            run_record["summary"] = summarize(history)
+            write_run(out_path, run_record)
+            checkpoint.save(
+                transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history}
             )
-        if args.release_memory and not in_process:
-            with phases("release"):
-                client.release_memory_occupation()
-        with phases("reward"):
-            rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
-            adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
-        with phases("train"):
-            stats = train_iteration(transformer, optimizer, params, groups, adv, args)
-        version = f"iter-{it + 1}"
-        checksum_ok = None
-        if args.release_memory and not in_process:
-            with phases("resume"):
-                client.resume_memory_occupation()
-        if not in_process:
-            with phases("push"):
-                result = push_lora(client, transformer, name="default", activate=True, weight_version=version)
-                local = lora_checksum(transformer, dtype=trainer_dtype(args, device))
-                checksum_ok = local == server_adapter_checksum(client) and result.weight_version == version
-        record = {
-            "iteration": it,
-            "weight_version": version,
-            "sde_steps": outputs[0].sde_step_indices,
-            "rewards": [round(float(r), 5) for r in rewards],
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            **stats,
-            "checksum_ok": checksum_ok,
-            "images": len(outputs),
-            **phases.record(),
-            "server_peak_gb": server_peak_gb(outputs),
-        }
-        record["iteration_s"] = round(time.perf_counter() - t_iter, 4)
-        record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
-        history.append(record)
-        print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
-        run_record["summary"] = summarize(history)
-        write_run(out_path, run_record)
-        checkpoint.save(transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history})
     if not in_process:
         run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=trainer_dtype(args, device))
         run_record["server_adapter_checksum"] = server_adapter_checksum(client)

@@ -51,13 +51,14 @@ SMALL = {"num_inference_steps": 2, "width": 32, "height": 32, "max_sequence_leng
 EXPECTED_ALL = [
     "AsyncRolloutClient", "ChecksumMismatchError", "DitTrajectory", "ReplayBatch", "ReplaySettings",
     "ReplayedStep", "RetryPolicy", "RolloutClient", "RolloutConnectionError", "RolloutHTTPError",
-    "RolloutOutput", "RolloutTimeoutError", "UpdateResult", "WeightBroadcaster",
+    "RolloutOutput", "RolloutStream", "RolloutTimeoutError", "StreamBatch", "StreamStats", "UpdateResult",
+    "WeightBroadcaster",
     "build_update_weights_from_tensor_request", "clipped_policy_loss", "gaussian_kl", "group_advantages",
     "group_by_server_batch",
     "lora_checksum", "lora_config_dict", "lora_state_dict", "push_lora", "push_weights", "push_weights_ipc",
-    "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "replay_stream_model_outputs",
+    "ratio_stats_by_staleness", "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "replay_stream_model_outputs",
     "safetensors_parts",
-    "stack_envs", "trainable_steps", "verify_lora", "verify_weights_checksum",
+    "stack_envs", "tis_policy_loss", "trainable_steps", "verify_lora", "verify_weights_checksum",
 ]  # fmt: skip
 
 

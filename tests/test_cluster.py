@@ -461,6 +461,47 @@ def test_resync_restores_adapters_exactly(cluster):
     assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
 
 
+def test_min_weight_version_routes_to_the_replicas_holding_it(cluster):
+    """Replicas at different versions: a request goes only where its min_weight_version is held,
+    waits at the front while none holds it (until a fan-out lands) and is 409 when told not to."""
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    replica0, replica1 = (r.actor for r in engine.replicas)
+    front = engine.weight_version
+    # Replica 1 alone moves on (an update only it applied), then reports it through /server_info.
+    kwargs = {"target_module": "transformer", "name": None, "weight_version": "only-1"}
+    ray.get(replica1.manager_call.remote("unload_lora", kwargs))
+    assert [r["weight_version"] for r in replicas(client)] == [front, "only-1"]
+
+    newest = {**BODY, "min_weight_version": "only-1", "min_weight_version_wait": False}
+    assert [generate(client, newest)[0]["weight_version"] for _ in range(4)] == ["only-1"] * 4
+    older = {**BODY, "min_weight_version": front}  # both hold it: least outstanding work alternates
+    assert {generate(client, older)[0]["weight_version"] for _ in range(4)} == {front, "only-1"}
+    r = client.post(
+        "/rollout/generate", json={**BODY, "min_weight_version": "nowhere", "min_weight_version_wait": False}
+    )
+    assert r.status_code == 409 and "replica 1: 'only-1'" in r.json()["error"]["message"], r.text
+
+    ray.get(replica1.import_state.remote(replica0.export_state.remote([])))  # back in line
+    assert [r["weight_version"] for r in replicas(client)] == [front, front]
+    results: dict = {}
+    waiting = threading.Thread(
+        target=lambda: results.setdefault(
+            "r", client.post("/rollout/generate", json={**BODY, "min_weight_version": "both-2"})
+        )
+    )
+    waiting.start()
+    time.sleep(0.5)
+    assert "r" not in results
+    assert client.post("/lora/unload", json={"name": None, "weight_version": "both-2"}).status_code == 200
+    waiting.join(60)
+    assert results["r"].status_code == 200, results["r"].text
+    assert (
+        wire.decode(results["r"].content, results["r"].headers["content-type"])[0]["weight_version"]
+        == "both-2"
+    )
+    assert assert_versions_agree(client) == "both-2"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

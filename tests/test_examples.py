@@ -69,6 +69,25 @@ def test_flow_grpo_on_policy_ratio_verified_pushes_and_records(examples, tmp_pat
     assert written == run
 
 
+def test_flow_grpo_async_depth_trains_on_batches_at_most_one_push_stale(examples):
+    """--async-depth 1: the next iteration's rollouts run while the trainer trains; staleness <= 1,
+    |ratio - 1| exactly 0 on staleness-0 batches and above 0 on stale ones (so the check can fail)."""
+    run = examples("flow_grpo").main([*SMALL, "--iterations", "3", "--async-depth", "1"])
+    history = run["history"]
+    assert [h["iteration"] for h in history] == [0, 1, 2]
+    assert history[0]["staleness"] == 0  # the first batch is made under the initial push
+    for h in history:
+        assert h["staleness"] in (0, 1) and list(h["ratio_by_staleness"]) == [h["staleness"]]
+        stats = h["ratio_by_staleness"][h["staleness"]]
+        assert stats["count"] > 0
+        if h["staleness"] == 0:
+            assert stats["max"] == 0.0
+        else:
+            assert stats["max"] > 0.0
+        assert h["checksum_ok"] is True
+    assert run["final_adapter_checksum"] == run["server_adapter_checksum"]
+
+
 def test_flow_grpo_reward_plugin_gets_the_served_images_and_prompts(examples, tmp_path):
     flow_grpo, recipe_prompts = examples("flow_grpo"), examples("_common").PROMPTS
     calls = tmp_path / "calls.json"

@@ -11,6 +11,8 @@
   checksum verification, the same-host IPC body and the NCCL/gloo broadcaster (one module each).
 - ``replay`` / ``training``: recompute a rollout's steps with the trainer's transformer and the
   shared transition function (ratio exactly 1 on-policy), plus the common loss pieces.
+- ``stream``: :class:`RolloutStream`, rollouts generated ahead of the trainer with bounded
+  staleness (``RolloutClient.rollout_stream``).
 - ``exceptions``: server errors as the project's exception classes, with status and message.
 
 Importing this package opens no connection and starts nothing.
@@ -37,6 +39,7 @@ from diffusion_rollout.client.results import (
     UpdateResult,
     group_by_server_batch,
 )
+from diffusion_rollout.client.stream import RolloutStream, StreamBatch, StreamStats
 from diffusion_rollout.client.sync_client import RolloutClient
 from diffusion_rollout.client.training import (
     ReplayBatch,
@@ -44,8 +47,10 @@ from diffusion_rollout.client.training import (
     clipped_policy_loss,
     gaussian_kl,
     group_advantages,
+    ratio_stats_by_staleness,
     replay_step,
     replay_steps,
+    tis_policy_loss,
     trainable_steps,
 )
 from diffusion_rollout.client.weights import (
@@ -74,7 +79,10 @@ __all__ = [
     "RolloutConnectionError",
     "RolloutHTTPError",
     "RolloutOutput",
+    "RolloutStream",
     "RolloutTimeoutError",
+    "StreamBatch",
+    "StreamStats",
     "UpdateResult",
     "WeightBroadcaster",
     "build_update_weights_from_tensor_request",
@@ -88,6 +96,7 @@ __all__ = [
     "push_lora",
     "push_weights",
     "push_weights_ipc",
+    "ratio_stats_by_staleness",
     "replay_log_prob",
     "replay_model_output",
     "replay_step",
@@ -95,6 +104,7 @@ __all__ = [
     "replay_stream_model_outputs",
     "safetensors_parts",
     "stack_envs",
+    "tis_policy_loss",
     "trainable_steps",
     "verify_lora",
     "verify_weights_checksum",

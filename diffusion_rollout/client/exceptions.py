@@ -35,6 +35,7 @@ from diffusion_rollout.errors import (
     ServiceUnavailableError,
     WeightApplyError,
     WeightUpdateError,
+    WeightVersionNotHeldError,
 )
 
 __all__ = [
@@ -130,6 +131,10 @@ class ServerRequestAbortedError(RolloutHTTPError, RequestAbortedError):
     """499: the request was aborted (``/abort_request``) before it ran (not retried)."""
 
 
+class ServerWeightVersionNotHeldError(RolloutHTTPError, WeightVersionNotHeldError):
+    """409: the server does not hold the rollout's ``min_weight_version`` (and was told not to wait)."""
+
+
 class ServerGenerationError(RolloutHTTPError, GenerationError):
     """500 from generation."""
 
@@ -180,6 +185,7 @@ _BY_STATUS: dict[int, type[RolloutHTTPError]] = {
     401: ServerAuthenticationError,
     403: ServerPermissionDeniedError,
     404: ServerNotFoundError,
+    409: ServerWeightVersionNotHeldError,
     413: ServerPayloadTooLargeError,
     422: ServerValidationError,
     429: ServerQueueFullError,

@@ -54,6 +54,7 @@ from diffusion_rollout.client.calls import (
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.receive import read_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+from diffusion_rollout.client.stream import RolloutStream
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 __all__ = ["RolloutClient"]
@@ -282,6 +283,31 @@ class RolloutClient(_ClientBase):
                 for f in futures:
                     f.cancel()
                 raise
+
+    def rollout_stream(
+        self,
+        make_batch: Callable[[int], Sequence[str | Mapping[str, Any]]],
+        *,
+        max_staleness: int = 1,
+        on_stale: str = "drop",
+        depth: int | None = None,
+        max_batches: int | None = None,
+        **fields: Any,
+    ) -> RolloutStream:
+        """Batches generated ahead while the trainer trains, at most ``max_staleness`` pushes behind
+        (``client/stream.py``): ``for batch in stream: train(batch); push(...); stream.pushed(v)``.
+        ``make_batch(i)`` gives batch ``i``'s requests as ``generate_many`` items over ``fields``;
+        ``on_stale`` is ``"drop"`` or ``"regenerate"``; ``close()`` (or ``with``) aborts what is in
+        flight."""
+        return RolloutStream(
+            self,
+            make_batch,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+            depth=depth,
+            max_batches=max_batches,
+            **fields,
+        )
 
     # ------------------------------------------------------------------ pause and memory (admin)
     def abort_request(

@@ -30,7 +30,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,6 +313,30 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+def _clipped_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    adv_clip_max: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Per-sample ``max(-A r, -A clip(r, 1 - c, 1 + c))``, the ratio ``r`` and its stats."""
+    adv = advantages.to(log_prob.dtype).to(log_prob.device)
+    if adv_clip_max is not None:
+        adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_prob - old_log_prob.to(log_prob.device))
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    with torch.no_grad():
+        stats = {
+            "ratio_mean": float(ratio.mean()),
+            "ratio_min": float(ratio.min()),
+            "ratio_max": float(ratio.max()),
+            "clip_frac": float(((ratio - 1.0).abs() > clip_range).float().mean()),
+        }
+    return torch.maximum(unclipped, clipped), ratio, stats
+
+
 def clipped_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -322,21 +346,62 @@ def clipped_policy_loss(
     adv_clip_max: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO's clipped surrogate ``mean(max(-A r, -A clip(r, 1 - c, 1 + c)))`` and its stats."""
-    adv = advantages.to(log_prob.dtype).to(log_prob.device)
-    if adv_clip_max is not None:
-        adv = adv.clamp(-adv_clip_max, adv_clip_max)
-    ratio = torch.exp(log_prob - old_log_prob.to(log_prob.device))
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_sample, _, stats = _clipped_surrogate(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    return per_sample.mean(), stats
+
+
+def tis_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    tis_cap: float = 2.0,
+    adv_clip_max: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate for rollouts made by older weights, with truncated importance sampling.
+
+    ``mean(w * max(-A r, -A clip(r, 1 - c, 1 + c)))`` with ``r = exp(log_prob - old_log_prob)``
+    against the trainer's own policy before this update (``old_log_prob``, e.g. ``log_prob.detach()``
+    on the first step) and the truncated importance weight ``w = min(exp(old_log_prob -
+    behaviour_log_prob), tis_cap)`` (no gradient) correcting for the server's weights that made the
+    sample (``behaviour_log_prob``, the rollout's log-prob). On-policy (``old == behaviour``) it is
+    ``clipped_policy_loss``. Stats add ``tis_weight_mean``/``_min``/``_max`` and ``tis_capped_frac``.
+    """
+    per_sample, _, stats = _clipped_surrogate(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
     with torch.no_grad():
-        stats = {
-            "ratio_mean": float(ratio.mean()),
-            "ratio_min": float(ratio.min()),
-            "ratio_max": float(ratio.max()),
-            "clip_frac": float(((ratio - 1.0).abs() > clip_range).float().mean()),
+        behaviour = behaviour_log_prob.to(old_log_prob.device, old_log_prob.dtype)
+        raw = torch.exp(old_log_prob.detach() - behaviour)
+        weight = torch.clamp(raw, max=tis_cap)
+        stats.update(
+            tis_weight_mean=float(weight.mean()),
+            tis_weight_min=float(weight.min()),
+            tis_weight_max=float(weight.max()),
+            tis_capped_frac=float((raw > tis_cap).float().mean()),
+        )
+    return (weight.to(per_sample.dtype) * per_sample).mean(), stats
+
+
+def ratio_stats_by_staleness(records: Iterable[tuple[int, torch.Tensor]]) -> dict[int, dict[str, float]]:
+    """``{staleness: {count, mean, min, max}}`` of ``|ratio - 1|`` over ``(staleness, ratios)`` pairs.
+
+    The ratios are the first step's ``exp(log_prob - behaviour_log_prob)`` (trainer vs server): 0 at
+    staleness 0 when replay is exact, growing with the number of pushes the batch is behind.
+    """
+    devs: dict[int, list[torch.Tensor]] = {}
+    for staleness, ratios in records:
+        devs.setdefault(int(staleness), []).append((ratios.detach().double().flatten() - 1.0).abs().cpu())
+    out = {}
+    for staleness in sorted(devs):
+        d = torch.cat(devs[staleness])
+        out[staleness] = {
+            "count": int(d.numel()),
+            "mean": float(d.mean()),
+            "min": float(d.min()),
+            "max": float(d.max()),
         }
-    return loss, stats
+    return out
 
 
 def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -47,10 +47,18 @@ from typing import Any
 
 from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_work
 from diffusion_rollout.config import ServerConfig
-from diffusion_rollout.errors import DiffusionRolloutError, RequestError, ServiceUnavailableError
+from diffusion_rollout.errors import (
+    DiffusionRolloutError,
+    RequestAbortedError,
+    RequestError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    WeightVersionNotHeldError,
+)
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.weight_versions import VersionWaits, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +188,8 @@ class ClusterEngine:
         # Modules that full updates changed since start: what a restarted replica copies from a peer.
         self.touched_modules: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        # Requests waiting at the front for a replica holding their min_weight_version.
+        self._version_waits = VersionWaits()
         from diffusion_rollout.cluster.weights import ClusterWeights
 
         self._weights = ClusterWeights(self)
@@ -237,6 +247,8 @@ class ClusterEngine:
             Replica(i, actor, Load(i), info)
             for i, (actor, info) in enumerate(zip(actors, infos, strict=True))
         ]
+        for r in self.replicas:
+            _learn_versions(r)
         self.router = LeastOutstanding([r.load for r in self.replicas])
         self.module_names = list(infos[0]["module_names"])
         self._model_info = dict(infos[0]["model_info"])
@@ -304,6 +316,8 @@ class ClusterEngine:
     def set_weight_version(self, version: Any) -> None:
         """After an update every replica applied: the front's version is theirs."""
         self._weight_version = version
+        for r in self.serving():  # they all applied it (cluster/weights.py calls this after a fan-out)
+            r.load.versions.record(version)
         self.updates_applied += 1
         self.metrics.weight_updated()
 
@@ -383,6 +397,7 @@ class ClusterEngine:
                 replica.state = "stale"
                 return
             replica.info = info
+            _learn_versions(replica)
             replica.state = "serving"
             replica.load.serving = True
         logger.info(
@@ -427,6 +442,7 @@ class ClusterEngine:
                 self.replica_died(r, a)
             elif not isinstance(a, BaseException):
                 r.info = a
+                _learn_versions(r)
         return [
             {
                 "replica_id": r.replica_id,
@@ -475,10 +491,44 @@ class ClusterEngine:
         if self.status != "ready":
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 
-    async def _on_replica(self, work: int, call) -> Any:
-        """Dispatch ``call(replica)`` to the least loaded serving replica once the gate is open."""
+    async def _holding_replica(self, params: GenerateParams, deadline: float) -> None:
+        """Wait until a serving replica holds ``params.min_weight_version`` (routing.py); 409 when
+        the request does not wait, 504 at ``deadline``; ``abort`` reaches a waiting request."""
+        wanted = params.min_weight_version
+        if self.router.holding(wanted) or not self.serving():
+            return  # pick() answers 503 when nothing serves
+        held = ", ".join(f"replica {r.replica_id}: {r.load.versions.current!r}" for r in self.serving())
+        if not params.min_weight_version_wait:
+            raise WeightVersionNotHeldError(
+                f"min_weight_version={wanted!r} is not held by any serving replica ({held}; versions are "
+                "ordered by when they were applied); it is satisfied once an update with that version "
+                "lands (send min_weight_version_wait=true to wait for it)",
+                field="min_weight_version",
+            )
+        with self._version_waits.waiting(params.request_id) as aborted:
+            ok = await wait_until(
+                lambda: bool(self.router.holding(wanted)),
+                lambda: [r.load.versions for r in self.replicas],
+                aborted,
+                deadline,
+            )
+        if not ok:
+            self.metrics.request_cancelled("timeout")
+            raise RequestTimeoutError(
+                f"no replica got min_weight_version={wanted!r} within request_timeout_s="
+                f"{self.config.request_timeout_s:g} s (limit request_timeout_s; {held}); nothing was sent"
+            )
+
+    async def _on_replica(self, work: int, call, params: GenerateParams | None = None) -> Any:
+        """Dispatch ``call(replica)`` to the least loaded serving replica (holding the request's
+        ``min_weight_version``) once the gate is open."""
         await self.gate.wait()
-        replica = self.replicas[self.router.pick(work).replica_id]
+        wanted = None
+        if params is not None and params.min_weight_version is not None:
+            wanted = params.min_weight_version
+            await self._holding_replica(params, time.monotonic() + self.config.request_timeout_s)
+            await self.gate.wait()  # an update may have started committing while this one waited
+        replica = self.replicas[self.router.pick(work, wanted).replica_id]
         ref = call(replica)
         ok = False
         try:
@@ -500,19 +550,23 @@ class ClusterEngine:
         finally:
             self.router.done(replica.load, work, ok)
 
-    async def _retried_once(self, work: int, call, request_id: str) -> Any:
+    async def _retried_once(
+        self, work: int, call, request_id: str, params: GenerateParams | None = None
+    ) -> Any:
         try:
-            return await self._on_replica(work, call)
+            return await self._on_replica(work, call, params)
         except ReplicaLostError as exc:
             # Nothing of the request was produced (its outputs come back together or not at all):
             # run it again, whole, on a serving replica.
             logger.warning("request %s: %s; retrying once on another replica", request_id, exc.message)
-            return await self._on_replica(work, call)
+            return await self._on_replica(work, call, params)
 
     async def generate(self, params: GenerateParams) -> list[SampleResult]:
         self._check_ready()
         work = request_work(params.num_outputs_per_prompt, params.seeds)
-        results = await self._retried_once(work, lambda r: r.actor.generate.remote(params), params.request_id)
+        results = await self._retried_once(
+            work, lambda r: r.actor.generate.remote(params), params.request_id, params
+        )
         self.last_generate_ok_at = time.time()
         return results
 
@@ -521,12 +575,16 @@ class ClusterEngine:
         request waits on exactly one replica); a batch already running finishes."""
         if not abort_all and not rid:
             raise RequestError("send the rid of the request to abort, or abort_all=true", field="rid")
+        waiting = self._version_waits.abort(
+            lambda request_id: abort_all or request_id == rid,
+            lambda request_id: RequestAbortedError(f"request {request_id} was aborted before it started"),
+        )
         results = await self._each(self.serving(), lambda r: r.actor.abort.remote(rid, abort_all=abort_all))
         done = [res for res in results if isinstance(res, dict)]
         return {
             "rid": rid,
             "abort_all": abort_all,
-            "dropped": sum(res["dropped"] for res in done),
+            "dropped": waiting + sum(res["dropped"] for res in done),
             "running": sum(res["running"] for res in done),
         }
 
@@ -534,3 +592,10 @@ class ClusterEngine:
         self._check_ready()
         await self._retried_once(1, lambda r: r.actor.readiness_probe.remote(), "health_generate")
         self.last_generate_ok_at = time.time()
+
+
+def _learn_versions(replica: Replica) -> None:
+    """The front's knowledge of a replica's versions, from what it reported (``info``)."""
+    info = replica.info
+    if "weight_version" in info:
+        replica.load.versions.replace(info.get("weight_versions") or [info["weight_version"]])

@@ -145,6 +145,7 @@ class ReplicaServer:
             "device": self.engine.device,
             "gpu_uuids": _gpu_uuids() if self.engine.device.startswith("cuda") else [],
             "weight_version": self.engine.weight_version,
+            "weight_versions": self.engine.versions.as_list(),
             "status": self.engine.status,
             "queue_depth": stats.depth,
             "busy": stats.busy,

@@ -42,6 +42,7 @@ def export_state(manager, modules: Iterable[str]) -> dict[str, Any]:
     }
     return {
         "weight_version": manager.engine.weight_version,
+        "weight_versions": manager.engine.versions.as_list(),
         "updates_applied": manager.updates_applied,
         "modules": base,
         "lora": lora,
@@ -62,5 +63,7 @@ def import_state(manager, state: dict[str, Any]) -> Any:
         restore(manager.lora, target, get_module(pipe, target), snapshot)
     manager.updates_applied = state["updates_applied"]
     engine.weight_version = state["weight_version"]
+    # The peer's whole sequence: min_weight_version of an earlier version is satisfied here too.
+    engine.versions.replace(state.get("weight_versions") or [state["weight_version"]])
     engine.prompt_cache.clear()
     return engine.weight_version

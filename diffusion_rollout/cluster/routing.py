@@ -10,6 +10,10 @@ Design decisions:
   recently, so a burst of equal requests alternates instead of piling onto replica 0.
 - **One request, one replica.** Every output of a request runs on the replica it was sent to, so
   its ``batch_id`` names one pipeline call there and replay stays exact.
+- **Weight versions.** A request with ``min_weight_version`` goes only to a replica that holds it
+  (``weight_versions.py``'s order, checked against the sequence the front knows for each
+  replica: what it reported at start, re-sync and ``/server_info``, plus every update the front
+  fanned out to it); the least outstanding rule picks among those. The replica checks again.
 - **IPC payloads by GPU.** A colocated trainer sends one ``serialized_named_tensors`` entry per GPU
   with ``payload_gpu_uuids``; each replica receives exactly the entry on its own GPU. A replica on
   a GPU the payload does not name gets entry 0, as the single server does (CUDA IPC handles open on
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from diffusion_rollout.errors import ServiceUnavailableError, WeightUpdateError
+from diffusion_rollout.weight_versions import Version, VersionHistory
 
 
 @dataclass
@@ -38,6 +43,8 @@ class Load:
     requests: int = 0
     served: int = 0
     last_pick: int = -1
+    # The weight versions this replica has held, as far as the front knows (module docstring).
+    versions: VersionHistory = field(default_factory=VersionHistory)
 
 
 @dataclass
@@ -47,11 +54,20 @@ class LeastOutstanding:
     loads: list[Load]
     _ticks: itertools.count = field(default_factory=itertools.count)
 
-    def pick(self, work: int) -> Load:
-        """The serving replica with the least outstanding work; ``work`` is charged to it."""
-        candidates = [ld for ld in self.loads if ld.serving]
-        if not candidates:
+    def holding(self, min_version: Version = None) -> list[Load]:
+        """The serving replicas that hold ``min_version`` (all serving ones for ``None``)."""
+        return [
+            ld for ld in self.loads if ld.serving and (min_version is None or ld.versions.holds(min_version))
+        ]
+
+    def pick(self, work: int, min_version: Version = None) -> Load:
+        """The serving replica with the least outstanding work among those holding ``min_version``;
+        ``work`` is charged to it. The caller waits while none holds it (``holding``)."""
+        if not any(ld.serving for ld in self.loads):
             raise ServiceUnavailableError("no replica is serving (all are starting, restarting or stopped)")
+        candidates = self.holding(min_version)
+        if not candidates:
+            raise ServiceUnavailableError(f"no serving replica holds weight_version {min_version!r}")
         chosen = min(candidates, key=lambda ld: (ld.outstanding, ld.last_pick, ld.replica_id))
         chosen.outstanding += work
         chosen.requests += 1

@@ -16,7 +16,7 @@ import binascii
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
 from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
 from diffusion_rollout.errors import RequestError
@@ -97,6 +97,24 @@ class GenerateRequest(BaseModel):
     feature_cache: FeatureCacheRequest | None = None
     allow_inexact: bool = False
     lean_response: bool = False
+    # Bounded staleness (ext): the weights must be at least this version (weight_versions.py).
+    min_weight_version: Annotated[StrictStr, Field(min_length=1, max_length=256)] | StrictInt | None = Field(
+        None,
+        description=(
+            "Run only on weights at least this version: the server's current weight_version or one it "
+            "applied before it (versions are ordered by when the server applied them and compare as "
+            "text, so 7 and '7' are one version). A version the server has not applied yet is waited "
+            "for, within request_timeout_s (504), or refused with 409 when min_weight_version_wait is "
+            "false. Unset: any version."
+        ),
+    )
+    min_weight_version_wait: bool = Field(
+        True,
+        description=(
+            "With min_weight_version: wait for that version (true) or answer 409 at once (false) when "
+            "the server does not hold it yet."
+        ),
+    )
 
     # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
@@ -190,6 +208,8 @@ class GenerateRequest(BaseModel):
             allow_inexact=self.allow_inexact,
             image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
             image_data=image_data,
+            min_weight_version=self.min_weight_version,
+            min_weight_version_wait=self.min_weight_version_wait,
             request_id=request_id,
         )
 

@@ -26,6 +26,10 @@ Reliability (quality.md):
   clean allocator (CUDA OOM answers 503, anything else 500).
 - Every output is checked for NaN/Inf (generated output and log-probs) and flagged per sample
   (``nonfinite_output``), logged with its request id and counted in ``/metrics``.
+- ``min_weight_version``: a request waits (before it is queued, within the same
+  ``request_timeout_s``) until the engine holds that version, or gets 409 at once when told not to
+  wait; the order of versions is ``weight_versions.py``'s. ``abort`` reaches waiting requests
+  too, so an aborted request never enters the queue later.
 - ``begin_shutdown`` refuses new work with 503 at once; ``stop`` drains the queue and the running
   batch until the shutdown deadline (``shutdown_grace_s``) and fails what is left with 503.
 """
@@ -52,6 +56,7 @@ from diffusion_rollout.errors import (
     RequestError,
     RequestTimeoutError,
     ServiceUnavailableError,
+    WeightVersionNotHeldError,
 )
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.scheduler_mixins import (
@@ -80,6 +85,12 @@ from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.result_copy import HostCopier
 from diffusion_rollout.server.speed import SUPPORTED_CACHES, feature_cache_applied
 from diffusion_rollout.server.worker import Job, Worker
+from diffusion_rollout.weight_versions import (
+    VersionHistory,
+    VersionWaits,
+    not_held_message,
+    wait_until,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +105,10 @@ class Engine:
         self.status = "loading"
         self.metrics = Metrics()
         self._weight_version: Any = 0  # not through the setter: the initial weights are no update
+        # Every version held, in the order applied: what min_weight_version is checked against.
+        self.versions = VersionHistory([self._weight_version])
+        # Requests waiting for their min_weight_version, by request id: abort() fails these futures.
+        self._version_waits = VersionWaits()
         self.loaded: LoadedPipeline | None = loaded
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
@@ -126,6 +141,7 @@ class Engine:
         # The weights manager assigns this once per successful change of the weights (weights.md),
         # which makes the setter the one place that counts weight updates for /metrics.
         self._weight_version = value
+        self.versions.record(value)
         self.metrics.weight_updated()
         self.invalidate_captures()
         if self.context_parallel is not None:
@@ -265,11 +281,15 @@ class Engine:
         try:
             self._check_ready()
             plan = self.plan(params)
+            timeout = self.config.request_timeout_s
+            if params.min_weight_version is not None:
+                await self._wait_for_version(params, t0 + timeout)
+                self._check_ready()
             job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
             fut = self.worker.submit(job)
-            timeout = self.config.request_timeout_s
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+                remaining = max(0.0, t0 + timeout - time.monotonic())
+                return await asyncio.wait_for(asyncio.wrap_future(fut), remaining)
             except asyncio.TimeoutError:
                 dropped = fut.cancel()  # False once the batch runs: it cannot be interrupted
                 self.metrics.request_cancelled("timeout")
@@ -297,6 +317,27 @@ class Engine:
         finally:
             self.metrics.request_done(outcome, time.monotonic() - t0)
 
+    async def _wait_for_version(self, params: GenerateParams, deadline: float) -> None:
+        """Return once ``params.min_weight_version`` is held; 409 when not waiting, 504 at ``deadline``."""
+        wanted = params.min_weight_version
+        if self.versions.holds(wanted):
+            return
+        if not params.min_weight_version_wait:
+            raise WeightVersionNotHeldError(
+                not_held_message(wanted, self.versions), field="min_weight_version"
+            )
+        logger.info("waiting for weight_version %r (holding %r)", wanted, self.weight_version)
+        with self._version_waits.waiting(params.request_id) as aborted:
+            if not await wait_until(
+                lambda: self.versions.holds(wanted), lambda: [self.versions], aborted, deadline
+            ):
+                self.metrics.request_cancelled("timeout")
+                raise RequestTimeoutError(
+                    f"request did not get min_weight_version={wanted!r} within request_timeout_s="
+                    f"{self.config.request_timeout_s:g} s (limit request_timeout_s); the server holds "
+                    f"weight_version={self.weight_version!r}; nothing was queued"
+                )
+
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
         """Drop the queued work of request ``rid`` (of every request with ``abort_all``).
 
@@ -314,6 +355,10 @@ class Engine:
             return RequestAbortedError(f"request {job.request_id} was aborted before it started")
 
         dropped, running = self.worker.abort(match, error)
+        dropped += self._version_waits.abort(
+            lambda request_id: abort_all or request_id == rid,
+            lambda request_id: RequestAbortedError(f"request {request_id} was aborted before it started"),
+        )
         for _ in range(dropped):
             self.metrics.request_cancelled("abort")
         if dropped or running:
@@ -344,8 +389,13 @@ class Engine:
         return fenced
 
     def generate_sync(self, params: GenerateParams, timeout: float | None = None) -> list[SampleResult]:
-        """Blocking variant for in-process callers (benchmarks, examples)."""
+        """Blocking variant for in-process callers (benchmarks, examples); it does not wait for a
+        ``min_weight_version`` (409 when not held)."""
         self._check_ready()
+        if params.min_weight_version is not None and not self.versions.holds(params.min_weight_version):
+            raise WeightVersionNotHeldError(
+                not_held_message(params.min_weight_version, self.versions), field="min_weight_version"
+            )
         plan = self.plan(params)
         job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
         return self.worker.submit(job).result(timeout)

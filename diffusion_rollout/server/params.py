@@ -53,6 +53,11 @@ class GenerateParams:
     # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
     image_path: list[str] | None = None
     image_data: list[bytes] | None = None
+    # Bounded staleness: run on weights at least this version (weight_versions.py), waiting
+    # for it within the request's timeout, or refusing at once (409) when ``min_weight_version_wait``
+    # is false.
+    min_weight_version: Any = None
+    min_weight_version_wait: bool = True
     request_id: str = "-"
 
 

@@ -1,0 +1,244 @@
+"""Asynchronous rollouts with bounded staleness: batches generated ahead while the trainer trains.
+
+``RolloutClient.rollout_stream(make_batch, max_staleness=k)`` keeps ``depth`` (default ``k``)
+batches in flight ahead of the batch the trainer is training on and yields them in order.
+
+Design decisions:
+
+- **Versions are counted in the order the trainer pushes them.** The stream starts from the
+  server's current version and the trainer reports each push (``stream.pushed(version)``). A batch's
+  staleness is the number of versions pushed after the one it was made under. Versions are never
+  compared by value (strings or integers, as the server orders them: ``weight_versions.py``).
+- **Every request asks for ``min_weight_version`` = the trainer's latest version when it is sent**,
+  so the server never runs it on older weights (it waits for an update still on its way). A batch
+  sent while the trainer trains on batch ``i`` is therefore at most ``depth`` pushes behind when it
+  is yielded, if the trainer pushes once per batch.
+- **Staleness is checked when the batch is yielded**, against the trainer's latest push then. A
+  batch more than ``max_staleness`` versions behind, made under a version the trainer did not push,
+  or whose outputs carry different versions (a batch never mixes versions) is stale: ``"drop"``
+  skips it (the next batch index takes its place), ``"regenerate"`` sends the same requests again
+  under the latest version. Both are counted in ``stats``.
+- **Stopping cancels what is in flight.** ``close()`` (called on ``with`` exit and when a request
+  fails; garbage collection is not relied on) aborts every request the stream sent with
+  ``abort_request(rid)``, again until each has answered, so nothing it sent stays queued or waiting
+  on the server. Each request carries its own ``rid`` for that.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from diffusion_rollout.client.calls import _merge_item
+from diffusion_rollout.errors import RequestAbortedError
+from diffusion_rollout.weight_versions import version_key
+
+logger = logging.getLogger(__name__)
+
+OnStale = Literal["drop", "regenerate"]
+BatchRequests = Sequence[str | Mapping[str, Any]]
+
+
+@dataclass
+class StreamBatch:
+    """One batch as yielded: ``outputs[j]`` answers request ``j`` of ``make_batch(index)``."""
+
+    index: int
+    outputs: list[list[Any]]
+    weight_version: Any
+    staleness: int  # versions the trainer pushed after ``weight_version``, when yielded
+    attempts: int = 1  # 1 + how many times it was regenerated
+
+
+@dataclass
+class StreamStats:
+    yielded: int = 0
+    dropped: int = 0
+    regenerated: int = 0
+    mixed_versions: int = 0  # stale because its outputs carried different versions
+    aborted: int = 0  # requests cancelled by close() before they ran
+    staleness: Counter = field(default_factory=Counter)  # staleness -> batches yielded
+
+
+@dataclass
+class _InFlight:
+    index: int
+    requests: list[dict[str, Any]]
+    rids: list[str]
+    futures: list[concurrent.futures.Future]
+    attempts: int
+
+
+class RolloutStream:
+    """Iterate for :class:`StreamBatch` es; see the module docstring. Use as a context manager."""
+
+    def __init__(
+        self,
+        client: Any,
+        make_batch: Callable[[int], BatchRequests],
+        *,
+        max_staleness: int = 1,
+        on_stale: OnStale = "drop",
+        depth: int | None = None,
+        max_batches: int | None = None,
+        initial_version: Any = None,
+        max_workers: int = 16,
+        **fields: Any,
+    ) -> None:
+        """``make_batch(i)`` returns batch ``i``'s requests, as ``generate_many`` items (a prompt or
+        a mapping of fields with ``prompt``), laid over ``fields``. ``depth`` batches are kept in
+        flight ahead (default ``max_staleness``; 0 is synchronous). ``max_batches`` ends the stream
+        after that many batch indices. ``initial_version``: the version the trainer starts from
+        (default: the server's current one)."""
+        if max_staleness < 0 or (depth is not None and depth < 0):
+            raise ValueError("max_staleness and depth must be >= 0")
+        if on_stale not in ("drop", "regenerate"):
+            raise ValueError(f"on_stale must be 'drop' or 'regenerate', not {on_stale!r}")
+        self.client = client
+        self.make_batch = make_batch
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.depth = max_staleness if depth is None else depth
+        self.max_batches = max_batches
+        self.fields = fields
+        self.stats = StreamStats()
+        start = client.model_info()["weight_version"] if initial_version is None else initial_version
+        self._pushed: list[str] = [version_key(start)]
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="rollout-stream")
+        self._in_flight: deque[_InFlight] = deque()
+        self._next_index = itertools.count()
+        self._exhausted = False
+        self._closed = False
+        self._tag = uuid.uuid4().hex[:12]
+
+    # ------------------------------------------------------------------ the trainer's side
+    def pushed(self, version: Any) -> None:
+        """The trainer pushed ``version``: later requests ask for it, staleness counts from it."""
+        with self._lock:
+            key = version_key(version)
+            if key != self._pushed[-1]:
+                self._pushed.append(key)
+
+    @property
+    def latest_version(self) -> str:
+        return self._pushed[-1]
+
+    def staleness_of(self, version: Any) -> int | None:
+        """Versions pushed after ``version`` (None for a version the trainer never pushed)."""
+        key = version_key(version)
+        with self._lock:
+            for back, pushed in enumerate(reversed(self._pushed)):
+                if pushed == key:
+                    return back
+        return None
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        return self
+
+    def __next__(self) -> StreamBatch:
+        if self._closed:
+            raise StopIteration
+        while True:
+            self._fill()
+            if not self._in_flight:
+                raise StopIteration
+            batch = self._in_flight[0]  # stays listed while awaited: a close() meanwhile aborts it too
+            try:
+                outputs = [f.result() for f in batch.futures]
+            except BaseException:
+                self.close()
+                raise
+            if self._closed:
+                raise StopIteration
+            self._in_flight.popleft()
+            ready = self._check(batch, outputs)
+            if ready is not None:
+                self.stats.yielded += 1
+                self.stats.staleness[ready.staleness] += 1
+                return ready
+
+    def close(self) -> None:
+        """Abort every request still in flight (``abort_request(rid)``) until each has answered."""
+        if self._closed:
+            return
+        self._closed = True
+        pending = [(rid, f) for b in self._in_flight for rid, f in zip(b.rids, b.futures, strict=True)]
+        self._in_flight.clear()
+        for _, f in pending:
+            f.cancel()  # not sent yet: never will be
+        deadline = time.monotonic() + 60.0
+        while True:
+            live = [(rid, f) for rid, f in pending if not f.done()]
+            if not live or time.monotonic() > deadline:
+                break
+            # A request may reach the server after an abort for it: abort again until it answers.
+            for rid, _ in live:
+                try:
+                    self.client.abort_request(rid)
+                except Exception as exc:  # the server may be gone already; nothing more to cancel
+                    logger.info("abort_request(%s) failed while closing the stream: %s", rid, exc)
+            concurrent.futures.wait([f for _, f in live], timeout=0.2)
+        for _, f in pending:
+            if f.done() and not f.cancelled() and isinstance(f.exception(), RequestAbortedError):
+                self.stats.aborted += 1
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RolloutStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _fill(self) -> None:
+        """Keep the batch the trainer waits for plus ``depth`` more in flight."""
+        while not self._exhausted and len(self._in_flight) < self.depth + 1:
+            index = next(self._next_index)
+            if self.max_batches is not None and index >= self.max_batches:
+                self._exhausted = True
+                return
+            requests = [_merge_item(item, self.fields) for item in self.make_batch(index)]
+            self._in_flight.append(self._send(index, requests, attempts=1))
+
+    def _send(self, index: int, requests: list[dict[str, Any]], attempts: int) -> _InFlight:
+        wanted = self.latest_version
+        rids, futures = [], []
+        for j, request in enumerate(requests):
+            rid = f"stream-{self._tag}-{index}-{attempts}-{j}"
+            job = {**request, "rid": rid, "min_weight_version": wanted}
+            rids.append(rid)
+            futures.append(self._pool.submit(self._generate, job))
+        return _InFlight(index, requests, rids, futures, attempts)
+
+    def _generate(self, job: dict[str, Any]) -> list[Any]:
+        if self._closed:
+            raise RequestAbortedError(f"request {job['rid']} was not sent: the stream was closed")
+        return self.client.generate(**job)
+
+    def _check(self, batch: _InFlight, outputs: list[list[Any]]) -> StreamBatch | None:
+        versions = {version_key(o.weight_version) for outs in outputs for o in outs}
+        version = next(iter(versions)) if len(versions) == 1 else None
+        staleness = self.staleness_of(version) if version is not None else None
+        if staleness is not None and staleness <= self.max_staleness:
+            first = outputs[0][0].weight_version if outputs and outputs[0] else version
+            return StreamBatch(batch.index, outputs, first, staleness, batch.attempts)
+        if version is None:
+            self.stats.mixed_versions += 1
+        reason = "mixed versions" if version is None else f"version {version!r} staleness {staleness}"
+        if self.on_stale == "drop":
+            self.stats.dropped += 1
+            logger.info("batch %d is stale (%s): dropped", batch.index, reason)
+        else:
+            self.stats.regenerated += 1
+            logger.info("batch %d is stale (%s): regenerated", batch.index, reason)
+            self._in_flight.appendleft(self._send(batch.index, batch.requests, batch.attempts + 1))
+        return None
