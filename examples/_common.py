@@ -470,6 +470,49 @@ def server_peak_gb(outputs: Sequence[RolloutOutput]) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- records
+def iteration_record(
+    iteration: int, version: Any, rewards: torch.Tensor, outputs: Sequence[RolloutOutput], phases: Phases,
+    started: float, **fields: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One iteration's JSON record: rewards, the recipe's ``fields``, seconds per phase, memory, rate."""
+    record = {
+        "iteration": iteration,
+        "weight_version": version,
+        "rewards": [round(float(r), 5) for r in rewards],
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        **fields,
+        "images": len(outputs),
+        **phases.record(),
+        "server_peak_gb": server_peak_gb(outputs),
+    }
+    record["iteration_s"] = round(time.perf_counter() - started, 4)
+    record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
+    print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
+    return record
+
+
+def summarize(history: Sequence[Mapping[str, Any]], exactness_key: str) -> dict[str, Any]:
+    """The run at a glance; phase seconds are means over iterations after the first (warm-up).
+
+    ``exactness_key`` is the recipe's on-policy check (``first_ratio_max_dev``, ``old_policy_max_dev``):
+    its largest value over the run, which must be 0.
+    """
+    timed = history[1:] or history
+    phases = sorted({k for h in timed for k in h if k.endswith("_s")})
+    return {
+        "iterations": len(history),
+        exactness_key: max((h[exactness_key] for h in history), default=None),
+        "checksums_ok": all(h["checksum_ok"] is not False for h in history),
+        "mean_seconds": {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for k in phases},
+        "images_per_second": sum(h["images"] for h in timed) / sum(h["iteration_s"] for h in timed),
+        "trainer_peak_gb": max((h.get("trainer_peak_gb", 0.0) for h in history), default=None),
+        "device_used_max_gb": max((h.get("device_used_max_gb", 0.0) for h in history), default=None),
+        "server_peak_gb": max((h.get("server_peak_gb") or 0.0 for h in history), default=None),
+        "learning": learning_stats(history),
+    }
+
+
 def learning_stats(history: Sequence[Mapping[str, Any]], k: int = 5) -> dict[str, Any]:
     """First ``k`` vs last ``k`` iterations' rewards: the difference in standard errors, and Cohen's d.
 

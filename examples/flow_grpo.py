@@ -62,10 +62,10 @@ from _common import (
     base_parser,
     environment,
     image_size,
-    learning_stats,
+    iteration_record,
     load_trainer_transformer,
     rollout_server,
-    server_peak_gb,
+    summarize,
     trainer_device,
     trainer_dtype,
     uint8_images,
@@ -299,24 +299,12 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
                     )
                 if stream is not None:
                     stream.pushed(version)
-            record = {
-                "iteration": it,
-                "weight_version": version,
-                "sde_steps": outputs[0].sde_step_indices,
-                "rewards": [round(float(r), 5) for r in rewards],
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std()),
-                **stats,
-                "checksum_ok": checksum_ok,
-                "images": len(outputs),
-                **phases.record(),
-                "server_peak_gb": server_peak_gb(outputs),
-            }
-            record["iteration_s"] = round(time.perf_counter() - t_iter, 4)
-            record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
+            record = iteration_record(
+                it, version, rewards, outputs, phases, t_iter,
+                sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
+            )  # fmt: skip
             history.append(record)
-            print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
-            run_record["summary"] = summarize(history)
+            run_record["summary"] = summarize(history, "first_ratio_max_dev")
             write_run(out_path, run_record)
             checkpoint.save(
                 transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history}
@@ -324,26 +312,9 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
     if not in_process:
         run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=trainer_dtype(args, device))
         run_record["server_adapter_checksum"] = server_adapter_checksum(client)
-    run_record["summary"] = summarize(history)
+    run_record["summary"] = summarize(history, "first_ratio_max_dev")
     write_run(out_path, run_record)
     return run_record
-
-
-def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The run at a glance; phase seconds are means over iterations after the first (warm-up)."""
-    timed = history[1:] or history
-    phases = sorted({k for h in timed for k in h if k.endswith("_s")})
-    return {
-        "iterations": len(history),
-        "first_ratio_max_dev": max((h["first_ratio_max_dev"] for h in history), default=None),
-        "checksums_ok": all(h["checksum_ok"] is not False for h in history),
-        "mean_seconds": {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for k in phases},
-        "images_per_second": sum(h["images"] for h in timed) / sum(h["iteration_s"] for h in timed),
-        "trainer_peak_gb": max((h.get("trainer_peak_gb", 0.0) for h in history), default=None),
-        "device_used_max_gb": max((h.get("device_used_max_gb", 0.0) for h in history), default=None),
-        "server_peak_gb": max((h.get("server_peak_gb") or 0.0 for h in history), default=None),
-        "learning": learning_stats(history),
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
