@@ -91,6 +91,21 @@ class ServiceUnavailableError(DiffusionRolloutError):
     error_type = "service_unavailable"
 
 
+class NotReadyError(ServiceUnavailableError):
+    """An expected state, not a fault: the model is loading, generation is paused, memory is
+    released, or the server is shutting down. Same 503 and ``error_type`` on the wire; the HTTP
+    layer logs it at info once per change of ``state`` (``loading``, ``paused``, ``released``,
+    ``stopping``) and at debug otherwise (nobody must act)."""
+
+    def __init__(self, message: str, *, state: str = "unavailable") -> None:
+        super().__init__(message)
+        self.state = state
+
+    def __reduce__(self):
+        # Keeps ``state`` when a replica's error crosses Ray (pickled).
+        return (type(self), (self.message,), self.__dict__)
+
+
 class ContextParallelError(ServiceUnavailableError):
     """A context-parallel engine cannot run: its family cannot be parallelised, or a follower rank
     failed to start, died or stopped answering (the engine then reports itself failed)."""

@@ -122,3 +122,46 @@ def test_serve_stops_cleanly_on_sigint(served_demo):
     assert proc.returncode == 0, out[-3000:]
     assert "RANDOM demo model" in out
     assert f"weight-upload listener on port {upload_port} stopped" in out
+
+
+def _serve_until_exit(
+    args: list[str], env_extra: dict | None = None, timeout: float = 90
+) -> tuple[int, str, float]:
+    """Run ``diffusion-rollout serve ARGS`` on a free port; return (exit code, stderr, seconds)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--port", str(_free_port())]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stderr, time.monotonic() - t0
+
+
+def _last_line(stderr: str) -> str:
+    return [line for line in stderr.splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize(
+    "model_kind, extra, reason",
+    [
+        ("missing", [], "does-not-exist"),
+        ("not_a_pipeline", [], "model_index.json"),
+        ("tiny_sd3", ["--attention-backend", "no-such-backend"], "no-such-backend"),
+    ],
+)
+def test_serve_exits_nonzero_with_one_line_reason_when_the_model_cannot_load(
+    tiny_model_path, tmp_path, model_kind, extra, reason
+):
+    if model_kind == "missing":
+        model = tmp_path / "does-not-exist"
+    elif model_kind == "not_a_pipeline":
+        model = tmp_path / "just-a-folder"
+        model.mkdir()
+        (model / "README.md").write_text("not a diffusers pipeline")
+    else:
+        model = tiny_model_path("sd3")
+    code, stderr, seconds = _serve_until_exit(["--model", str(model), *extra])
+    assert code != 0, stderr[-3000:]
+    last = _last_line(stderr)
+    assert last.startswith("diffusion-rollout serve: the model failed to load: "), stderr[-3000:]
+    assert reason in last, last
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert seconds < 60

@@ -138,8 +138,8 @@ def test_client_replay_ratio_is_exactly_one(served, tiny_model_path):
         ({"height": 20}, "height"),
         ({"sigmas": [1.0, 0.5, 0.7]}, "sigmas"),
         ({"rollout_sde_type": "ode"}, "rollout_log_prob_no_const"),
-        ({"max_sequence_length": 512}, "max_sequence_length"),  # the tiny model's RoPE has 512 text positions
-        ({"width": 256, "height": 32}, "width"),  # and 32 image columns (of 8 pixels)
+        ({"max_sequence_length": 1536}, "max_sequence_length"),  # the tiny model's RoPE: 1536 text positions
+        ({"width": 2048, "height": 32}, "width"),  # and 256 image columns (of 8 pixels)
     ],
 )
 def test_unservable_requests_get_400_naming_the_field(served, extra, needle):

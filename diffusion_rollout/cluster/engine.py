@@ -49,6 +49,7 @@ from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_wo
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
+    NotReadyError,
     RequestAbortedError,
     RequestError,
     RequestTimeoutError,
@@ -483,11 +484,13 @@ class ClusterEngine:
     # ------------------------------------------------------------------ rollouts
     def _check_ready(self) -> None:
         if self.status == "loading":
-            raise ServiceUnavailableError("replicas are still loading")
+            raise NotReadyError("replicas are still loading", state="loading")
         if self.status == "released":
-            raise ServiceUnavailableError("model memory is released; POST /resume_memory_occupation first")
+            raise NotReadyError(
+                "model memory is released; POST /resume_memory_occupation first", state="released"
+            )
         if self.status == "stopping":
-            raise ServiceUnavailableError("server is shutting down")
+            raise NotReadyError("server is shutting down", state="stopping")
         if self.status != "ready":
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 

@@ -3,9 +3,11 @@
 No module-level globals: ``create_app(config, engine=...)`` builds a fresh app whose routers reach
 the engine through ``request.app.state.engine``. Without a ready engine the app loads the model in a
 background thread at start-up, so ``/health`` answers (and ``/health_generate`` says 503) while
-a large model loads. With ``upload_port`` set, the lifespan also runs the direct weight-upload
-listener (``upload_listener.py``) on the app's event loop, as ``app.state.upload_listener``, and
-stops it at shutdown.
+a large model loads. A load that fails leaves the reason (one line) in ``app.state.load_error`` and
+calls ``app.state.on_load_failure``: ``serve`` sets it to stop the server and exit non-zero, since a
+model that cannot load never will. With ``upload_port`` set, the lifespan also runs the direct
+weight-upload listener (``upload_listener.py``) on the app's event loop, as
+``app.state.upload_listener``, and stops it at shutdown.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def make_engine(config: ServerConfig) -> RolloutEngine:
     return ClusterEngine(config)
 
 
+def load_failure_reason(exc: BaseException) -> str:
+    """One line naming why a load failed; a replica's error arrives wrapped by Ray (``.cause``)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError / ActorDiedError
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text[:500]}"
+
+
 def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None = None) -> FastAPI:
     config = config or ServerConfig()
     owns_engine = engine is None
@@ -60,9 +75,13 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
             def _load() -> None:
                 try:
                     engine.start()
-                except Exception:
-                    logger.exception("model load failed")
+                except Exception as exc:
+                    app.state.load_error = load_failure_reason(exc)
+                    logger.error("model load failed: %s", app.state.load_error)
+                    logger.debug("model load failure in full", exc_info=True)
                     engine.status = "failed"
+                    if app.state.on_load_failure is not None:
+                        app.state.on_load_failure()
 
             loader = threading.Thread(target=_load, name="model-loader", daemon=True)
             loader.start()
@@ -89,6 +108,9 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     app.state.config = config
     app.state.engine = engine
     app.state.upload_listener = None
+    # Why the background load failed (one line), and what to do then: ``serve`` stops the process.
+    app.state.load_error = None
+    app.state.on_load_failure = None
     install_error_handlers(app)
     # msgpack rollout bodies become JSON innermost: after the key gate and the body limits.
     app.add_middleware(MsgpackBodyMiddleware)

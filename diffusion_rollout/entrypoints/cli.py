@@ -94,9 +94,17 @@ def serve(config: ServerConfig) -> None:
         app = create_app(config)
         # Drains on SIGINT/SIGTERM: new rollouts get 503, in-flight ones finish within shutdown_grace_s.
         server = make_server(app, config)
+
+        def stop_on_load_failure() -> None:
+            # A model that cannot load never will: end the process rather than serve 503 forever.
+            server.should_exit = True
+
+        app.state.on_load_failure = stop_on_load_failure
         # uvicorn re-raises a captured SIGINT once it has shut down; uvicorn.run swallows it too.
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
+    if app.state.load_error is not None:
+        sys.exit(f"diffusion-rollout serve: the model failed to load: {app.state.load_error}")
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE: the port was taken, or the app failed to start
 

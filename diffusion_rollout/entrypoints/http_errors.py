@@ -4,6 +4,11 @@
 ``detail`` list next to it so clients that parse either form keep working. :func:`response_for` is
 the whole mapping as one function, so a responder outside FastAPI (the direct upload listener)
 answers exactly what the app would.
+
+Logging is for operators: a ``NotReadyError`` (loading, paused, released, shutting down) is an
+expected state that a readiness probe may hit every half second, so it is logged at info once when
+the state first shows (per app; ``note_ready`` closes it) and at debug on every later request;
+other 5xx stay errors, one line per request.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffusion_rollout.errors import DiffusionRolloutError, QueueFullError
+from diffusion_rollout.errors import DiffusionRolloutError, NotReadyError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +81,30 @@ def response_for(exc: BaseException) -> JSONResponse:
     return internal_error_response(exc)
 
 
+def _log_not_ready(app: FastAPI, exc: NotReadyError) -> None:
+    if getattr(app.state, "not_ready", None) != exc.state:
+        app.state.not_ready = exc.state
+        logger.info("not serving generation (%s): %s", exc.state, exc.message)
+    else:
+        logger.debug("still not serving generation (%s): %s", exc.state, exc.message)
+
+
+def note_ready(app: FastAPI) -> None:
+    """A readiness check passed: the state logged by ``_log_not_ready`` (if any) is over."""
+    previous = getattr(app.state, "not_ready", None)
+    if previous is not None:
+        app.state.not_ready = None
+        logger.info("serving generation again (was: %s)", previous)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.state.not_ready = None
+
     @app.exception_handler(DiffusionRolloutError)
     async def _ours(request: Request, exc: DiffusionRolloutError) -> JSONResponse:
-        if exc.status_code >= 500:
+        if isinstance(exc, NotReadyError):
+            _log_not_ready(request.app, exc)
+        elif exc.status_code >= 500:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
         return error_response(exc)
 

@@ -287,7 +287,11 @@ def zimage_components(seed: int) -> dict[str, Any]:
                 qk_norm=True,
                 cap_feat_dim=TEXT_DIM,
                 axes_dims=[4, 6, 6],  # (t, h, w); sums to dim / n_heads
-                axes_lens=[512, 32, 32],  # text positions for max_sequence_length up to 480
+                axes_lens=[
+                    1536,
+                    256,
+                    256,
+                ],  # 512 text tokens (Z-Image's 1536) and 1024x1024 (128 rows of 8 px) fit
             ),
         ),
         # Z-Image reads the text encoder's second-to-last hidden state.

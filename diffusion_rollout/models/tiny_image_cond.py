@@ -65,7 +65,7 @@ def _wan_i2v_transformer(text_dim: int) -> WanTransformer3DModel:
         qk_norm="rms_norm_across_heads",
         image_dim=_CLIP_VISION_WIDTH,  # CLIP vision hidden size (1280 for Wan 2.1 I2V's ViT-H)
         added_kv_proj_dim=heads * head_dim,
-        rope_max_seq_len=32,
+        rope_max_seq_len=1024,  # Wan's own: the default 480x832x81 fits
     )
 
 

@@ -64,7 +64,7 @@ def _wan_transformer() -> WanTransformer3DModel:
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=1024,  # Wan's own: the default 480x832x81 fits
     )
 
 

@@ -52,6 +52,7 @@ from diffusion_rollout.errors import (
     ContextParallelError,
     DiffusionRolloutError,
     GenerationError,
+    NotReadyError,
     RequestAbortedError,
     RequestError,
     RequestTimeoutError,
@@ -216,7 +217,7 @@ class Engine:
     @property
     def pipe(self) -> Any:
         if self.loaded is None:
-            raise ServiceUnavailableError("model is still loading")
+            raise NotReadyError("model is still loading", state="loading")
         return self.loaded.pipe
 
     @property
@@ -422,11 +423,13 @@ class Engine:
 
     def _check_ready(self) -> None:
         if self.status == "loading":
-            raise ServiceUnavailableError("model is still loading")
+            raise NotReadyError("model is still loading", state="loading")
         if self.status == "released":
-            raise ServiceUnavailableError("model memory is released; POST /resume_memory_occupation first")
+            raise NotReadyError(
+                "model memory is released; POST /resume_memory_occupation first", state="released"
+            )
         if self.status == "stopping":
-            raise ServiceUnavailableError("server is shutting down")
+            raise NotReadyError("server is shutting down", state="stopping")
         if self.status != "ready":  # "failed" (the load raised), or any state added later
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusion_rollout.errors import QueueFullError, ServiceUnavailableError
+from diffusion_rollout.errors import NotReadyError, QueueFullError
 from diffusion_rollout.logging_utils import request_id_var
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Worker:
             self._cond.notify_all()
         for job in leftover:
             if not job.future.done():
-                job.future.set_exception(ServiceUnavailableError("server is shutting down"))
+                job.future.set_exception(NotReadyError("server is shutting down", state="stopping"))
         for t in self._threads:
             if t.ident is not None:  # never started when the model failed to load
                 t.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -158,7 +158,7 @@ class Worker:
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cond:
             if self._stopping:
-                raise ServiceUnavailableError("server is shutting down")
+                raise NotReadyError("server is shutting down", state="stopping")
             if not job.is_admin and len(self._queue) >= self.max_queue_depth:
                 raise QueueFullError(
                     f"queue full ({self.max_queue_depth} requests waiting, limit max_queue_depth)",

@@ -16,6 +16,7 @@ import time
 from fastapi import APIRouter, Request
 
 from diffusion_rollout import __version__
+from diffusion_rollout.entrypoints.http_errors import note_ready
 from diffusion_rollout.entrypoints.routers.common import (
     get_engine,
     is_admin,
@@ -24,12 +25,14 @@ from diffusion_rollout.entrypoints.routers.common import (
     public_path,
     upload_port,
 )
-from diffusion_rollout.errors import ServiceUnavailableError
+from diffusion_rollout.errors import NotReadyError, ServiceUnavailableError
 
 router = APIRouter()
 
 # /health_generate trusts a generation that succeeded this recently instead of running another.
 READY_FRESH_S = 30.0
+# Engine states that are no fault (answered 503, logged once per change at info).
+EXPECTED_STATES = frozenset({"loading", "released", "stopping"})
 
 
 def _versions() -> dict[str, str]:
@@ -90,25 +93,30 @@ def _has_key(request: Request) -> bool:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> dict:
     engine = get_engine(request)
-    if engine.status != "ready":
+    if engine.status in EXPECTED_STATES:
+        raise NotReadyError(f"not ready: {engine.status}", state=engine.status)
+    if engine.status != "ready":  # "failed": the load or a context-parallel rank broke
         raise ServiceUnavailableError(f"not ready: {engine.status}")
     if engine.queue_stats().paused:
-        raise ServiceUnavailableError("generation is paused")
+        raise NotReadyError("generation is paused", state="paused")
 
     def fresh() -> bool:
         return bool(engine.last_generate_ok_at and time.time() - engine.last_generate_ok_at < READY_FRESH_S)
 
     if fresh():
+        note_ready(request.app)
         return {"status": "ok"}
     probes = _probes(request)
     async with probes.lock:
         if fresh():  # a probe that finished while this caller waited answers for it too
+            note_ready(request.app)
             return {"status": "ok"}
         interval = request.app.state.config.health_generate_interval_s
         recent = probes.last_at is not None and time.monotonic() - probes.last_at < interval
         if recent and not _has_key(request):
             if probes.last_error is not None:
                 raise ServiceUnavailableError(f"the last readiness probe failed: {probes.last_error}")
+            note_ready(request.app)
             return {"status": "ok"}
         probes.last_at = time.monotonic()
         try:
@@ -117,6 +125,7 @@ async def health_generate(request: Request) -> dict:
             probes.last_error = f"{type(exc).__name__}: {exc}"[:300]
             raise
         probes.last_error = None
+    note_ready(request.app)
     return {"status": "ok"}
 
 

@@ -67,6 +67,10 @@ def fixed_guidance_kwargs(guidance_scale: float) -> dict[str, Any]:
     }
 
 
+# math.exp overflows a float beyond this.
+_MAX_EXP_ARG = 709.0
+
+
 class LTX2Adapter(FamilyAdapter):
     name = "ltx2"
     pipeline_classes = ("LTX2Pipeline",)
@@ -125,6 +129,7 @@ class LTX2Adapter(FamilyAdapter):
                 f"{(frames - 1) // k * k + 1} or {((frames - 1) // k + 1) * k + 1}",
                 field="num_frames",
             )
+        self._validate_shift(settings)
         registers = self.pipe.connectors.config.get("video_connector_num_learnable_registers")
         msl = self._max_sequence_length(settings)
         if registers and msl % int(registers):
@@ -138,6 +143,30 @@ class LTX2Adapter(FamilyAdapter):
         if settings.true_cfg_scale is not None:
             raise RequestError(
                 "true_cfg_scale does not apply to LTX-2: send guidance_scale", field="true_cfg_scale"
+            )
+
+    def _validate_shift(self, settings: CallSettings) -> None:
+        # The schedule's shift mu grows linearly with the video token count and the scheduler takes
+        # exp(mu): past ~709 that overflows (OverflowError mid-call). A model whose VAE compresses
+        # little (the tiny zoo's) reaches it at the default size: refuse here with a 400.
+        if settings.num_frames is None or settings.height is None or settings.width is None:
+            return
+        config = self.pipe.scheduler.config
+        if not config.get("use_dynamic_shifting"):
+            return
+        _, f, h, w = self.noise_shape(settings)
+        p, pt = int(self.pipe.transformer_spatial_patch_size), int(self.pipe.transformer_temporal_patch_size)
+        tokens = -(-f // pt) * (h // p) * (w // p)
+        base_len, max_len = config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.95), config.get("max_shift", 2.05)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = tokens * slope + base_shift - slope * base_len
+        if mu > _MAX_EXP_ARG:
+            raise RequestError(
+                f"height={settings.height}, width={settings.width}, num_frames={settings.num_frames} give "
+                f"{tokens} video tokens, too many for this model's dynamic shift (mu={mu:.0f}, exp(mu) "
+                "overflows): send a smaller height, width or num_frames",
+                field="num_frames",
             )
 
     def uses_cfg(self, settings: CallSettings) -> bool:

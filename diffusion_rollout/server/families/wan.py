@@ -145,11 +145,37 @@ class WanAdapter(FamilyAdapter):
                 f"{(frames - 1) // k * k + 1} or {((frames - 1) // k + 1) * k + 1}",
                 field="num_frames",
             )
+        self._validate_rope_extent(settings)
         if settings.guidance_scale_2 is not None and self.pipe.config.get("boundary_ratio") is None:
             raise RequestError(
                 "guidance_scale_2 applies to two-expert models (a boundary_ratio); this model has one expert",
                 field="guidance_scale_2",
             )
+
+    def _validate_rope_extent(self, settings: CallSettings) -> None:
+        # WanRotaryPosEmbed holds rope_max_seq_len positions per axis (frames, rows, columns of
+        # patches); past them the model fails with a reshape error mid-call: refuse here with a 400.
+        config = self._denoiser().config
+        most = int(config.rope_max_seq_len)
+        p_t, p_h, p_w = (int(n) for n in config.patch_size)
+        vt, vs = int(self.pipe.vae_scale_factor_temporal), int(self.pipe.vae_scale_factor_spatial)
+        extents = (
+            (
+                "num_frames",
+                settings.num_frames,
+                lambda v: ((v - 1) // vt + 1) // p_t,
+                (most * p_t - 1) * vt + 1,
+            ),
+            ("height", settings.height, lambda v: v // vs // p_h, most * p_h * vs),
+            ("width", settings.width, lambda v: v // vs // p_w, most * p_w * vs),
+        )
+        for name, value, positions, largest in extents:
+            if value is not None and positions(value) > most:
+                raise RequestError(
+                    f"{name}={value} exceeds {largest}, the largest this Wan model has RoPE positions for "
+                    f"(rope_max_seq_len={most})",
+                    field=name,
+                )
 
     def uses_cfg(self, settings: CallSettings) -> bool:
         return settings.guidance_scale > 1  # the pipeline's rule, for both experts

@@ -71,7 +71,7 @@ class ZImageAdapter(FamilyAdapter):
         msl = self._max_sequence_length(settings)
         padded = -(-msl // _CAPTION_MULTIPLE) * _CAPTION_MULTIPLE
         if padded + 1 >= t_len:
-            most = (t_len - 2) // _CAPTION_MULTIPLE * _CAPTION_MULTIPLE
+            most = self._most_text_tokens()
             raise RequestError(
                 f"max_sequence_length={msl} exceeds {most}, the most text tokens this Z-Image model "
                 f"has positions for",
@@ -100,7 +100,15 @@ class ZImageAdapter(FamilyAdapter):
 
     # ---------------------------------------------------------------- prompts
     def _max_sequence_length(self, settings: CallSettings) -> int:
-        return settings.max_sequence_length or _DEFAULT_MAX_SEQUENCE_LENGTH
+        # Unset: the pipeline's 512, or fewer where the model has fewer text positions (a request
+        # that asks for more explicitly is refused by validate).
+        if settings.max_sequence_length:
+            return settings.max_sequence_length
+        return min(_DEFAULT_MAX_SEQUENCE_LENGTH, self._most_text_tokens())
+
+    def _most_text_tokens(self) -> int:
+        t_len = int(self.pipe.transformer.config.axes_lens[0])
+        return (t_len - 2) // _CAPTION_MULTIPLE * _CAPTION_MULTIPLE
 
     def encode(self, prompt, negative_prompt, settings):
         cfg = self.uses_cfg(settings)
