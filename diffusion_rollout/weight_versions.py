@@ -34,10 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from diffusion_rollout.errors import RequestAbortedError, RequestTimeoutError, WeightVersionNotHeldError
+
+logger = logging.getLogger(__name__)
 
 Version = Any
 
@@ -117,16 +122,69 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class VersionWaits:
-    """Requests waiting for their ``min_weight_version``, by request id, so ``abort`` reaches them
-    before they are queued (or dispatched, on a cluster's front). One per engine, one event loop."""
+class VersionGate:
+    """Where a request with ``min_weight_version`` waits before it is queued (one engine) or
+    dispatched (a cluster's front): 409 when it does not wait, 504 at its deadline, and ``abort``
+    reaches it while it waits. One per engine, used from one event loop.
 
-    def __init__(self) -> None:
+    ``holds(v)`` says whether the engine (or some serving replica) holds ``v``; ``histories()`` are
+    the sequences whose changes may satisfy it; ``describe()`` says what is held, for messages.
+    """
+
+    def __init__(
+        self,
+        holds: Callable[[Version], bool],
+        histories: Callable[[], Iterable[VersionHistory]],
+        describe: Callable[[], str],
+        on_timeout: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._holds, self._histories, self._describe = holds, histories, describe
+        self._on_timeout = on_timeout  # the engine counts it as a cancelled request
         self._by_rid: dict[str, list[asyncio.Future]] = {}
 
+    def check(self, wanted: Version) -> None:
+        """409 at once unless ``wanted`` is held (callers that never wait)."""
+        if not self._holds(wanted):
+            raise WeightVersionNotHeldError(
+                f"min_weight_version={wanted!r} is not held: {self._describe()}; it is satisfied once an "
+                "update with that version lands (send min_weight_version_wait=true to wait for it)",
+                field="min_weight_version",
+            )
+
+    async def admit(self, rid: str, wanted: Version, wait: bool, deadline: float, timeout_s: float) -> None:
+        """Return once ``wanted`` is held; 409 when not ``wait``ing, 504 at the monotonic ``deadline``."""
+        if not wait or self._holds(wanted):
+            self.check(wanted)
+            return
+        logger.info("request %s waits for weight_version %r (%s)", rid, wanted, self._describe())
+        with self._waiting(rid) as aborted:
+            held = await _wait_until(lambda: self._holds(wanted), self._histories, aborted, deadline)
+        if not held:
+            self._on_timeout()
+            raise RequestTimeoutError(
+                f"request did not get min_weight_version={wanted!r} within request_timeout_s={timeout_s:g} s "
+                f"(limit request_timeout_s; {self._describe()}); nothing was queued"
+            )
+
+    def waiting_requests(self) -> set[str]:
+        """The request ids waiting now."""
+        return set(self._by_rid)
+
+    def abort(self, rid: str | None, abort_all: bool) -> int:
+        """Fail the waits of request ``rid`` (of every request with ``abort_all``); how many failed."""
+        dropped = 0
+        for request_id, waits in self._by_rid.items():
+            if abort_all or request_id == rid:
+                for aborted in waits:
+                    if not aborted.done():
+                        aborted.set_exception(
+                            RequestAbortedError(f"request {request_id} was aborted before it started")
+                        )
+                        dropped += 1
+        return dropped
+
     @contextlib.contextmanager
-    def waiting(self, rid: str) -> Iterator[asyncio.Future]:
-        """A future that ``abort`` fails while the request waits."""
+    def _waiting(self, rid: str) -> Iterator[asyncio.Future]:
         aborted = asyncio.get_running_loop().create_future()
         waits = self._by_rid.setdefault(rid, [])
         waits.append(aborted)
@@ -137,19 +195,8 @@ class VersionWaits:
             if not waits:
                 del self._by_rid[rid]
 
-    def abort(self, match: Callable[[str], bool], error: Callable[[str], BaseException]) -> int:
-        """Fail the waits of every request id ``match`` accepts; how many were failed."""
-        dropped = 0
-        for rid, waits in self._by_rid.items():
-            if match(rid):
-                for aborted in waits:
-                    if not aborted.done():
-                        aborted.set_exception(error(rid))
-                        dropped += 1
-        return dropped
 
-
-async def wait_until(
+async def _wait_until(
     satisfied: Callable[[], bool],
     histories: Callable[[], Iterable[VersionHistory]],
     aborted: asyncio.Future,
@@ -170,11 +217,3 @@ async def wait_until(
         if aborted.done():
             raise aborted.exception()
     return True
-
-
-def not_held_message(wanted: Version, history: VersionHistory, where: str = "the server") -> str:
-    return (
-        f"min_weight_version={wanted!r} is not held: {where} holds weight_version="
-        f"{history.current!r} (versions applied, oldest first: {history.describe()}); it is satisfied "
-        "once an update with that version lands (send min_weight_version_wait=true to wait for it)"
-    )

@@ -116,11 +116,11 @@ def test_closing_the_stream_aborts_queued_and_waiting_requests(fresh_server):
     stream.pushed("not-yet")
     t = threading.Thread(target=consume, args=(stream,))
     t.start()
-    waits = srv.engine._version_waits._by_rid
-    wait_until(lambda: len(waits) == 4, 30, "two batches to wait for their version")
+    waits = srv.engine.version_gate.waiting_requests
+    wait_until(lambda: len(waits()) == 4, 30, "two batches to wait for their version")
     stream.close()
     t.join(30)
-    assert not waits and worker.depth == 0 and stream.stats.aborted == 4
+    assert not waits() and worker.depth == 0 and stream.stats.aborted == 4
     cfg, tensors = adapter("default", seed=4)
     load_bytes(srv, "default", tensors, cfg, activate="true", weight_version="not-yet")
     wait_until(lambda: worker.depth == 0 and not worker.busy, 5)

@@ -48,7 +48,7 @@ def _post_later(srv, results: dict, key: str, **fields) -> threading.Thread:
 
 
 def _waiting(srv, rid: str) -> bool:
-    return rid in srv.engine._version_waits._by_rid
+    return rid in srv.engine.version_gate.waiting_requests()
 
 
 def test_a_request_waits_for_its_version_and_runs_on_it(fresh_server):
@@ -66,7 +66,7 @@ def test_a_request_waits_for_its_version_and_runs_on_it(fresh_server):
     assert r.status_code == 200, r.text
     assert done_at >= pushed_at
     assert [o["weight_version"] for o in r.json()] == ["lora-1"]
-    assert not srv.engine._version_waits._by_rid
+    assert not srv.engine.version_gate.waiting_requests()
 
 
 def test_versions_held_earlier_satisfy_and_unknown_ones_are_409_without_waiting(fresh_server):
@@ -84,7 +84,7 @@ def test_versions_held_earlier_satisfy_and_unknown_ones_are_409_without_waiting(
     assert err["type"] == "weight_version_not_held"
     assert "min_weight_version=8" in err["message"] and "weight_version=7" in err["message"]
     assert "min_weight_version_wait" in err["message"]
-    assert srv.engine.worker.depth == 0 and not srv.engine._version_waits._by_rid
+    assert srv.engine.worker.depth == 0 and not srv.engine.version_gate.waiting_requests()
 
 
 def test_a_version_that_never_lands_is_504_with_nothing_queued(fresh_server):
@@ -97,7 +97,7 @@ def test_a_version_that_never_lands_is_504_with_nothing_queued(fresh_server):
     assert err["type"] == "request_timeout"
     assert "min_weight_version='never'" in err["message"] and "request_timeout_s" in err["message"]
     assert srv.engine.worker.batches_run == 0 and srv.engine.worker.depth == 0
-    assert not srv.engine._version_waits._by_rid
+    assert not srv.engine.version_gate.waiting_requests()
     srv.engine.config.request_timeout_s = 60.0
     srv.generate(body())  # still serving
 

@@ -50,16 +50,13 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
     NotReadyError,
-    RequestAbortedError,
     RequestError,
-    RequestTimeoutError,
     ServiceUnavailableError,
-    WeightVersionNotHeldError,
 )
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
-from diffusion_rollout.weight_versions import VersionWaits, wait_until
+from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +186,16 @@ class ClusterEngine:
         # Modules that full updates changed since start: what a restarted replica copies from a peer.
         self.touched_modules: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        # Requests waiting at the front for a replica holding their min_weight_version.
-        self._version_waits = VersionWaits()
+        # Requests wait at the front for a serving replica holding their min_weight_version.
+        self.version_gate = VersionGate(
+            lambda v: bool(self.router.holding(v)),
+            lambda: [r.load.versions for r in self.replicas],
+            lambda: (
+                "serving replicas hold "
+                + ", ".join(f"replica {r.replica_id}: {r.load.versions.current!r}" for r in self.serving())
+            ),
+            on_timeout=lambda: self.metrics.request_cancelled("timeout"),
+        )
         from diffusion_rollout.cluster.weights import ClusterWeights
 
         self._weights = ClusterWeights(self)
@@ -494,34 +499,6 @@ class ClusterEngine:
         if self.status != "ready":
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 
-    async def _holding_replica(self, params: GenerateParams, deadline: float) -> None:
-        """Wait until a serving replica holds ``params.min_weight_version`` (routing.py); 409 when
-        the request does not wait, 504 at ``deadline``; ``abort`` reaches a waiting request."""
-        wanted = params.min_weight_version
-        if self.router.holding(wanted) or not self.serving():
-            return  # pick() answers 503 when nothing serves
-        held = ", ".join(f"replica {r.replica_id}: {r.load.versions.current!r}" for r in self.serving())
-        if not params.min_weight_version_wait:
-            raise WeightVersionNotHeldError(
-                f"min_weight_version={wanted!r} is not held by any serving replica ({held}; versions are "
-                "ordered by when they were applied); it is satisfied once an update with that version "
-                "lands (send min_weight_version_wait=true to wait for it)",
-                field="min_weight_version",
-            )
-        with self._version_waits.waiting(params.request_id) as aborted:
-            ok = await wait_until(
-                lambda: bool(self.router.holding(wanted)),
-                lambda: [r.load.versions for r in self.replicas],
-                aborted,
-                deadline,
-            )
-        if not ok:
-            self.metrics.request_cancelled("timeout")
-            raise RequestTimeoutError(
-                f"no replica got min_weight_version={wanted!r} within request_timeout_s="
-                f"{self.config.request_timeout_s:g} s (limit request_timeout_s; {held}); nothing was sent"
-            )
-
     async def _on_replica(self, work: int, call, params: GenerateParams | None = None) -> Any:
         """Dispatch ``call(replica)`` to the least loaded serving replica (holding the request's
         ``min_weight_version``) once the gate is open."""
@@ -529,7 +506,15 @@ class ClusterEngine:
         wanted = None
         if params is not None and params.min_weight_version is not None:
             wanted = params.min_weight_version
-            await self._holding_replica(params, time.monotonic() + self.config.request_timeout_s)
+            if self.serving():  # else pick() answers 503
+                timeout = self.config.request_timeout_s
+                await self.version_gate.admit(
+                    params.request_id,
+                    wanted,
+                    params.min_weight_version_wait,
+                    time.monotonic() + timeout,
+                    timeout,
+                )
             await self.gate.wait()  # an update may have started committing while this one waited
         replica = self.replicas[self.router.pick(work, wanted).replica_id]
         ref = call(replica)
@@ -578,10 +563,7 @@ class ClusterEngine:
         request waits on exactly one replica); a batch already running finishes."""
         if not abort_all and not rid:
             raise RequestError("send the rid of the request to abort, or abort_all=true", field="rid")
-        waiting = self._version_waits.abort(
-            lambda request_id: abort_all or request_id == rid,
-            lambda request_id: RequestAbortedError(f"request {request_id} was aborted before it started"),
-        )
+        waiting = self.version_gate.abort(rid, abort_all)
         results = await self._each(self.serving(), lambda r: r.actor.abort.remote(rid, abort_all=abort_all))
         done = [res for res in results if isinstance(res, dict)]
         return {

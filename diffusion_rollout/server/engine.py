@@ -57,7 +57,6 @@ from diffusion_rollout.errors import (
     RequestError,
     RequestTimeoutError,
     ServiceUnavailableError,
-    WeightVersionNotHeldError,
 )
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.scheduler_mixins import (
@@ -86,12 +85,7 @@ from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.result_copy import HostCopier
 from diffusion_rollout.server.speed import SUPPORTED_CACHES, feature_cache_applied
 from diffusion_rollout.server.worker import Job, Worker
-from diffusion_rollout.weight_versions import (
-    VersionHistory,
-    VersionWaits,
-    not_held_message,
-    wait_until,
-)
+from diffusion_rollout.weight_versions import VersionGate, VersionHistory
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,8 +102,16 @@ class Engine:
         self._weight_version: Any = 0  # not through the setter: the initial weights are no update
         # Every version held, in the order applied: what min_weight_version is checked against.
         self.versions = VersionHistory([self._weight_version])
-        # Requests waiting for their min_weight_version, by request id: abort() fails these futures.
-        self._version_waits = VersionWaits()
+        # Requests wait here for their min_weight_version before they are queued.
+        self.version_gate = VersionGate(
+            self.versions.holds,
+            lambda: [self.versions],
+            lambda: (
+                f"the server holds weight_version={self.weight_version!r} (applied, oldest first: "
+                f"{self.versions.describe()})"
+            ),
+            on_timeout=lambda: self.metrics.request_cancelled("timeout"),
+        )
         self.loaded: LoadedPipeline | None = loaded
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
@@ -284,7 +286,10 @@ class Engine:
             plan = self.plan(params)
             timeout = self.config.request_timeout_s
             if params.min_weight_version is not None:
-                await self._wait_for_version(params, t0 + timeout)
+                await self.version_gate.admit(
+                    params.request_id, params.min_weight_version, params.min_weight_version_wait,
+                    t0 + timeout, timeout,
+                )  # fmt: skip
                 self._check_ready()
             job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
             fut = self.worker.submit(job)
@@ -318,27 +323,6 @@ class Engine:
         finally:
             self.metrics.request_done(outcome, time.monotonic() - t0)
 
-    async def _wait_for_version(self, params: GenerateParams, deadline: float) -> None:
-        """Return once ``params.min_weight_version`` is held; 409 when not waiting, 504 at ``deadline``."""
-        wanted = params.min_weight_version
-        if self.versions.holds(wanted):
-            return
-        if not params.min_weight_version_wait:
-            raise WeightVersionNotHeldError(
-                not_held_message(wanted, self.versions), field="min_weight_version"
-            )
-        logger.info("waiting for weight_version %r (holding %r)", wanted, self.weight_version)
-        with self._version_waits.waiting(params.request_id) as aborted:
-            if not await wait_until(
-                lambda: self.versions.holds(wanted), lambda: [self.versions], aborted, deadline
-            ):
-                self.metrics.request_cancelled("timeout")
-                raise RequestTimeoutError(
-                    f"request did not get min_weight_version={wanted!r} within request_timeout_s="
-                    f"{self.config.request_timeout_s:g} s (limit request_timeout_s); the server holds "
-                    f"weight_version={self.weight_version!r}; nothing was queued"
-                )
-
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
         """Drop the queued work of request ``rid`` (of every request with ``abort_all``).
 
@@ -356,10 +340,7 @@ class Engine:
             return RequestAbortedError(f"request {job.request_id} was aborted before it started")
 
         dropped, running = self.worker.abort(match, error)
-        dropped += self._version_waits.abort(
-            lambda request_id: abort_all or request_id == rid,
-            lambda request_id: RequestAbortedError(f"request {request_id} was aborted before it started"),
-        )
+        dropped += self.version_gate.abort(rid, abort_all)
         for _ in range(dropped):
             self.metrics.request_cancelled("abort")
         if dropped or running:
@@ -393,10 +374,8 @@ class Engine:
         """Blocking variant for in-process callers (benchmarks, examples); it does not wait for a
         ``min_weight_version`` (409 when not held)."""
         self._check_ready()
-        if params.min_weight_version is not None and not self.versions.holds(params.min_weight_version):
-            raise WeightVersionNotHeldError(
-                not_held_message(params.min_weight_version, self.versions), field="min_weight_version"
-            )
+        if params.min_weight_version is not None:
+            self.version_gate.check(params.min_weight_version)
         plan = self.plan(params)
         job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
         return self.worker.submit(job).result(timeout)
