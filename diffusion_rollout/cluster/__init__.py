@@ -39,7 +39,8 @@ Trainers already on Ray place the replicas themselves and call them without HTTP
 each actor can also be called alone (``actor.generate.remote(params)``).
 """
 
-from diffusion_rollout.cluster.engine import ClusterEngine, ray_session
+from diffusion_rollout.cluster.engine import ClusterEngine
+from diffusion_rollout.cluster.ray_support import ray_session
 from diffusion_rollout.cluster.replica import ReplicaServer, replica_actor_class
 
 __all__ = ["ClusterEngine", "ReplicaServer", "ray_session", "replica_actor_class"]

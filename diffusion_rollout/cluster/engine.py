@@ -29,7 +29,7 @@ Design decisions:
 - **Faults.** Ray restarts a replica whose process dies (``replica_max_restarts``). The front
   marks it ``restarting`` (no rollouts, no updates), retries each of its lost requests once on
   another replica (a request either produced all its outputs or none, so a retry loses nothing and
-  never mixes versions), then ``_recover`` loads the model on the new process and, under the admin
+  never mixes versions), then ``recovery.recover`` loads the model on the new process and, under the admin
   lock, copies the current weights, adapters and version from a serving peer
   (``cluster/resync.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
   Ray gave up on is ``dead``; with no serving peer to copy from it stays ``stale``. Update groups
@@ -45,10 +45,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusion_rollout.cluster.ray_support import import_ray, ray_init_kwargs, unwrap
+from diffusion_rollout.cluster.recovery import learn_versions, recover
 from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_work
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
-    DiffusionRolloutError,
     NotReadyError,
     RequestError,
     ServiceUnavailableError,
@@ -59,58 +60,6 @@ from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)
-
-# How often a restarting replica is asked whether its new process is up.
-RESTART_POLL_S = 0.5
-RAY_MISSING = "replicas need Ray: pip install 'diffusion-rollout[ray]'"
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - the [ray] extra is not installed
-        raise RuntimeError(RAY_MISSING) from exc
-    return ray
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The project's exception a replica raised, out of Ray's wrapper; else ``exc``."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, DiffusionRolloutError):
-        return cause
-    if isinstance(exc, DiffusionRolloutError):
-        return exc
-    ray = import_ray()
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return ServiceUnavailableError(f"a replica died: {type(exc).__name__}")
-    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
-        return cause
-    return exc
-
-
-def ray_init_kwargs(config: ServerConfig) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"include_dashboard": False}
-    if config.ray_address:
-        kwargs["address"] = config.ray_address
-    return kwargs
-
-
-@contextlib.contextmanager
-def ray_session(config: ServerConfig):
-    """Start Ray (or join ``config.ray_address``) in the calling thread, shut it down on exit.
-
-    ``serve`` uses this from the main thread: Ray started from another thread (the app's loader)
-    leaves its dashboard and runtime-env agent processes running after ``ray.shutdown()``. A
-    ``ClusterEngine`` started inside finds Ray running and leaves it to this session."""
-    ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(**ray_init_kwargs(config))
-    try:
-        yield ray
-    finally:
-        if started:
-            ray.shutdown()
 
 
 class ReplicaLostError(ServiceUnavailableError):
@@ -254,7 +203,7 @@ class ClusterEngine:
             for i, (actor, info) in enumerate(zip(actors, infos, strict=True))
         ]
         for r in self.replicas:
-            _learn_versions(r)
+            learn_versions(r)
         self.router = LeastOutstanding([r.load for r in self.replicas])
         self.module_names = list(infos[0]["module_names"])
         self._model_info = dict(infos[0]["model_info"])
@@ -345,73 +294,13 @@ class ClusterEngine:
         logger.error(
             "replica %d died (%s); waiting for Ray to restart it", replica.replica_id, type(exc).__name__
         )
-        self._start_recovery(replica)
+        self.start_recovery(replica)
 
-    def _start_recovery(self, replica: Replica) -> None:
+    def start_recovery(self, replica: Replica) -> None:
         replica.state = "restarting"
-        task = asyncio.get_running_loop().create_task(self._recover(replica))
+        task = asyncio.get_running_loop().create_task(recover(self, replica))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _recover(self, replica: Replica) -> None:
-        """Load the model on the restarted process, copy a serving peer's weights, serve again."""
-        ray = import_ray()
-        try:
-            while True:
-                try:
-                    info = await replica.actor.start.remote()
-                    break
-                except ray.exceptions.ActorUnavailableError:
-                    # Still restarting (Ray refuses calls until the new process is up): ask again.
-                    await asyncio.sleep(RESTART_POLL_S)
-        except ray.exceptions.RayActorError as exc:
-            logger.error("replica %d will not come back: %s", replica.replica_id, exc)
-            replica.state = "dead"
-            return
-        except Exception:
-            logger.exception("replica %d failed to load after its restart", replica.replica_id)
-            replica.state = "dead"
-            return
-        replica.state = "syncing"
-        async with self.admin_lock:
-            peers = self.serving()
-            try:
-                if self.updates_applied and not peers:
-                    logger.error(
-                        "replica %d restarted but no serving replica holds the current weights to copy; "
-                        "it stays out of service until restarted again",
-                        replica.replica_id,
-                    )
-                    replica.state = "stale"
-                    return
-                if peers:
-                    state = peers[0].actor.export_state.remote(sorted(self.touched_modules))
-                    await replica.actor.import_state.remote(state)
-                if self.status == "released":
-                    await replica.actor.manager_call.remote("release_memory", {})
-                if self.user_paused:
-                    await replica.actor.manager_call.remote("pause_generation", {})
-                info = await replica.actor.info.remote()
-            except ray.exceptions.RayActorError:
-                logger.error("replica %d died again while re-syncing", replica.replica_id)
-                self._start_recovery(replica)
-                return
-            except Exception:
-                logger.exception(
-                    "replica %d could not be re-synced; it stays out of service", replica.replica_id
-                )
-                replica.state = "stale"
-                return
-            replica.info = info
-            _learn_versions(replica)
-            replica.state = "serving"
-            replica.load.serving = True
-        logger.info(
-            "replica %d serves again (pid %s, weight_version %s)",
-            replica.replica_id,
-            info["pid"],
-            info["weight_version"],
-        )
 
     def model_info(self) -> dict[str, Any]:
         return {
@@ -448,7 +337,7 @@ class ClusterEngine:
                 self.replica_died(r, a)
             elif not isinstance(a, BaseException):
                 r.info = a
-                _learn_versions(r)
+                learn_versions(r)
         return [
             {
                 "replica_id": r.replica_id,
@@ -577,10 +466,3 @@ class ClusterEngine:
         self._check_ready()
         await self._retried_once(1, lambda r: r.actor.readiness_probe.remote(), "health_generate")
         self.last_generate_ok_at = time.time()
-
-
-def _learn_versions(replica: Replica) -> None:
-    """The front's knowledge of a replica's versions, from what it reported (``info``)."""
-    info = replica.info
-    if "weight_version" in info:
-        replica.load.versions.replace(info.get("weight_versions") or [info["weight_version"]])

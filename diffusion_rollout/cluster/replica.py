@@ -23,7 +23,7 @@ Design decisions:
 - Restarts: Ray re-runs ``__init__`` in a new process; the front calls ``start`` again and then
   ``import_state`` with a serving peer's ``export_state`` (``cluster/resync.py``).
 - Errors are the project's exceptions; Ray carries them to the front wrapped in ``RayTaskError``
-  and the front re-raises the original (``cluster.engine.unwrap``).
+  and the front re-raises the original (``cluster.ray_support.unwrap``).
 """
 
 from __future__ import annotations

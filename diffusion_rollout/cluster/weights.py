@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from diffusion_rollout.cluster.ray_support import import_ray, unwrap
 from diffusion_rollout.cluster.routing import ipc_entry_for, replica_ranks
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
@@ -108,8 +109,6 @@ class ClusterWeights:
         return replicas
 
     async def _gather(self, replicas, call) -> list[Any]:
-        from diffusion_rollout.cluster.engine import import_ray, unwrap
-
         results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
         ray = import_ray()
         out = []
@@ -124,8 +123,6 @@ class ClusterWeights:
         """Bytes (or a receive buffer, given back here) into the object store once, for every replica."""
         if data is None:
             return None
-        from diffusion_rollout.cluster.engine import import_ray
-
         if isinstance(data, Lease):
             try:
                 return import_ray().put(data.data.numpy())
