@@ -46,7 +46,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from diffusion_rollout import lean
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
     ContextParallelError,
@@ -65,6 +64,7 @@ from diffusion_rollout.scheduler_mixins import (
     rollout_context,
 )
 from diffusion_rollout.server.batch_split import split_batch
+from diffusion_rollout.server.delivery import deliver
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.images import probe_image_png
@@ -578,45 +578,7 @@ class Engine:
         """On the results thread: wait for the host copies, check them, answer the requests."""
         token = request_id_var.set(",".join(j.request_id for j in jobs))  # log lines name the batch
         try:
-            self._finish(jobs, plans, results, flags, copier, call, version, elapsed)
+            if deliver(jobs, plans, results, flags, copier, call, version, elapsed, self.metrics):
+                self.last_generate_ok_at = time.time()
         finally:
             request_id_var.reset(token)
-
-    def _finish(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
-        try:
-            copier.wait()
-            nonfinite = flags.tolist()
-            row = 0
-            for pl in plans:
-                n = len(pl.seeds)
-                # Outputs of one request share their conditioning when it is the same bits, so the lean
-                # form sends it once (lean.py); the per-output form is unchanged.
-                mine = results[row : row + n]
-                for r, env in zip(mine, lean.share_equal([r.denoising_env for r in mine]), strict=True):
-                    r.denoising_env = env
-                row += n
-            for r, bad_row in zip(results, nonfinite, strict=True):
-                r.nonfinite_output = bool(bad_row)
-        except Exception as exc:
-            logger.exception("finishing a batch's results failed")
-            err = GenerationError(f"copying the results failed: {type(exc).__name__}: {exc}")
-            for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(err)
-            return
-        self.last_generate_ok_at = time.time()
-        bad = [r for r in results if r.nonfinite_output]
-        for r in bad:
-            logger.warning(
-                "nonfinite_output request_id=%s seed=%d weight_version=%s: NaN/Inf in the output",
-                r.request_id,
-                r.seed,
-                version,
-            )
-        self.metrics.batch_done(len(results), call.num_inference_steps, elapsed, nonfinite=len(bad))
-        row = 0
-        for job, pl in zip(jobs, plans, strict=True):
-            n = len(pl.seeds)
-            if not job.future.done():
-                job.future.set_result(results[row : row + n])
-            row += n
