@@ -81,7 +81,18 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "diffusion_nft",
         [*_SD35, "--iterations", "30", "--timesteps-per-sample", "8"],
     ),
+    # Asynchronous rollouts (#24) next to the synchronous loop, both colocated on one GPU, same seeds.
+    "sd35-async1": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "18", "--async-depth", "1"]),
+    "sd35-sync": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "18"]),
+    # Wan sampled without CFG (half the transformer passes in rollout and replay): ~2x the
+    # iterations of the CFG runs in one stretch, with the 2-step window that learned faster.
+    "wan-flow-grpo-nocfg": (
+        "wan2.1-1.3b",
+        "flow_grpo",
+        [*_WAN, "--guidance-scale", "1.0", "--iterations", "25", "--sde-window-range", "5"],
+    ),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
+    "tiny-async1": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "3", "--async-depth", "1"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
     "tiny-diffusion-nft": ("tiny-sd3", "diffusion_nft", [*_TINY, "--iterations", "2"]),
 }

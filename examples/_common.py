@@ -430,12 +430,25 @@ class InProcessSampler:
 
 
 # ---------------------------------------------------------------------------------------------- timing
+# The origin of every recorded span (``Phases.spans``): seconds since the recipe's process started.
+CLOCK_ORIGIN = time.perf_counter()
+
+
+def clock(t: float | None = None) -> float:
+    """``t`` (a ``time.perf_counter()`` value; default now) on the recipe's timeline, in seconds."""
+    return round((time.perf_counter() if t is None else t) - CLOCK_ORIGIN, 4)
+
+
 class Phases:
-    """Seconds per phase of one iteration, synchronised with the device; GPU memory in use sampled."""
+    """Seconds per phase of one iteration, synchronised with the device; GPU memory in use sampled.
+
+    ``spans`` keeps when each phase ran (``clock()`` seconds), for the sync/async timeline figure.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
         self.device_used_max_gb = 0.0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -454,10 +467,13 @@ class Phases:
             yield
         finally:
             self._sync()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
+            self.spans.append((name, clock(t0), clock(t1)))
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{k}_s": round(v, 4) for k, v in self.seconds.items()}
+        out["spans"] = [list(span) for span in self.spans]
         if self.device.type == "cuda":
             out["trainer_peak_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
             out["device_used_max_gb"] = round(self.device_used_max_gb, 3)
@@ -488,7 +504,7 @@ def iteration_record(
     }
     record["iteration_s"] = round(time.perf_counter() - started, 4)
     record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
-    print(json.dumps({k: v for k, v in record.items() if k != "rewards"}), flush=True)
+    print(json.dumps({k: v for k, v in record.items() if k not in ("rewards", "spans")}), flush=True)
     return record
 
 
@@ -510,6 +526,24 @@ def summarize(history: Sequence[Mapping[str, Any]], exactness_key: str) -> dict[
         "device_used_max_gb": max((h.get("device_used_max_gb", 0.0) for h in history), default=None),
         "server_peak_gb": max((h.get("server_peak_gb") or 0.0 for h in history), default=None),
         "learning": learning_stats(history),
+        **({"ratio_by_staleness": by_staleness} if (by_staleness := staleness_summary(history)) else {}),
+    }
+
+
+def staleness_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """The first step's ``|ratio - 1|`` per staleness over the run (``--async-depth``): batches,
+    ratios, their mean and max. Staleness 0 must give max 0; staleness 1 gives the spread."""
+    acc: dict[str, dict[str, float]] = {}
+    for h in history:
+        for staleness, st in (h.get("ratio_by_staleness") or {}).items():
+            a = acc.setdefault(str(staleness), {"batches": 0, "count": 0, "sum": 0.0, "max": 0.0})
+            a["batches"] += 1
+            a["count"] += st["count"]
+            a["sum"] += st["mean"] * st["count"]
+            a["max"] = max(a["max"], st["max"])
+    return {
+        k: {"batches": a["batches"], "count": a["count"], "mean": a["sum"] / a["count"], "max": a["max"]}
+        for k, a in sorted(acc.items())
     }
 
 

@@ -60,6 +60,7 @@ from _common import (
     Phases,
     add_lora,
     base_parser,
+    clock,
     environment,
     image_size,
     iteration_record,
@@ -261,11 +262,12 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()
-            staleness = None
+            staleness, server_span = None, None
             with phases("rollout"):
                 if stream is not None:
                     batch = next(stream)
                     groups, staleness = batch.outputs, batch.staleness
+                    server_span = [clock(batch.sent_at), clock(batch.answered_at)]
                 else:
                     groups = sampler.generate_many(iteration_jobs(it), **shared)
             outputs = [o for g in groups for o in g]
@@ -302,6 +304,7 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
             record = iteration_record(
                 it, version, rewards, outputs, phases, t_iter,
                 sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
+                **({"server_span": server_span} if server_span else {}),
             )  # fmt: skip
             history.append(record)
             run_record["summary"] = summarize(history, "first_ratio_max_dev")

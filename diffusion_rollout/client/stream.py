@@ -56,6 +56,10 @@ class StreamBatch:
     weight_version: Any
     staleness: int  # versions the trainer pushed after ``weight_version``, when yielded
     attempts: int = 1  # 1 + how many times it was regenerated
+    # When its requests were sent and when the last one answered (``time.perf_counter()``): the
+    # span in which the server worked on it, for timelines.
+    sent_at: float = 0.0
+    answered_at: float = 0.0
 
 
 @dataclass
@@ -75,6 +79,8 @@ class _InFlight:
     rids: list[str]
     futures: list[concurrent.futures.Future]
     attempts: int
+    sent_at: float
+    answered_at: list[float] = field(default_factory=list)
 
 
 class RolloutStream:
@@ -212,12 +218,16 @@ class RolloutStream:
     def _send(self, index: int, requests: list[dict[str, Any]], attempts: int) -> _InFlight:
         wanted = self.latest_version
         rids, futures = [], []
+        sent_at = time.perf_counter()
         for j, request in enumerate(requests):
             rid = f"stream-{self._tag}-{index}-{attempts}-{j}"
             job = {**request, "rid": rid, "min_weight_version": wanted}
             rids.append(rid)
             futures.append(self._pool.submit(self._generate, job))
-        return _InFlight(index, requests, rids, futures, attempts)
+        in_flight = _InFlight(index, requests, rids, futures, attempts, sent_at)
+        for f in futures:
+            f.add_done_callback(lambda _f: in_flight.answered_at.append(time.perf_counter()))
+        return in_flight
 
     def _generate(self, job: dict[str, Any]) -> list[Any]:
         if self._closed:
@@ -230,7 +240,12 @@ class RolloutStream:
         staleness = self.staleness_of(version) if version is not None else None
         if staleness is not None and staleness <= self.max_staleness:
             first = outputs[0][0].weight_version if outputs and outputs[0] else version
-            return StreamBatch(batch.index, outputs, first, staleness, batch.attempts)
+            # result() can return just before a future's done-callback ran: then "now" is the answer.
+            complete = len(batch.answered_at) == len(batch.futures)
+            answered = max(batch.answered_at) if complete else time.perf_counter()
+            return StreamBatch(
+                batch.index, outputs, first, staleness, batch.attempts, batch.sent_at, answered
+            )
         if version is None:
             self.stats.mixed_versions += 1
         reason = "mixed versions" if version is None else f"version {version!r} staleness {staleness}"
