@@ -206,23 +206,78 @@ def reward_curves(out: Path) -> list[Path]:
                 "Flow-GRPO colocated": run("sd35-flow-grpo.json"),
                 "Flow-GRPO in-process": run("sd35-in-process.json"),
                 "Flow-GRPO released": run("sd35-flow-grpo-released.json"),
-                "DiffusionNFT": run("sd35-diffusion-nft.json"),
+                "DanceGRPO": run("sd35-dance-grpo.json"),
+                "DiffusionNFT (EMA decay 0.5)": run("sd35-diffusion-nft.json"),
             },
         ),
         (
             "reward_wan.png",
             "Wan 2.1 1.3B, JPEG compressibility, one H100",
             {
-                "Flow-GRPO, 1-step window": run("wan-flow-grpo.json"),
-                "fp32 trainer adapter (bug)": run("wan-flow-grpo-fp32-adapter.json"),
+                "Flow-GRPO, CFG 5, 1-step window": run("wan-flow-grpo.json"),
+                "CFG 5, 2-step window, fp32 trainer adapter (bug)": run("wan-flow-grpo-fp32-adapter.json"),
+                "Flow-GRPO, no CFG, 2-step window": run("wan-flow-grpo-nocfg.json"),
             },
         ),
+        (
+            "reward_wan_brightness.png",
+            "Wan 2.1 1.3B, brightness (target 0.8), no CFG, one H100",
+            {"Flow-GRPO, 2-step window": run("wan-flow-grpo-bright.json")},
+        ),
+        (
+            "reward_async.png",
+            "SD3.5-medium Flow-GRPO, colocated on one H100: sync vs --async-depth 1",
+            {"synchronous": run("sd35-sync.json"), "--async-depth 1": run("sd35-async1.json")},
+        ),
     ]
-    paths = []
+    paths = [async_timeline(out, run("sd35-sync.json"), run("sd35-async1.json"))]
     for name, title, runs in figures:
         plot_reward_curves(runs, str(out / name), title=title)
         paths.append(out / name)
     return paths
+
+
+TIMELINE_ITERATIONS = range(5, 9)  # warm iterations; the first pays allocation and compilation
+LANES = {"rollout": ("server", "tab:blue"), "reward": ("trainer", "tab:olive"),
+         "train": ("trainer", "tab:red"), "push": ("trainer", "tab:purple")}  # fmt: skip
+
+
+def async_timeline(out: Path, sync: dict, async_: dict) -> Path:
+    """Which process uses the GPU when: the server's rollouts and the trainer's phases, per
+    iteration, from the recipes' recorded spans (``Phases.spans``, the stream's ``server_span``)."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
+    for ax, (title, run) in zip(axes, [("synchronous", sync), ("--async-depth 1", async_)], strict=True):
+        rows = [h for h in run["history"] if h["iteration"] in TIMELINE_ITERATIONS]
+        t0 = rows[0]["spans"][0][1]
+        bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for h in rows:
+            for name, a, b in h["spans"]:
+                lane, _ = LANES.get(name, ("trainer", "gray"))
+                if name == "rollout" and "server_span" in h:
+                    continue  # async: the trainer only picked up a finished batch; drawn below
+                bars.setdefault((lane, name), []).append((a - t0, b - a))
+            if "server_span" in h:
+                a, b = h["server_span"]
+                bars.setdefault(("server", "rollout"), []).append((a - t0, b - a))
+        for (lane, name), spans in bars.items():
+            y = 1 if lane == "server" else 0
+            ax.broken_barh(spans, (y - 0.35, 0.7), color=LANES.get(name, ("", "gray"))[1], label=name)
+        mean = sum(h["iteration_s"] for h in run["history"][1:]) / max(len(run["history"]) - 1, 1)
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["trainer", "server"])
+        ax.set_title(f"{title}: {mean:.2f} s per iteration (mean of iterations 2..)", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    uniq = dict(zip(labels, handles, strict=True))
+    axes[0].legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper right", ncol=4)
+    axes[1].set_xlabel(
+        f"seconds from iteration {TIMELINE_ITERATIONS.start}'s start (both processes on one H100)"
+    )
+    fig.suptitle("Flow-GRPO on SD3.5-medium, 4 prompts x 8: who works when", fontsize=10)
+    path = out / "timeline_async.png"
+    _save(fig, path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,9 +96,18 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "wan-flow-grpo-bright": (
         "wan2.1-1.3b",
         "flow_grpo",
-        [*_WAN, "--guidance-scale", "1.0", "--iterations", "25", "--sde-window-range", "5",
-         "--reward", "brightness"],
-    ),  # fmt: skip
+        [
+            *_WAN,
+            "--guidance-scale",
+            "1.0",
+            "--iterations",
+            "25",
+            "--sde-window-range",
+            "5",
+            "--reward",
+            "brightness",
+        ],
+    ),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-async1": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "3", "--async-depth", "1"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),

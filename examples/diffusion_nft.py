@@ -21,7 +21,11 @@ no SDE: any ODE sampler will do. Each iteration:
    The model is called through ``replay_model_output`` with the rollout's ``denoising_env``
    (conditional branch only: DiffusionNFT is CFG-free).
 4. **EMA and sync.** ``old <- decay * old + (1 - decay) * default`` on the trainer; both adapters are
-   pushed (``push_lora``, checksums verified, and read back) and ``old`` stays active.
+   pushed (``push_lora``, checksums verified, and read back) and ``old`` stays active. The decay
+   ramps up from 0 by ``--ema-ramp`` per iteration to at most ``--ema-decay``: a constant 0.5 from
+   the start left ``old`` lagging ``default`` and did not learn (SD3.5-medium, 30 iterations on an
+   H100: -232.7 -> -233.5); on the tiny model a decay of 0 gained about 6x more reward than 0.5
+   (3 seeds x 2 rewards, each run paired with an lr-0 control on the same rollouts).
 
 **Parity check** (the counterpart of Flow-GRPO's ratio of exactly 1 for deterministic rollouts): the
 trainer's ``old`` adapter recomputes one ODE step of every group from the returned trajectory entry,
@@ -77,7 +81,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0])
     g = p.add_argument_group("DiffusionNFT")
     g.add_argument("--beta", type=float, default=1.0, help="DiffusionNFT's guidance strength b")
-    g.add_argument("--ema-decay", type=float, default=0.5, help="old <- decay * old + (1 - decay) * default")
+    g.add_argument(
+        "--ema-decay", type=float, default=0.5, help="the largest decay: old <- d * old + (1 - d) * default"
+    )
+    g.add_argument("--ema-ramp", type=float, default=0.001, help="the decay grows by this much per iteration")
     g.add_argument("--timesteps-per-sample", type=int, default=2)
     g.add_argument(
         "--parity-step", type=int, default=None, help="ODE step checked for parity (default T // 2)"
@@ -143,6 +150,11 @@ def old_policy_max_dev(transformer, groups, step: int, device) -> float:
         dev = max(dev, float((res.next_sample.to(served_next.dtype) - served_next).abs().max()))
     transformer.set_adapter("default")
     return dev
+
+
+def ema_decay_at(args: argparse.Namespace, iteration: int) -> float:
+    """The EMA decay after ``iteration``: ``min(--ema-decay, --ema-ramp * iteration)``."""
+    return min(args.ema_decay, args.ema_ramp * iteration)
 
 
 @torch.no_grad()
@@ -237,13 +249,14 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
             loss = nft_backward(transformer, groups, optimality, args, gen, device)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            ema_update(transformer, args.ema_decay)
+            decay = ema_decay_at(args, it)
+            ema_update(transformer, decay)
         version = f"nft-{it + 1}"
         with phases("push"):
             checksum_ok = sync(version)
         record = iteration_record(
             it, version, rewards, outputs, phases, t_iter,
-            loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok,
+            loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok, ema_decay=decay,
         )  # fmt: skip
         history.append(record)
         run_record["summary"] = summarize(history, "old_policy_max_dev")

@@ -49,7 +49,7 @@ from diffusion_rollout.errors import (
 
 SMALL = {"num_inference_steps": 2, "width": 32, "height": 32, "max_sequence_length": 16}
 EXPECTED_ALL = [
-    "AsyncRolloutClient", "ChecksumMismatchError", "DitTrajectory", "ReplayBatch", "ReplaySettings",
+    "AsyncRolloutClient", "AsyncRolloutStream", "ChecksumMismatchError", "DitTrajectory", "ReplayBatch", "ReplaySettings",
     "ReplayedStep", "RetryPolicy", "RolloutClient", "RolloutConnectionError", "RolloutHTTPError",
     "RolloutOutput", "RolloutStream", "RolloutTimeoutError", "StreamBatch", "StreamStats", "UpdateResult",
     "WeightBroadcaster",

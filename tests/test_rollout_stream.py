@@ -214,3 +214,65 @@ def test_ratio_stats_by_staleness_against_hand_computed_values():
         2: {"count": 1, "mean": 0.5, "min": 0.5, "max": 0.5},
     }
     assert ratio_stats_by_staleness([]) == {}
+
+
+# --------------------------------------------------------------------------- the asyncio twin
+def _async_client(srv):
+    import httpx
+
+    from diffusion_rollout.client import AsyncRolloutClient
+
+    return AsyncRolloutClient("http://testserver", transport=httpx.ASGITransport(app=srv.app))
+
+
+def test_async_stream_bounds_staleness_and_pushes_land_between_batches(fresh_server):
+    import asyncio
+
+    srv = fresh_server("sd3")
+
+    async def main():
+        seen = []
+        async with (
+            _async_client(srv) as client,
+            client.rollout_stream(make_batch, max_staleness=1, max_batches=4, **REQUEST) as stream,
+        ):
+            async for batch in stream:
+                assert batch.index == len(seen) and len(batch.outputs) == 2
+                uniform_version(batch)
+                assert batch.sent_at <= batch.answered_at
+                seen.append(batch.staleness)
+                # The push waits for the batch running on the server: it lands between batches.
+                await asyncio.to_thread(push, srv, stream, f"v{len(seen)}", len(seen))
+        return seen, stream.stats
+
+    seen, stats = asyncio.run(main())
+    assert seen[0] == 0 and all(0 <= s <= 1 for s in seen) and 1 in seen
+    assert stats.yielded == 4 and stats.dropped == stats.regenerated == 0
+    assert srv.engine.worker.depth == 0
+
+
+def test_async_stream_closing_aborts_what_is_queued(fresh_server):
+    import asyncio
+
+    srv = fresh_server("sd3")
+    worker = srv.engine.worker
+    worker.pause()
+
+    async def main():
+        async with _async_client(srv) as client:
+            stream = client.rollout_stream(make_batch, max_staleness=2, **REQUEST)
+            waiter = asyncio.ensure_future(stream.__anext__())
+            for _ in range(600):
+                if worker.depth == 6:
+                    break
+                await asyncio.sleep(0.05)
+            assert worker.depth == 6, "three batches of two requests queued"
+            await stream.aclose()
+            with pytest.raises((RequestAbortedError, StopAsyncIteration)):
+                await waiter
+            return stream.stats
+
+    stats = asyncio.run(main())
+    assert worker.depth == 0 and stats.aborted == 6
+    worker.resume()
+    assert worker.batches_run == 0  # nothing the stream sent ever ran

@@ -11,8 +11,8 @@
   checksum verification, the same-host IPC body and the NCCL/gloo broadcaster (one module each).
 - ``replay`` / ``training``: recompute a rollout's steps with the trainer's transformer and the
   shared transition function (ratio exactly 1 on-policy), plus the common loss pieces.
-- ``stream``: :class:`RolloutStream`, rollouts generated ahead of the trainer with bounded
-  staleness (``RolloutClient.rollout_stream``).
+- ``stream``: :class:`RolloutStream` / :class:`AsyncRolloutStream`, rollouts generated ahead of the
+  trainer with bounded staleness (``RolloutClient.rollout_stream``, ``AsyncRolloutClient.rollout_stream``).
 - ``exceptions``: server errors as the project's exception classes, with status and message.
 
 Importing this package opens no connection and starts nothing.
@@ -39,7 +39,7 @@ from diffusion_rollout.client.results import (
     UpdateResult,
     group_by_server_batch,
 )
-from diffusion_rollout.client.stream import RolloutStream, StreamBatch, StreamStats
+from diffusion_rollout.client.stream import AsyncRolloutStream, RolloutStream, StreamBatch, StreamStats
 from diffusion_rollout.client.sync_client import RolloutClient
 from diffusion_rollout.client.training import (
     ReplayBatch,
@@ -69,6 +69,7 @@ from diffusion_rollout.client.weights import (
 
 __all__ = [
     "AsyncRolloutClient",
+    "AsyncRolloutStream",
     "ChecksumMismatchError",
     "DitTrajectory",
     "ReplayBatch",

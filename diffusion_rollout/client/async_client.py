@@ -53,6 +53,7 @@ from diffusion_rollout.client.calls import (
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.receive import aread_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+from diffusion_rollout.client.stream import AsyncRolloutStream
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 __all__ = ["AsyncRolloutClient"]
@@ -220,6 +221,29 @@ class AsyncRolloutClient(_ClientBase):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    def rollout_stream(
+        self,
+        make_batch: Callable[[int], Sequence[str | Mapping[str, Any]]],
+        *,
+        max_staleness: int = 1,
+        on_stale: str = "drop",
+        depth: int | None = None,
+        max_batches: int | None = None,
+        **fields: Any,
+    ) -> AsyncRolloutStream:
+        """The asyncio twin of :meth:`RolloutClient.rollout_stream` (``client/stream.py``):
+        ``async with client.rollout_stream(make_batch, max_staleness=k) as stream:
+        async for batch in stream: ...; stream.pushed(v)``; leaving it aborts what is in flight."""
+        return AsyncRolloutStream(
+            self,
+            make_batch,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+            depth=depth,
+            max_batches=max_batches,
+            **fields,
+        )
 
     async def abort_request(
         self, rid: str | None = None, *, abort_all: bool = False, server: int | None = None
