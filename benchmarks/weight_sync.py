@@ -95,6 +95,8 @@ PHASE_HELP = {
     "http_stream": "push_weights into the main port (uvicorn, streamed into pooled buffers)",
     "http_direct": "push_weights into the direct upload listener (upload_port: recv_into, thread per "
     "connection), side by side with http_stream (name both, several times, to alternate them)",
+    "http_direct_verified": "http_direct with push_weights' default verify=True (per-tensor SHA-256 "
+    "on both sides, checked after the commit); name it with http_direct to alternate them (not default)",
     "http_stream_h11": "http_stream through a front with uvicorn's h11 parser (not default)",
     "http_stream_httptools": "http_stream through a front with uvicorn's httptools parser (not default)",
     "finite": "the finiteness check over the payload, old vs new",
@@ -271,6 +273,7 @@ def http_push(
     mode: str,
     concurrency: int = 2,
     reps: int = 2,
+    verify: bool = False,
 ) -> list[dict[str, Any]]:
     """A full-weight push over HTTP from a separate trainer process (as from another host).
 
@@ -293,6 +296,7 @@ def http_push(
         "part_bytes": part_bytes,
         "concurrency": concurrency,
         "reps": reps,
+        "verify": verify,
         "tensors": [[n, list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in named],
     }
     rows = []
@@ -335,8 +339,11 @@ def http_push(
                 }[mode]
                 rows.append(
                     {
-                        "transport": f"http_{mode}",
-                        "what": what + (" (first)" if rep == 0 else ""),
+                        "transport": f"http_{mode}" + ("_verified" if verify else ""),
+                        "verified": verify,
+                        "what": what
+                        + (", verify=True" if verify else ", verify=False")
+                        + (" (first)" if rep == 0 else ""),
                         "gb": _gb(total),
                         "seconds": seconds,
                         "gb_per_s": _gb(total) / seconds,
@@ -388,7 +395,8 @@ def http_trainer_main(spec_path: str) -> int:
                     return 2
                 message = push_weights(
                     client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
-                    upload_id=tag, flush_cache=False, verify=False, concurrency=spec["concurrency"],
+                    upload_id=tag, flush_cache=False, verify=spec.get("verify", False),
+                    concurrency=spec["concurrency"],
                     partial=True,  # --http-gb may cap the payload below the whole module
                     direct=direct,
                 ).message  # fmt: skip
@@ -782,7 +790,7 @@ def run(
             r["transport"] = f"http_stream_{parser}"
         return out
 
-    def push_direct():
+    def push_direct(verify: bool = False):
         # The same push into a second front on the same engine that runs the direct receive
         # listener; the trainer finds its port through /model_info, as any client does.
         from benchmarks.common import LoopbackServer
@@ -790,7 +798,9 @@ def run(
         front = LoopbackServer(srv.engine, srv.config.model_copy(update={"upload_port": 0}))
         try:
             listener = front.app.state.upload_listener
-            out = http_push(front, payload(), part_bytes, mode="direct", concurrency=concurrency, reps=2)
+            out = http_push(
+                front, payload(), part_bytes, mode="direct", concurrency=concurrency, reps=2, verify=verify
+            )
             expected = 2 * len(_parts(payload(), part_bytes))
             if listener.stats.parts != expected:
                 raise RuntimeError(f"the upload port received {listener.stats.parts} of {expected} parts")
@@ -809,8 +819,13 @@ def run(
     phase("http_legacy", lambda: do_push("legacy"), 30)
     # http_stream / http_direct: in the order (and as often) as --phases names them, so a run can
     # alternate the two receive paths on a noisy machine.
-    for name in [p for p in phases if p in ("http_stream", "http_direct")]:
-        phase(name, (lambda: do_push("stream")) if name == "http_stream" else push_direct, 30)
+    pushes = {
+        "http_stream": lambda: do_push("stream"),
+        "http_direct": push_direct,
+        "http_direct_verified": lambda: push_direct(verify=True),
+    }
+    for name in [p for p in phases if p in pushes]:
+        phase(name, pushes[name], 30)
     # http_stream_h11 / http_stream_httptools: in the order (and as often) as --phases names them,
     # so a run can alternate them.
     for name in [p for p in phases if p in ("http_stream_h11", "http_stream_httptools")]:

@@ -28,7 +28,10 @@ Design decisions:
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -75,6 +78,33 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     hasher.update(repr(tuple(tensor.shape)).encode("utf-8"))
     hasher.update(tensor_bytes(tensor))
     return hasher.hexdigest()
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's threads for per-tensor SHA-256: ``hashlib`` releases the GIL while it hashes a
+    large buffer, so tensors hash on several cores at once."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            workers = max(1, min(8, os.cpu_count() or 1))
+            _HASH_POOL = ThreadPoolExecutor(workers, thread_name_prefix="tensor-sha256")
+        return _HASH_POOL
+
+
+def submit_tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> dict[str, Future]:
+    """Start ``tensor_sha256`` of every tensor on :func:`hash_pool`; ``{name: future}``. Never call
+    it from a hash-pool thread (it would wait on itself)."""
+    pool = hash_pool()
+    return {name: pool.submit(tensor_sha256, t) for name, t in tensors.items()}
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: tensor_sha256}``, hashed in parallel (:func:`hash_pool`)."""
+    return {name: f.result() for name, f in submit_tensors_sha256(tensors).items()}
 
 
 def named_tensors_sha256(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -88,6 +88,7 @@ class LoraTransactions:
             for target, snapshot in saved.snapshots.items():
                 restore(m.lora, target, get_module(pipe, target), snapshot)
             m.updates_applied = saved.updates_applied
+            m.received.weights_changed()
             m.engine.weight_version = saved.weight_version
             m.engine.prompt_cache.clear()  # a text encoder's adapter may have changed and come back
 

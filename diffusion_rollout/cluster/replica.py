@@ -195,8 +195,9 @@ class ReplicaServer:
             staged = await m.stage_upload_part(self._lease(data), final=True, **kwargs)
             # Staged parts were cast and checked finite on arrival; their buffers go back at finish.
             return await self.transactions.prepare(
-                txn, staged.payload, flush_cache=flush_cache, finite_checked=True, on_finish=staged.release
-            )
+                txn, staged.payload, flush_cache=flush_cache, finite_checked=True, on_finish=staged.release,
+                received_sha256=staged.digests,
+            )  # fmt: skip
         elif source == "tensor":
             payload = await m.tensor_payload(**kwargs)
         elif source == "distributed":

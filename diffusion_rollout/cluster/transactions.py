@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ class _Prepared:
     plan: UpdatePlan
     flush_cache: bool
     on_finish: Callable[[], None] | None = None
+    received_sha256: Mapping[str, Mapping[str, str]] | None = None  # an upload's hashes on arrival
 
 
 @dataclass
@@ -66,6 +67,7 @@ class FullUpdateTransactions:
         flush_cache: bool,
         finite_checked: bool = False,
         on_finish: Callable[[], None] | None = None,
+        received_sha256: Mapping[str, Mapping[str, str]] | None = None,
     ) -> str:
         """Validate ``{module: [(name, tensor)]}`` and keep the plan; returns its summary.
 
@@ -80,7 +82,7 @@ class FullUpdateTransactions:
             if on_finish is not None:
                 on_finish()
             raise
-        self._prepared[txn] = _Prepared(plan, flush_cache, on_finish)
+        self._prepared[txn] = _Prepared(plan, flush_cache, on_finish, received_sha256)
         return plan.summary()
 
     def _merge_suspended(self, stack: contextlib.ExitStack, plan: UpdatePlan) -> None:
@@ -102,6 +104,7 @@ class FullUpdateTransactions:
                 self._merge_suspended(stack, prepared.plan)
                 backups = apply_copies(prepared.plan.copies, before_copy=self.manager.before_copy)
             version = self.manager._bump(weight_version, prepared.plan.modules, prepared.flush_cache)
+            self.manager.remember_received(prepared.received_sha256)
             self._applied[txn] = _Applied(prepared.plan, backups, previous)
             logger.info(
                 "weights updated to version %s: %s, %.1f MiB in %.3f s",
@@ -132,6 +135,7 @@ class FullUpdateTransactions:
                         f"rollback failed on this replica: {exc}; reload the weights"
                     ) from exc
             self.manager.updates_applied -= 1
+            self.manager.received.weights_changed()
             self.manager.engine.weight_version = applied.previous_version
             self.manager.engine.prompt_cache.clear()
             logger.warning("update %s rolled back to version %s", txn, applied.previous_version)

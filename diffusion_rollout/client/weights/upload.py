@@ -12,16 +12,18 @@ Design decisions:
   views of the (cast) tensors, sent in slices, so nothing is serialised before the socket. Part 0
   goes alone (it opens the upload on the server), then up to ``concurrency`` parts are sent at
   once on separate connections (the server checks one while it receives the next), and the final
-  part goes last, after every other part was accepted. Per-tensor hashes for verification are
-  computed in the sending threads.
+  part goes last, after every other part was accepted. Per-tensor hashes for verification start on
+  the hashing threads (``checksums.hash_pool``) as soon as a part is packed, while parts are sent.
 - **The direct port when the server has one.** A server started with ``--upload-port`` advertises
   it (``weight_upload_port``); the parts then go there (``direct=True``, the default), where they
   are read from the socket straight into the receive buffers, while the verification and every
   other call stay on the main port. The port is asked again at every push, so a restarted server is
   followed. ``direct=False`` sends everything to the main port; the result is the same.
-- **Verification with the same code.** Per-tensor SHA-256 (``checksums.tensor_sha256``) is computed
-  on every cast tensor as it is packed, and checked with ``/update_weights_from_tensor_checker``
-  after the commit; whole-module checksums (:func:`verify_weights_checksum`) use
+- **Verification with the same code, off the critical path.** Per-tensor SHA-256
+  (``checksums.tensor_sha256``) of every cast tensor is computed while the parts are sent, and checked
+  with ``/update_weights_from_tensor_checker`` after the commit. The server hashed the bytes it
+  received while receiving them (``server/weights/received_digests.py``), so the check reads
+  nothing back from the GPU; whole-module checksums (:func:`verify_weights_checksum`) use
   ``checksums.trainer_weights_checksum``. A mismatch raises :class:`ChecksumMismatchError`.
 - Only the blocking :class:`RolloutClient` is accepted: pushes happen between training steps.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import sys
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +42,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffusion_rollout.checksums import tensor_sha256, trainer_weights_checksum, weights_checksum
+from diffusion_rollout.checksums import (
+    submit_tensors_sha256,
+    tensors_sha256,
+    trainer_weights_checksum,
+    weights_checksum,
+)
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import (
@@ -87,8 +95,9 @@ class WeightPart:
 
     @functools.cached_property
     def sha256(self) -> dict[str, str]:
-        """Per-tensor SHA-256 of the cast tensors (``checksums.tensor_sha256``), computed once."""
-        return {n: tensor_sha256(t) for n, t in self.tensors.items()}
+        """Per-tensor SHA-256 of the cast tensors (``checksums.tensor_sha256``, on several cores),
+        computed once."""
+        return tensors_sha256(self.tensors)
 
 
 def safetensors_parts(
@@ -187,8 +196,6 @@ def push_weights(
             partial=partial,
             direct=direct,
         )
-        if verify:
-            manifest.update(part.sha256)
         logger.info(
             "pushed part %d (%d tensors, %.1f MiB)%s", index, len(part.names), part.num_bytes / 2**20,
             " and committed" if last else "",
@@ -196,9 +203,12 @@ def push_weights(
         return result
 
     in_flight: collections.deque[Future] = collections.deque()
+    hashes: dict[str, Future] = {}  # hashed on the hashing threads while the parts travel
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="push-weights") as pool:
         try:
             for index, (part, last) in enumerate(_lookahead(parts)):
+                if verify:
+                    hashes.update(submit_tensors_sha256(part.tensors))
                 if index == 0 or last:
                     # Part 0 opens the upload on the server; the final part must come after all others.
                     while in_flight:
@@ -211,7 +221,11 @@ def push_weights(
         finally:
             for future in in_flight:
                 future.cancel()
+            if verify and sys.exc_info()[0] is not None:
+                for future in hashes.values():
+                    future.cancel()
     if verify:
+        manifest.update({name: future.result() for name, future in hashes.items()})
         _check_manifest(client, target_module, manifest, server)
     return result
 

@@ -41,7 +41,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from diffusion_rollout.checksums import ALGORITHMS, base_named_parameters, module_checksum, tensor_sha256
+from diffusion_rollout.checksums import (
+    ALGORITHMS,
+    base_named_parameters,
+    module_checksum,
+    tensors_sha256,
+)
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.receive import Lease, unpooled
@@ -123,6 +128,8 @@ class StagedPart:
     payload: Payload | None
     result: dict[str, Any] | None
     _release: Callable[[], None] | None = None
+    # {module: {name: sha256}} of the received bytes (``received_digests.py``)
+    digests: dict[str, dict[str, str]] | None = None
 
     def release(self) -> None:
         """Give the receive buffers back once the payload is applied (or dropped)."""
@@ -150,6 +157,7 @@ class FullWeightOps(ManagerCore):
         weight_version: Version,
         flush_cache: bool,
         finite_checked: bool = False,
+        received_sha256: Mapping[str, Mapping[str, str]] | None = None,
     ) -> str:
         """Worker side: validate all, copy all (base weights exact under merged LoRA), bump."""
         t0 = time.perf_counter()
@@ -160,6 +168,7 @@ class FullWeightOps(ManagerCore):
                 stack.enter_context(self.lora.merge_suspended(name, get_module(pipe, name)))
             apply_copies(plan.copies, before_copy=self.before_copy)
         version = self._bump(weight_version, plan.modules, flush_cache)
+        self.remember_received(received_sha256)
         dt = time.perf_counter() - t0
         mib = plan.num_bytes / 2**20
         logger.info("weights updated to version %s: %s, %.1f MiB in %.3f s", version, plan.summary(), mib, dt)
@@ -172,16 +181,31 @@ class FullWeightOps(ManagerCore):
         weight_version: Version = None,
         flush_cache: bool = True,
         finite_checked: bool = False,
+        received_sha256: Mapping[str, Mapping[str, str]] | None = None,
     ) -> dict[str, Any]:
         """Apply ``{module: [(name, tensor)]}`` atomically (the core every transport ends in).
 
-        ``finite_checked``: every tensor was already checked finite in its target dtype (staged parts).
+        ``finite_checked``: every tensor was already checked finite in its target dtype (staged parts);
+        ``received_sha256``: their hashes taken on arrival, kept for the tensor checker.
         """
         self.targets(list(payload))
         message = await self._exclusive(
-            lambda: self._apply_full(payload, weight_version, flush_cache, finite_checked)
+            lambda: self._apply_full(payload, weight_version, flush_cache, finite_checked, received_sha256)
         )
         return self.result(message)
+
+    def remember_received(self, received_sha256: Mapping[str, Mapping[str, str]] | None) -> None:
+        """After an upload's apply and bump: keep its hashes, except for a module under a merged
+        LoRA (its live weights are not the bytes received)."""
+        if not received_sha256:
+            return
+        self.received.remember(
+            {
+                module: named
+                for module, named in received_sha256.items()
+                if not getattr(self.lora.targets.get(module), "merged", False)
+            }
+        )
 
     async def update_from_disk(
         self,
@@ -229,8 +253,9 @@ class FullWeightOps(ManagerCore):
         try:
             # Every staged tensor was checked finite after its cast when its part arrived.
             out = await self.apply_named_tensors(
-                staged.payload, weight_version=weight_version, flush_cache=flush_cache, finite_checked=True
-            )
+                staged.payload, weight_version=weight_version, flush_cache=flush_cache, finite_checked=True,
+                received_sha256=staged.digests,
+            )  # fmt: skip
         finally:
             staged.release()
         out["upload_id"] = staged.upload_id
@@ -259,19 +284,23 @@ class FullWeightOps(ManagerCore):
                 # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
                 upload = self.staging.begin_part(uid, part)
 
-                def parse() -> dict[str, torch.Tensor]:
+                def parse() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                     problems = Problems()
                     parsed, _ = parse_received(lease)
                     tensors = check_and_convert(
                         module, parsed.items(), spec, problems, seen=upload.seen_names(module)
                     )
                     problems.raise_if_any()
-                    return tensors
+                    # Hashed here, while the next part is received: the tensor checker then needs
+                    # no read-back of the applied weights (received_digests.py).
+                    return tensors, tensors_sha256(tensors)
 
-                tensors = await asyncio.to_thread(parse)
+                tensors, digests = await asyncio.to_thread(parse)
                 # Same-dtype tensors stay views into the receive buffer, which the upload then keeps.
                 keep = any(lease.shares_storage(t) for t in tensors.values())
-                upload = self.staging.add_part(uid, part, module, tensors, lease if keep else None)
+                upload = self.staging.add_part(
+                    uid, part, module, tensors, lease if keep else None, digests=digests
+                )
                 kept = keep
             except Exception as exc:
                 self._drop_failed(uid, part, final, exc)
@@ -307,7 +336,11 @@ class FullWeightOps(ManagerCore):
                     field="partial",
                 )
         return StagedPart(
-            uid, {m: list(t.items()) for m, t in complete.tensors.items()}, None, complete.release
+            uid,
+            {m: list(t.items()) for m, t in complete.tensors.items()},
+            None,
+            complete.release,
+            digests=complete.digests,
         )
 
     async def refuse_part(
@@ -430,13 +463,20 @@ class FullWeightOps(ManagerCore):
         def run() -> str:
             module = get_module(self.engine.pipe, target_module)
             live = live_tensors(module)
-            missing, mismatched = [], []
+            received = self.received.lookup(target_module)
+            missing, mismatched, to_hash = [], [], {}
             for raw, digest in expected.items():
                 name = canonical_name(raw, target_module, live)
                 if name not in live:
                     missing.append(raw)
-                elif tensor_sha256(live[name]) != digest:
-                    mismatched.append(raw)
+                elif name in received:
+                    if received[name] != digest:
+                        mismatched.append(raw)
+                else:
+                    to_hash[raw] = live[name]
+            # Whatever no applied upload vouches for is read back and hashed, on several cores.
+            live_digests = tensors_sha256(to_hash)
+            mismatched += [raw for raw, got in live_digests.items() if got != expected[raw]]
             if missing or mismatched:
                 parts = []
                 if missing:

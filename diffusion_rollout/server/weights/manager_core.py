@@ -32,6 +32,7 @@ from diffusion_rollout.server.weights.distributed import UpdateGroups
 from diffusion_rollout.server.weights.lora import LoraManager
 from diffusion_rollout.server.weights.memory import MemoryOccupation
 from diffusion_rollout.server.weights.receive import BufferPool
+from diffusion_rollout.server.weights.received_digests import ReceivedDigests
 from diffusion_rollout.server.weights.staging import StagingArea
 from diffusion_rollout.server.weights.updater import (
     BeforeCopy,
@@ -73,6 +74,7 @@ class ManagerCore:
         self.groups = UpdateGroups()
         self.memory = MemoryOccupation()
         self.updates_applied = 0
+        self.received = ReceivedDigests()  # per-tensor hashes of the last applied upload
         self.user_paused = False
         self.before_copy: BeforeCopy | None = None
         self._specs: dict[str, dict[str, TensorSpec]] = {}
@@ -102,6 +104,7 @@ class ManagerCore:
     def _bump(self, weight_version: Version, modules: Sequence[str], flush_cache: bool = False) -> Any:
         """On the worker, after a successful change: new version, prompt cache cleared if needed."""
         self.updates_applied += 1
+        self.received.weights_changed()
         self.engine.weight_version = weight_version if weight_version is not None else self.updates_applied
         if flush_cache or encoder_modules_touched(modules):
             self.engine.prompt_cache.clear()

@@ -57,6 +57,8 @@ class Upload:
     numbered: bool | None = None  # set by the first part: all parts numbered, or none
     parts_begun: set[int] = field(default_factory=set)
     leases: list[Lease] = field(default_factory=list)  # receive buffers the staged tensors view
+    # SHA-256 of each staged tensor's bytes, taken on arrival (``received_digests.py``)
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def num_parts(self) -> int:
@@ -161,6 +163,7 @@ class StagingArea:
         module: str,
         tensors: dict[str, torch.Tensor],
         lease: Lease | None = None,
+        digests: dict[str, str] | None = None,
     ) -> Upload:
         """Record a validated part (tensors already cast to the parameter dtype).
 
@@ -184,6 +187,8 @@ class StagingArea:
             if twice:
                 raise WeightUpdateError(f"tensors sent twice in upload {upload_id!r}: {', '.join(twice[:5])}")
             staged.update(tensors)
+            if digests:
+                upload.digests.setdefault(module, {}).update(digests)
             if lease is not None:
                 upload.leases.append(lease)
             upload.in_flight -= 1
