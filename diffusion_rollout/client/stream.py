@@ -204,6 +204,29 @@ class _StreamFront:
         """Versions pushed after ``version`` (None for a version the trainer never pushed)."""
         return self._book.staleness_of(version)
 
+    # Each stream has ``_in_flight`` (a deque of _InFlight) and ``_send(index, requests, attempts)``.
+    _in_flight: deque[_InFlight]
+
+    def _send(self, index: int, requests: list[dict[str, Any]], attempts: int) -> _InFlight:
+        raise NotImplementedError
+
+    def _fill(self) -> None:
+        """Keep the batch the trainer waits for plus ``depth`` more in flight."""
+        while not self._book.exhausted and len(self._in_flight) < self._book.depth + 1:
+            nxt = self._book.next_batch()
+            if nxt is None:
+                return
+            self._in_flight.append(self._send(*nxt, attempts=1))
+
+    def _take(self, batch: _InFlight, outputs: list[list[Any]]) -> StreamBatch | None:
+        """The answered batch at the head, judged: the batch to yield, or None (dropped, or sent
+        again ahead of the others when ``on_stale`` is ``"regenerate"``)."""
+        self._in_flight.popleft()
+        ready = self._book.judge(batch, outputs, _answered(batch))
+        if ready is None and self._book.on_stale == "regenerate":
+            self._in_flight.appendleft(self._send(batch.index, batch.requests, batch.attempts + 1))
+        return ready
+
 
 class RolloutStream(_StreamFront):
     """Iterate for :class:`StreamBatch` es; see the module docstring. Use as a context manager."""
@@ -256,12 +279,9 @@ class RolloutStream(_StreamFront):
                 raise
             if self._closed:
                 raise StopIteration
-            self._in_flight.popleft()
-            ready = self._book.judge(batch, outputs, _answered(batch))
+            ready = self._take(batch, outputs)
             if ready is not None:
                 return ready
-            if self._book.on_stale == "regenerate":
-                self._in_flight.appendleft(self._send(batch.index, batch.requests, batch.attempts + 1))
 
     def close(self) -> None:
         """Abort every request still in flight (``abort_request(rid)``) until each has answered."""
@@ -294,14 +314,6 @@ class RolloutStream(_StreamFront):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _fill(self) -> None:
-        """Keep the batch the trainer waits for plus ``depth`` more in flight."""
-        while not self._book.exhausted and len(self._in_flight) < self._book.depth + 1:
-            nxt = self._book.next_batch()
-            if nxt is None:
-                return
-            self._in_flight.append(self._send(*nxt, attempts=1))
 
     def _send(self, index: int, requests: list[dict[str, Any]], attempts: int) -> _InFlight:
         jobs = self._book.jobs(index, requests, attempts)
@@ -371,12 +383,9 @@ class AsyncRolloutStream(_StreamFront):
                 raise
             if self._closed:
                 raise StopAsyncIteration
-            self._in_flight.popleft()
-            ready = self._book.judge(batch, outputs, _answered(batch))
+            ready = self._take(batch, outputs)
             if ready is not None:
                 return ready
-            if self._book.on_stale == "regenerate":
-                self._in_flight.appendleft(self._send(batch.index, batch.requests, batch.attempts + 1))
 
     async def aclose(self) -> None:
         """Abort every request still in flight (``abort_request(rid)``) until each has answered."""
@@ -408,13 +417,6 @@ class AsyncRolloutStream(_StreamFront):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _fill(self) -> None:
-        while not self._book.exhausted and len(self._in_flight) < self._book.depth + 1:
-            nxt = self._book.next_batch()
-            if nxt is None:
-                return
-            self._in_flight.append(self._send(*nxt, attempts=1))
 
     def _send(self, index: int, requests: list[dict[str, Any]], attempts: int) -> _InFlight:
         jobs = self._book.jobs(index, requests, attempts)
