@@ -176,6 +176,12 @@ class ServerConfig(BaseModel):
     ray_address: str | None = Field(
         None, description="Ray cluster to join ('auto' = the local `ray start` one); unset = start Ray here"
     )
+    placement: Literal["spread", "pack"] | None = Field(
+        None,
+        description="where the replicas go: a Ray placement group of one bundle per replica, 'spread' over "
+        "as many nodes as it can, 'pack' onto as few; unset = Ray's default scheduling, each replica "
+        "wherever it fits",
+    )
 
     # Demo model
     cache_dir: str = Field(
@@ -223,6 +229,20 @@ class ServerConfig(BaseModel):
                     f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
                     f"{self.context_parallel} (got {gpus:g})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _placement_needs_replicas(self) -> ServerConfig:
+        if self.placement is None:
+            return self
+        if self.replicas is None:
+            raise ValueError(f"placement={self.placement} places Ray replicas; set replicas too")
+        if self.cpus_per_replica == 0 and self.gpus_per_replica == 0:
+            # A placement group bundle must reserve something.
+            raise ValueError(
+                f"placement={self.placement} needs each replica to reserve a CPU or a GPU "
+                "(cpus_per_replica and gpus_per_replica are both 0)"
+            )
         return self
 
     @classmethod

@@ -11,8 +11,9 @@ Design decisions:
   (tests, trainers), which it then leaves running on ``stop()``.
 - **Replicas.** ``config.replicas`` actors of :class:`~diffusion_rollout.cluster.replica.ReplicaServer`,
   each with ``gpus_per_replica`` GPUs (default ``context_parallel`` on a CUDA machine, 0 on a CPU one) and
-  ``cpus_per_replica`` cores. Ray places them on any node of the cluster; the model path must be
-  readable on every node.
+  ``cpus_per_replica`` cores. Ray places them on any node of the cluster (its default scheduling),
+  or, with ``config.placement``, in a placement group of one bundle per replica with the ``SPREAD``
+  or ``PACK`` strategy; the model path must be readable on every node.
 - **Rollouts.** Each request goes whole to the replica with the least outstanding work
   (``routing.LeastOutstanding``) and its results come back as the actor call's return value,
   through Ray's object store. A client that leaves cancels the actor call, which drops its queued
@@ -60,6 +61,9 @@ from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)
+
+# How long ``--placement`` waits for Ray to reserve every replica's bundle.
+PLACEMENT_TIMEOUT_S = 300.0
 
 
 class ReplicaLostError(ServiceUnavailableError):
@@ -129,6 +133,7 @@ class ClusterEngine:
         self.user_paused = False
         self._weight_version: Any = 0
         self._owns_ray = False
+        self._placement_group: Any = None  # config.placement's group, removed on stop
         self._shutdown_deadline: float | None = None
         self._admin_lock: asyncio.Lock | None = None
         self._model_info: dict[str, Any] = {}
@@ -188,13 +193,17 @@ class ClusterEngine:
         try:
             if self._adopted is None:
                 self._check_resources(ray, n, gpus)
-                actors = [actor_cls.remote(rcfg, i, self.pipeline_factory) for i in range(n)]
+                options = self._placement_options(ray, n, gpus)
+                actors = [
+                    actor_cls.options(**options[i]).remote(rcfg, i, self.pipeline_factory) for i in range(n)
+                ]
             infos = ray.get([a.start.remote() for a in actors])
         except BaseException:
             # Nothing half-started stays behind (adopted actors stay their owner's).
             for actor in actors if self._adopted is None else []:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
+            self._remove_placement_group(ray)
             if self._owns_ray:
                 ray.shutdown()
             raise
@@ -216,6 +225,48 @@ class ClusterEngine:
                 info["device"],
                 info["pid"],
             )
+
+    def _placement_options(self, ray, n: int, gpus: float) -> list[dict[str, Any]]:
+        """Each replica actor's ``.options``: none (Ray's default scheduling) unless
+        ``config.placement`` asks for a placement group of one bundle per replica, with Ray's
+        ``SPREAD`` (bundles on as many nodes as possible) or ``PACK`` (as few) strategy. Both are
+        best effort: ``pack`` spreads what one node cannot hold, ``spread`` doubles up when there are
+        fewer nodes than replicas. A replica restarted by Ray comes back in its own bundle (which Ray
+        moves to another node if its node died)."""
+        placement = self.config.placement
+        if placement is None:
+            return [{} for _ in range(n)]
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {k: v for k, v in (("CPU", self.config.cpus_per_replica), ("GPU", gpus)) if v > 0}
+        if not bundle:
+            raise ValueError(
+                f"placement={placement} needs each replica to reserve a CPU or a GPU; "
+                "set --cpus-per-replica or --gpus-per-replica above 0"
+            )
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy=placement.upper())
+        self._placement_group = pg
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ValueError(
+                f"Ray could not place {n} bundles of {bundle} ({placement}) within {PLACEMENT_TIMEOUT_S:g} s: "
+                "no node has room for one replica's bundle; lower --gpus-per-replica or --cpus-per-replica"
+            ) from None
+        logger.info("replicas placed in a %s placement group of %d bundles %s", placement.upper(), n, bundle)
+        return [
+            {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+            for i in range(n)
+        ]
+
+    def _remove_placement_group(self, ray) -> None:
+        pg, self._placement_group = self._placement_group, None
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
 
     def _check_resources(self, ray, n: int, gpus: float) -> None:
         """Fail at once (instead of waiting forever for actors Ray cannot place) when the cluster
@@ -259,6 +310,7 @@ class ClusterEngine:
             with contextlib.suppress(Exception):
                 ray.kill(r.actor)
         self.replicas = []
+        self._remove_placement_group(ray)
         if self._owns_ray:
             ray.shutdown()
         logger.info("cluster stopped")
