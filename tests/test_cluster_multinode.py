@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -221,6 +222,13 @@ def _command(line: str, env: dict[str, str], subs: dict[str, str], extra: list[s
     return [str(BIN / words[0]), *words[1:], *extra], env
 
 
+def _restore(path: Path, content: bytes | None) -> None:
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_bytes(content)
+
+
 def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
     """The README's commands, run as they are on one host: the head and the joining node as real
     ``ray start`` processes (one CPU each, so the replicas land on both), then ``serve`` on them.
@@ -232,6 +240,10 @@ def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     gcs_port, http_port = _free_port(), _free_port()
+    current_cluster = (
+        Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    )
+    current_before = current_cluster.read_bytes() if current_cluster.exists() else None
     env = {
         **os.environ,
         "HOME": str(home),
@@ -305,3 +317,6 @@ def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        # `ray start --head` leaves its address in the shared temp dir, and a later plain
+        # `ray.init()` (other tests) would try to join that dead cluster: put the file back.
+        _restore(current_cluster, current_before)

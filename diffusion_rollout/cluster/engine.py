@@ -363,7 +363,16 @@ class ClusterEngine:
             "num_replicas": len(self.replicas),
             # Ranks this front takes in a weight-update group (one per replica; WeightBroadcaster).
             "weight_update_ranks": len(self.replicas),
+            "replica_upload_urls": self.replica_upload_urls(),
         }
+
+    def replica_upload_urls(self) -> list[str] | None:
+        """Every serving replica's own upload port (``--upload-port``): the client sends each
+        full-weight part to all of them, then the final part here. None unless every serving
+        replica has one (a replica without the parts would refuse the commit)."""
+        live = self.serving()
+        urls = [r.info.get("upload_url") for r in live]
+        return urls if live and all(urls) else None
 
     def speed_info(self) -> dict[str, Any]:
         """The speed options in force on the replicas (all run the same config; replica 0's report)."""

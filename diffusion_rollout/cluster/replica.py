@@ -83,6 +83,15 @@ def _gpu_uuids() -> list[str]:
     return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
 
 
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray
+        return socket.gethostbyname(socket.gethostname())
+
+
 def _node_id() -> str | None:
     try:
         import ray
@@ -108,6 +117,7 @@ class ReplicaServer:
         self.transactions = FullUpdateTransactions(self.manager)
         self.lora_transactions = LoraTransactions(self.manager)
         self._lora_fault = False  # inject_lora_fault
+        self.upload_listener = None  # this replica's own upload port (with --upload-port)
 
     # ------------------------------------------------------------------ lifecycle and state
     async def start(self) -> dict[str, Any]:
@@ -116,7 +126,32 @@ class ReplicaServer:
             if self.pipeline_factory is not None and self.engine.loaded is None:
                 await asyncio.to_thread(self._build_pipeline)
             await asyncio.to_thread(self.engine.start)
+        self._open_upload_port()
         return self.info()
+
+    def _open_upload_port(self) -> None:
+        """With ``--upload-port``, every replica receives full-weight parts on a port of its own
+        (a free one: replicas may share a host), straight into its staging area; the front only
+        commits. Trainers find the ports in the front's ``/model_info`` (``replica_upload_urls``)."""
+        if self.config.upload_port is None or self.upload_listener is not None:
+            return
+        from diffusion_rollout.entrypoints.upload_listener import UploadListener
+
+        listener = UploadListener(
+            self.config, self.engine, asyncio.get_running_loop(), 0, stage_only=True, host=self.config.host
+        )
+        listener.start()
+        self.upload_listener = listener
+
+    def upload_url(self) -> str | None:
+        """Where trainers reach this replica's upload port (the node's address when bound to all)."""
+        listener = self.upload_listener
+        if listener is None or not listener.running:
+            return None
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = _node_ip()
+        return f"http://{'[' + host + ']' if ':' in host else host}:{listener.port}"
 
     def _build_pipeline(self) -> None:
         from diffusion_rollout.server.loader import prepare_pipeline
@@ -132,6 +167,9 @@ class ReplicaServer:
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
+        if self.upload_listener is not None:
+            await asyncio.to_thread(self.upload_listener.stop)
+            self.upload_listener = None
         await asyncio.to_thread(self.engine.stop, grace_s)
 
     def info(self) -> dict[str, Any]:
@@ -153,6 +191,8 @@ class ReplicaServer:
             "model_info": self.engine.model_info(),
             "speed": self.engine.speed_info(),
             "module_names": self.manager.module_names() if ready else [],
+            "upload_url": self.upload_url(),
+            "upload_parts_received": self.upload_listener.stats.parts if self.upload_listener else 0,
         }
 
     async def metrics_text(self) -> str:

@@ -308,10 +308,24 @@ class UploadListener:
     returns the port (``port=0`` picks a free one); :meth:`stop` closes everything.
     """
 
-    def __init__(self, config: ServerConfig, engine, loop: asyncio.AbstractEventLoop, port: int) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine,
+        loop: asyncio.AbstractEventLoop,
+        port: int,
+        *,
+        stage_only: bool = False,
+        host: str | None = None,
+    ) -> None:
+        """``stage_only``: a replica's listener (``cluster/replica.py``): it stages non-final parts
+        and refuses ``final=true``, which must reach the cluster front (it commits on every replica
+        or none). ``host``: the address to bind (default ``config.host``)."""
         self.config = config
         self.engine = engine
         self.loop = loop
+        self.stage_only = stage_only
+        self.host = host or config.host
         self.requested_port = port
         self.port: int | None = None
         self.stats = ListenerStats()
@@ -333,7 +347,7 @@ class UploadListener:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> int:
-        host = self.config.host
+        host = self.host
         family = socket.getaddrinfo(host, self.requested_port, type=socket.SOCK_STREAM)[0][0]
         self._sock = socket.create_server((host, self.requested_port), family=family, backlog=64)
         # A fallback wake-up for the accept loop on systems where closing the socket does not.
@@ -467,6 +481,12 @@ class UploadListener:
             raise ListenerRefusal(405, "Method Not Allowed", headers={"Allow": "POST"})
         length = _content_length(head)
         query = UploadQuery.from_pairs(parse_qsl(head.query, keep_blank_values=True))
+        if self.stage_only and query.final:
+            raise WeightUpdateError(
+                "this is a replica's upload port: it stages parts (final=false); send the final part "
+                "to the cluster front, which applies the upload on every replica or on none",
+                field="final",
+            )
         manager = self.engine.weights()
         if head.version == "HTTP/1.1" and (head.get("expect") or "").lower() == "100-continue":
             conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")

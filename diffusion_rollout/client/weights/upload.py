@@ -48,6 +48,7 @@ from diffusion_rollout.checksums import (
     trainer_weights_checksum,
     weights_checksum,
 )
+from diffusion_rollout.client.calls import _upload_call
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import (
@@ -175,14 +176,27 @@ def push_weights(
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     cast_to = resolve_dtype(client, dtype, server=server or 0)
+    replicas: list[str] = []
     if direct:
         for index in range(len(client.urls)) if server is None else [server]:
             client.upload_url(index, refresh=True)  # a restarted server may listen elsewhere
+        replicas = _replica_upload_urls(client, server)
     upload_id = upload_id or uuid.uuid4().hex
     manifest: dict[str, str] = {}
     parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
 
-    def send(index: int, part: WeightPart, last: bool) -> UpdateResult:
+    def send(index: int, part: WeightPart, last: bool) -> UpdateResult | None:
+        if replicas:
+            # A cluster whose replicas have upload ports: every part (the last one with data too)
+            # goes to each replica's own port at once; the commit follows, at the front.
+            call = _upload_call(
+                part.body, target_module, weight_version, False, upload_id, index, flush_cache, timeout, partial
+            )  # fmt: skip
+            with ThreadPoolExecutor(len(replicas), thread_name_prefix="push-replica") as fan:
+                for sent in [fan.submit(client._send, call, url) for url in replicas]:
+                    sent.result()
+            logger.info("pushed part %d to %d replicas", index, len(replicas))
+            return None
         result = client.update_weights(
             part.body,
             target_module=target_module,
@@ -224,10 +238,30 @@ def push_weights(
             if verify and sys.exc_info()[0] is not None:
                 for future in hashes.values():
                     future.cancel()
+        if replicas:
+            # The commit: an empty final part at the front, which applies the staged upload on
+            # every replica or on none (cluster/weights.py).
+            result = client.update_weights(
+                SafetensorsBody({}), target_module=target_module, weight_version=weight_version,
+                final=True, upload_id=upload_id, part=index + 1, flush_cache=flush_cache, server=server,
+                timeout=timeout, partial=partial, direct=False,
+            )  # fmt: skip
     if verify:
         manifest.update({name: future.result() for name, future in hashes.items()})
         _check_manifest(client, target_module, manifest, server)
     return result
+
+
+def _replica_upload_urls(client: RolloutClient, server: int | None) -> list[str]:
+    """The replicas' own upload ports of every target server (``replica_upload_urls`` in a
+    cluster front's ``/model_info``); empty unless every target advertises them."""
+    urls: list[str] = []
+    for index in range(len(client.urls)) if server is None else [server]:
+        found = client.model_info(server=index).get("replica_upload_urls")
+        if not found:
+            return []
+        urls += found
+    return urls
 
 
 def verify_weights_checksum(
