@@ -246,3 +246,17 @@ def test_train_recipes_tiny_runs(tmp_path):
     served = json.loads((out / "tiny-flow-grpo.json").read_text())
     assert all(h["checksum_ok"] is True for h in served["history"])
     assert served["final_adapter_checksum"] == served["server_adapter_checksum"]
+
+
+def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
+    """The GPU command of ``replica_push`` on CPU replicas: the CLI server with two Ray replicas,
+    verified pushes through the replicas' own ports and through the object store."""
+    from benchmarks import replica_push
+
+    assert replica_push.main(
+        ["--out", str(tmp_path), "--model", "tiny-sd3", "--cpu", "--rounds", "1", "--work", str(tmp_path / "w")]
+    ) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "replica_push.json").read_text())
+    assert [r["path"] for r in doc["results"]] == ["replica_ports", "object_store"]
+    assert all(r["verified"] and r["gb"] > 0 for r in doc["results"])
+    assert doc["environment"]["commit"] and doc["summary"]["replica_ports_gb_per_s"] > 0

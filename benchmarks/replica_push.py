@@ -1,0 +1,153 @@
+"""Full-weight pushes to replicas as a user makes them: each replica's own port against the object store.
+
+    python -m benchmarks.replica_push --out DIR                                   # GPU: SD3.5-medium, 2 x 0.5 GPU
+    python -m benchmarks.replica_push --out DIR --model tiny-sd3 --cpu --rounds 1  # CPU dry run
+
+The model is a real architecture with random weights saved as a diffusers folder
+(``train_recipes.model_folder``), served by the CLI as a user runs it: ``diffusion-rollout serve
+--replicas N --gpus-per-replica G --upload-port 0`` in a process of its own. This process is the
+trainer: it holds the transformer's tensors on the CPU (read from the folder) and pushes them with
+``push_weights`` and its defaults (``verify=True``, two parts in flight, 512 MiB parts), alternating
+the two paths in the same run:
+
+- ``replica_ports``: ``direct=True`` (the default). Every replica advertises its own upload port
+  (``replica_upload_urls``); each part goes to all of them at once and the front commits.
+- ``object_store``: ``direct=False``. The parts go to the front's main port, which puts each in
+  Ray's object store once; every replica reads it from there.
+
+GB/s is the payload (decimal GB) over the push's wall time, per replica: every replica receives
+the whole payload. Each push is verified (per-tensor SHA-256 against the trainer's tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transformer_tensors(folder: Path) -> dict:
+    """The served transformer's tensors as a trainer on another host would hold them (CPU)."""
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for f in sorted((folder / "transformer").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def environment() -> dict:
+    import diffusers
+    import torch
+
+    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    info["commit"] = (
+        os.environ.get("RECIPE_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    )
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.train_recipes import model_folder
+    from diffusion_rollout.client import RolloutClient, push_weights
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="sd3.5-medium", help="a model_builders name, or tiny-sd3")
+    p.add_argument("--work", type=Path, default=Path("/tmp/train_recipes"))
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--gpus-per-replica", type=float, default=0.5)
+    p.add_argument("--rounds", type=int, default=3, help="pushes per path, alternating the paths")
+    p.add_argument("--cpu", action="store_true", help="CPU replicas (a dry run of the commands)")
+    args = p.parse_args(argv)
+
+    folder = model_folder(args.model, args.work)
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(folder),
+        "--replicas", str(args.replicas), "--upload-port", "0", "--port", str(port), "--host", "127.0.0.1",
+        "--gpus-per-replica", "0" if args.cpu else str(args.gpus_per_replica),
+        *(["--device", "cpu", "--dtype", "float32"] if args.cpu else ["--dtype", "bfloat16"]),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    print("[replica_push]", " ".join(cmd), flush=True)
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    rows = []
+    try:
+        with RolloutClient(f"http://127.0.0.1:{port}", timeout=1800.0) as client:
+            t0 = time.perf_counter()
+            client.wait_until_ready(timeout_s=900)
+            ready_s = time.perf_counter() - t0
+            info = client.model_info()
+            if not info.get("replica_upload_urls"):
+                raise RuntimeError(f"the front advertises no replica upload ports: {info}")
+            tensors = transformer_tensors(folder)
+            gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+            for rnd in range(args.rounds):
+                for path in ("replica_ports", "object_store"):
+                    version = f"{path}-{rnd}"
+                    t0 = time.perf_counter()
+                    result = push_weights(
+                        client, tensors, weight_version=version, direct=path == "replica_ports"
+                    )
+                    seconds = time.perf_counter() - t0
+                    assert result.weight_version == version, result
+                    row = {
+                        "path": path, "round": rnd, "gb": gb, "seconds": seconds,
+                        "gb_per_s_per_replica": gb / seconds, "verified": True,
+                        "replicas": args.replicas,
+                    }  # fmt: skip
+                    rows.append(row)
+                    print("[replica_push]", json.dumps(row), flush=True)
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+    def best(path: str) -> float:
+        """The best steady push (the first round allocates receive buffers) of ``path``."""
+        steady = [r for r in rows if r["path"] == path and (r["round"] > 0 or args.rounds == 1)]
+        return max(r["gb_per_s_per_replica"] for r in steady)
+
+    doc = {
+        "benchmark": "replica_push",
+        "environment": environment(),
+        "settings": {**vars(args), "work": str(args.work), "model_folder": str(folder), "server": cmd},
+        "server_ready_s": ready_s,
+        "results": rows,
+        "summary": {
+            "replica_ports_gb_per_s": best("replica_ports"),
+            "object_store_gb_per_s": best("object_store"),
+        },
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "replica_push.json").write_text(json.dumps(doc, indent=1))
+    print("[replica_push] summary", json.dumps(doc["summary"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
