@@ -145,6 +145,12 @@ def _last_line(stderr: str) -> str:
         ("missing", [], "does-not-exist"),
         ("not_a_pipeline", [], "model_index.json"),
         ("tiny_sd3", ["--attention-backend", "no-such-backend"], "no-such-backend"),
+        # With replicas, a replica that cannot load fails the start (as vLLM and TGI do).
+        (
+            "not_a_pipeline",
+            ["--replicas", "2", "--device", "cpu", "--gpus-per-replica", "0"],
+            "model_index.json",
+        ),
     ],
 )
 def test_serve_exits_nonzero_with_one_line_reason_when_the_model_cannot_load(
