@@ -80,3 +80,33 @@ def test_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path):
         assert follower["weight_syncs"] == 2  # at start, and after the update
     finally:
         cp.close()
+
+
+@pytest.mark.parametrize("family", ["wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v"])
+def test_two_gpu_image_to_video_rollouts_match_one_gpu(tiny_model_path, tmp_path, family):
+    """Wan image-to-video under Ulysses: channel-concatenated image latents (I2V), CLIP image tokens
+    in cross-attention (Wan 2.1 I2V, not sharded), two experts (Wan 2.2 I2V-A14B) and per-token
+    timesteps sharded with the sequence (TI2V-5B)."""
+    from tests.test_context_parallel_i2v import BODY as I2V_BODY
+    from tests.test_context_parallel_i2v import save_wan22_i2v
+
+    if family == "wan2.2-i2v":
+        path = tmp_path / family
+        save_wan22_i2v(path)
+    else:
+        path = tiny_model_path(family)
+    body = {**I2V_BODY, "guidance_scale_2": 3.0} if family == "wan2.2-i2v" else I2V_BODY
+    ref = ServedModel(path, device="cuda:0")
+    try:
+        (base,) = ref.generate(body)
+    finally:
+        ref.close()
+    cp = ServedModel(path, device="cuda:0", context_parallel=2, context_parallel_mode="ulysses")
+    try:
+        (out,) = cp.generate(body)
+        print(f"{family} ulysses: max |k=2 - k=1| {distance(out, base):.3g}")
+        assert distance(out, base) <= BOUND and out["exact"] is False
+        stats = cp.client.get("/server_info").json()["speed"]["context_parallel"]
+        assert stats["mode"] == "ulysses" and stats["error"] is None and stats["followers"][0]["alive"]
+    finally:
+        cp.close()

@@ -57,8 +57,14 @@ from diffusion_rollout.errors import ContextParallelError
 
 logger = logging.getLogger(__name__)
 
-# Families whose transformers diffusers ships a context-parallel plan for (``_cp_plan``).
-SUPPORTED_FAMILIES = ("wan", "wan2.2")
+# Families whose transformers diffusers ships a context-parallel plan for (``_cp_plan``): Wan text-to-
+# video (one expert or two) and image-to-video. ``WanTransformer3DModel``'s plan shards the token
+# sequence after the patch embedding, so I2V's channel-concatenated input (noise, mask, image latents)
+# is sharded like T2V's; cross-attention (text, and Wan 2.1 I2V's CLIP image tokens) is not sharded;
+# TI2V-5B's per-token ``[B, tokens]`` timestep is split along the tokens with the sequence.
+SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v")
+# Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
+_TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
 
 _FORWARDS, _LAST_OUTPUT, _SYNCS, _RELEASED = range(4)
 
@@ -500,6 +506,20 @@ class ContextParallelGroup:
         return list(self._procs)
 
 
+def _check_timestep_split(denoisers: dict[str, nn.Module]) -> None:
+    """Per-token timesteps need a plan that shards them with the sequence (diffusers >= 0.42's Wan
+    plan splits the model's ``timestep`` input on dim 1 when it is ``[B, tokens]``); without it every
+    rank would modulate its shard of tokens with the whole sequence's timesteps (a shape error)."""
+    for name, module in denoisers.items():
+        root = (getattr(module, "_cp_plan", None) or {}).get("", {})
+        split = root.get("timestep") if isinstance(root, dict) else None
+        if getattr(split, "split_dim", None) != 1:
+            raise ContextParallelError(
+                f"context_parallel: {name} ({type(module).__name__}) has per-token timesteps but its "
+                "diffusers context-parallel plan does not shard them with the sequence; upgrade diffusers"
+            )
+
+
 def start_for(engine: Any) -> ContextParallelGroup:
     """The group for a loaded engine whose ``config.context_parallel`` > 1, after checking its family."""
     cfg = engine.config
@@ -509,6 +529,8 @@ def start_for(engine: Any) -> ContextParallelGroup:
             f"context_parallel={cfg.context_parallel} is not supported for family {family!r}; "
             f"supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
+    if family in _TIMESTEP_PER_TOKEN:
+        _check_timestep_split(engine.adapter.transformers())
     if engine.device.startswith("cuda"):
         first = torch.device(engine.device).index or 0
         if first + cfg.context_parallel > torch.cuda.device_count():
