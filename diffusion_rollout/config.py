@@ -124,7 +124,18 @@ class ServerConfig(BaseModel):
 
     # Speed (opt-in; the eager path is the bit-exact one)
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
-    attention_backend: str | None = Field(None, description="diffusers attention backend name, e.g. flash")
+    attention_backend: str | None = Field(
+        None,
+        description="diffusers attention backend name, e.g. flash (not bit-exact unless native); fa4 = "
+        "FlashAttention-4 from the flash-attn-4 package (Hopper or newer GPU; refused at start-up elsewhere)",
+    )
+    quantize: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: torchao float8 (rowwise) on the denoiser's larger linears, embedders, norms and "
+        "the final projection kept bf16 (server/fast_tier.py); CUDA GPU of compute capability >= 8.9 and "
+        "torchao (pip install 'diffusion-rollout[fast]') needed, refused at start-up elsewhere; use with "
+        "--compile; not bit-exact",
+    )
     cuda_graphs: bool = Field(
         False, description="replay the eager denoiser as CUDA graphs per shape bucket (CUDA only; bit-exact)"
     )
@@ -229,6 +240,36 @@ class ServerConfig(BaseModel):
                     f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
                     f"{self.context_parallel} (got {gpus:g})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _fast_tier_can_run(self) -> ServerConfig:
+        # quantize / attention_backend=fa4 (server/fast_tier.py): refused at start-up where they cannot
+        # run, in one line, rather than failing at load or on every request.
+        fa4 = self.attention_backend is not None and self.attention_backend.lower() == "fa4"
+        if self.quantize is None and not fa4:
+            return self
+        names = [
+            n
+            for n, on in ((f"quantize={self.quantize}", self.quantize), ("attention_backend=fa4", fa4))
+            if on
+        ]
+        if self.context_parallel > 1:
+            raise ValueError(f"{names[0]} cannot be combined with context_parallel={self.context_parallel}")
+        if self.quantize is not None and self.cuda_graphs:
+            raise ValueError(f"quantize={self.quantize} cannot be combined with cuda_graphs (not tried yet)")
+        from diffusion_rollout.server.fast_tier import unsupported_reason
+
+        # A Ray front may see no GPU: then only the device name is checked here, each replica's
+        # loader checks the GPU and the packages.
+        reason = unsupported_reason(
+            quantize=self.quantize,
+            attention_backend=self.attention_backend,
+            device=self.resolved_device(),
+            check_hardware=self.replicas is None,
+        )
+        if reason:
+            raise ValueError(reason)
         return self
 
     @model_validator(mode="after")

@@ -162,6 +162,7 @@ class ReplicaServer:
             device=self.engine.device,
             compile=cfg.compile,
             attention_backend=cfg.attention_backend,
+            quantize=cfg.quantize,
             cuda_graphs=cfg.cuda_graphs,
             cuda_graph_max_buckets=cfg.cuda_graph_max_buckets,
         )

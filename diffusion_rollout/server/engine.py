@@ -166,6 +166,7 @@ class Engine:
                 device=self.device,
                 compile=self.config.compile,
                 attention_backend=self.config.attention_backend,
+                quantize=self.config.quantize,
                 cuda_graphs=self.config.cuda_graphs,
                 cuda_graph_max_buckets=self.config.cuda_graph_max_buckets,
             )

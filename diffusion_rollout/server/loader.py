@@ -23,6 +23,10 @@ Speed options (``ServerConfig.compile`` / ``attention_backend``), both off by de
   ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. Compilation
   happens lazily on the first call of each new shape (batch size, resolution), so the first request
   of each shape is slow.
+- ``quantize="fp8"`` / ``attention_backend="fa4"``: the fast tier (``server/fast_tier.py``): torchao
+  FP8 linears (quantized here, before any compile) and FlashAttention-4 registered with diffusers'
+  dispatcher. Checked first: without CUDA, on a GPU too old or without the package, loading fails
+  with one line naming what is missing. Neither is bit-identical to eager.
 - ``cuda_graphs``: the eager denoiser replayed from CUDA graphs captured per input-shape bucket
   (``server/cuda_graphs.py``); bit-identical to eager, CUDA only, not combinable with ``compile``
   (the graph must record the eager kernels).
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
+from diffusion_rollout.server import fast_tier
 from diffusion_rollout.server.speed import SpeedOptions
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ def load_pipeline(
     device: str,
     compile: bool = False,
     attention_backend: str | None = None,
+    quantize: str | None = None,
     cuda_graphs: bool = False,
     cuda_graph_max_buckets: int = 8,
 ) -> LoadedPipeline:
@@ -81,6 +87,7 @@ def load_pipeline(
         device=device,
         compile=compile,
         attention_backend=attention_backend,
+        quantize=quantize,
         cuda_graphs=cuda_graphs,
         cuda_graph_max_buckets=cuda_graph_max_buckets,
         started_at=t0,
@@ -104,6 +111,7 @@ def prepare_pipeline(
     device: str,
     compile: bool = False,
     attention_backend: str | None = None,
+    quantize: str | None = None,
     cuda_graphs: bool = False,
     cuda_graph_max_buckets: int = 8,
     started_at: float | None = None,
@@ -126,6 +134,7 @@ def prepare_pipeline(
         pipe,
         compile=compile,
         attention_backend=attention_backend,
+        quantize=quantize,
         cuda_graphs=cuda_graphs,
         cuda_graph_max_buckets=cuda_graph_max_buckets,
         device=device,
@@ -166,13 +175,27 @@ def apply_speed_options(
     *,
     compile: bool = False,
     attention_backend: str | None = None,
+    quantize: str | None = None,
     cuda_graphs: bool = False,
     cuda_graph_max_buckets: int = 8,
     device: str | None = None,
 ) -> SpeedOptions:
-    """Attention backend, regional compile and CUDA graphs on every denoiser (all opt-in; see the module doc)."""
+    """Attention backend, FP8, regional compile and CUDA graphs on every denoiser (all opt-in; see the
+    module doc)."""
+    fast = quantize is not None or fast_tier.is_fa4(attention_backend)
+    where = device
+    if where is None and (fast or cuda_graphs):
+        where = str(next(iter(denoisers(pipe).values())).device)
+    if fast:
+        reason = fast_tier.unsupported_reason(
+            quantize=quantize, attention_backend=attention_backend, device=where
+        )
+        if reason:
+            raise ValueError(reason)
+        if fast_tier.is_fa4(attention_backend):
+            fast_tier.register_fa4()
+    quantized: dict[str, Any] = {}
     if cuda_graphs:
-        where = device or str(next(iter(denoisers(pipe).values())).device)
         if not where.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device; this pipeline runs on {where}")
         if compile:
@@ -183,6 +206,8 @@ def apply_speed_options(
                 raise ValueError(f"{name} ({type(model).__name__}) has no set_attention_backend")
             model.set_attention_backend(attention_backend)
             logger.info("%s: attention backend %s", name, attention_backend)
+        if quantize == fast_tier.FP8:
+            quantized[name] = fast_tier.quantize_fp8(model, name)
         if compile:
             blocks = repeated_blocks(model)
             if not blocks:
@@ -202,4 +227,16 @@ def apply_speed_options(
 
         graphs = CudaGraphRunner(denoisers(pipe), max_buckets=cuda_graph_max_buckets)
         logger.info("cuda graphs: on, at most %d bucket(s), captured on first use", cuda_graph_max_buckets)
-    return SpeedOptions(compile=compile, attention_backend=attention_backend, graphs=graphs)
+    if quantize is not None and not compile:
+        logger.warning(
+            "quantize=%s without compile: eager FP8 linears were measured slower than bf16 (issue #26); "
+            "add --compile",
+            quantize,
+        )
+    return SpeedOptions(
+        compile=compile,
+        attention_backend=attention_backend,
+        quantize=quantize,
+        quantize_report=quantized or None,
+        graphs=graphs,
+    )

@@ -12,8 +12,11 @@ Server-wide options (``ServerConfig``), applied by the loader:
 | eager (default) | yes | the stock kernels |
 | ``cuda_graphs`` | yes | the eager kernels replayed from a graph |
 | ``attention_backend="native"`` | yes | the default dispatch, named |
-| any other ``attention_backend`` | no | another kernel sums in another order |
+| any other ``attention_backend`` (``fa4`` too) | no | another kernel sums in another order |
 | ``compile`` | no | fused kernels round differently (~1e-5 on the on-policy ratio) |
+| ``quantize="fp8"`` | no | FP8 linears (``server/fast_tier.py``), ~3.7% per-layer difference |
+
+``/server_info`` names the options that make a server inexact under ``speed.inexact_options``.
 
 Per-request option: ``feature_cache`` (:class:`FeatureCacheSettings`), diffusers' own cache hooks
 (TaylorSeer, first-block cache, MagCache) applied to the denoiser for one pipeline call and removed
@@ -62,19 +65,37 @@ class SpeedOptions:
 
     compile: bool = False
     attention_backend: str | None = None
+    quantize: str | None = None  # "fp8" (server/fast_tier.py)
+    quantize_report: dict[str, Any] | None = None  # per denoiser: linears quantized and kept
     graphs: Any = None  # a CudaGraphRunner when cuda_graphs is on
     # Benchmarks switch graphs off and on to compare in one process; the server never does.
     use_graphs: bool = True
 
     @property
     def exact(self) -> bool:
-        return not self.compile and attention_backend_is_exact(self.attention_backend)
+        return not self.inexact_options
+
+    @property
+    def inexact_options(self) -> list[str]:
+        """The options in force that change numerics, by name (empty: exact)."""
+        names = []
+        if self.compile:
+            names.append("compile")
+        if not attention_backend_is_exact(self.attention_backend):
+            names.append(f"attention_backend={self.attention_backend}")
+        if self.quantize is not None:
+            names.append(f"quantize={self.quantize}")
+        return names
 
     def report(self) -> dict[str, Any]:
         return {
             "exact": self.exact,
+            "inexact_options": self.inexact_options,
             "compile": self.compile,
             "attention_backend": self.attention_backend,
+            "quantize": (
+                None if self.quantize is None else {"mode": self.quantize, "denoisers": self.quantize_report}
+            ),
             "cuda_graphs": self.graphs.report() if self.graphs is not None else {"enabled": False},
         }
 

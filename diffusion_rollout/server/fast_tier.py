@@ -1,0 +1,261 @@
+"""The fast tier: options that trade bit-exactness for speed on recent GPUs (issue #26).
+
+Both are off by default, and with both off nothing here is imported or called: the exact tier and
+its ODE gate are untouched. Either one makes every output ``exact: false`` (``server/speed.py``).
+
+- ``quantize="fp8"``: torchao float8 on the denoiser's linear layers, dynamic rowwise scales for the
+  activations and rowwise scales for the weights
+  (``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn)``),
+  applied by the loader after the pipeline is built and before any compile. torchao is an optional
+  extra (``pip install -e .[fast]``), imported only when the option is on. Needs CUDA and a GPU of
+  compute capability >= 8.9 (torchao asserts the same). Eager FP8 linears were measured *slower* than
+  bf16 on an H100 (issue #26): use it with ``compile``.
+- ``attention_backend="fa4"``: FlashAttention-4 (PyPI ``flash-attn-4``, module ``flash_attn.cute``,
+  ``flash_attn_func(q, k, v, softmax_scale=, causal=, return_lse=)`` on ``(batch, seq, heads,
+  head_dim)`` tensors, returning ``(out, lse)``), registered with diffusers' attention dispatcher
+  under the name ``fa4``. diffusers 0.42 knows only ``flash_4_hub``, which downloads a Hub kernel
+  and cannot load offline. Needs CUDA, a Hopper or newer GPU (compute capability >= 9.0) and the
+  package. Deterministic, but not bit-identical to SDPA. No attention mask (families that pass one
+  get an error naming it) and no context parallelism.
+
+Which linears stay in bf16 (:data:`FP8_RULES`, :func:`fp8_plan`): a per-family rule keyed by the
+denoiser's class name.
+
+1. By name, whatever their size: embedders (a top-level module whose name contains ``embed`` or
+   ends in ``_in``, e.g. ``x_embedder``, ``context_embedder``, ``time_text_embed``, ``img_in``,
+   ``condition_embedder``), the final projection and norm (top-level ``proj_out``, ``norm_out``),
+   and every norm/modulation linear (a path component starting with ``norm`` or ending in ``_mod`` /
+   ``modulation``: AdaLN ``norm1.linear``, Qwen's ``img_mod``). These see one row per sample or few
+   tokens, where FP8's dynamic scaling costs more than it saves, or they set the output scale.
+2. By size: a linear is quantized only if ``in_features * out_features >= min_weight_elements`` of
+   its family and both dimensions are multiples of 16 (``torch._scaled_mm``). FLUX's threshold keeps
+   its 3072x3072 attention projections in bf16: compiled FP8 made that shape slower on an H100
+   (issue #26), while the 3072x12288 MLP shapes ran 1.3-1.6x faster.
+
+**The thresholds are provisional**: only FLUX's came from a measurement (single layers, not the
+whole model); SD3's, Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by
+the per-family GPU measurement of issue #26.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FP8 = "fp8"
+FA4 = "fa4"
+FP8_MIN_CAPABILITY = (8, 9)  # torchao's float8 kernels: Ada, Hopper and newer
+FA4_MIN_CAPABILITY = (9, 0)  # FlashAttention-4: Hopper and Blackwell
+FP8_INSTALL = "pip install 'diffusion-rollout[fast]' (or pip install torchao)"
+FA4_INSTALL = "pip install flash-attn-4"
+
+
+# --------------------------------------------------------------------------- start-up checks
+def _cuda_reason(option: str, device: str, minimum: tuple[int, int], check_hardware: bool) -> str | None:
+    if not device.startswith("cuda"):
+        return f"{option} needs a CUDA GPU (compute capability >= {minimum[0]}.{minimum[1]}); this server runs on {device!r}"
+    if not check_hardware:
+        return None
+    if not torch.cuda.is_available():
+        return f"{option} needs a CUDA GPU (compute capability >= {minimum[0]}.{minimum[1]}); torch sees none here"
+    cc = torch.cuda.get_device_capability(torch.device(device))
+    if tuple(cc) < minimum:
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (
+            f"{option} needs a GPU of compute capability >= {minimum[0]}.{minimum[1]}; "
+            f"{device} is {name} ({cc[0]}.{cc[1]})"
+        )
+    return None
+
+
+def _missing(option: str, module: str, install: str) -> str | None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    return None if found else f"{option} needs the {module} package, which is not installed: {install}"
+
+
+def unsupported_reason(
+    *, quantize: str | None, attention_backend: str | None, device: str, check_hardware: bool = True
+) -> str | None:
+    """Why the fast-tier options asked for cannot run here (one line), or None.
+
+    ``check_hardware=False`` checks only the device name (a Ray front whose replicas load elsewhere;
+    each replica's loader checks the rest)."""
+    if quantize is not None:
+        reason = _cuda_reason(f"quantize={quantize}", device, FP8_MIN_CAPABILITY, check_hardware)
+        if reason is None and check_hardware:
+            reason = _missing(f"quantize={quantize}", "torchao", FP8_INSTALL)
+        if reason:
+            return reason
+    if is_fa4(attention_backend):
+        reason = _cuda_reason("attention_backend=fa4", device, FA4_MIN_CAPABILITY, check_hardware)
+        if reason is None and check_hardware:
+            reason = _missing("attention_backend=fa4", "flash_attn.cute", FA4_INSTALL)
+        if reason:
+            return reason
+    return None
+
+
+def is_fa4(attention_backend: str | None) -> bool:
+    return attention_backend is not None and attention_backend.lower() == FA4
+
+
+# --------------------------------------------------------------------------- FP8 linears
+@dataclass(frozen=True)
+class Fp8Rule:
+    """Which of a denoiser's linears are quantized (module doc: names first, then size)."""
+
+    # Quantize a linear only if in_features * out_features >= this (provisional, see the module doc).
+    min_weight_elements: int
+    # Top-level modules kept in bf16 by exact name, beyond the embedder pattern.
+    keep_top: tuple[str, ...] = ("proj_out", "norm_out")
+    note: str = "provisional: not measured on this family"
+
+
+# Keyed by the denoiser's class name; others get DEFAULT_FP8_RULE.
+FP8_RULES: dict[str, Fp8Rule] = {
+    "FluxTransformer2DModel": Fp8Rule(
+        3072 * 3072 + 1, note="provisional: per-layer H100 timings in issue #26 (3072x3072 slower in FP8)"
+    ),
+    # SD3.5-medium is 1536 wide: its 1536x1536 attention projections stay bf16, the MLPs go FP8.
+    "SD3Transformer2DModel": Fp8Rule(1536 * 1536 + 1),
+    "QwenImageTransformer2DModel": Fp8Rule(3072 * 3072 + 1),
+    "WanTransformer3DModel": Fp8Rule(3072 * 3072 + 1),
+}
+DEFAULT_FP8_RULE = Fp8Rule(3072 * 3072 + 1)
+
+
+def fp8_rule_for(model: torch.nn.Module) -> Fp8Rule:
+    return FP8_RULES.get(type(model).__name__, DEFAULT_FP8_RULE)
+
+
+def _kept_by_name(fqn: str, rule: Fp8Rule) -> bool:
+    parts = fqn.split(".")
+    top = parts[0]
+    if top in rule.keep_top or "embed" in top or top.endswith("_in"):
+        return True
+    return any(p.startswith("norm") or p.endswith("_mod") or p.endswith("modulation") for p in parts)
+
+
+def fp8_keeps_bf16(module: torch.nn.Module, fqn: str, rule: Fp8Rule) -> str | None:
+    """Why the linear ``fqn`` stays bf16 (``"name"`` or ``"size"``), or None if it is quantized."""
+    if _kept_by_name(fqn, rule):
+        return "name"
+    n_out, n_in = module.weight.shape
+    if n_in * n_out < rule.min_weight_elements or n_in % 16 or n_out % 16:
+        return "size"
+    return None
+
+
+def fp8_plan(model: torch.nn.Module, rule: Fp8Rule | None = None) -> dict[str, list[str]]:
+    """The denoiser's linears by fate: ``fp8``, ``bf16_name`` and ``bf16_size`` (no change made)."""
+    rule = rule or fp8_rule_for(model)
+    plan: dict[str, list[str]] = {"fp8": [], "bf16_name": [], "bf16_size": []}
+    for fqn, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            why = fp8_keeps_bf16(module, fqn, rule)
+            plan["fp8" if why is None else f"bf16_{why}"].append(fqn)
+    return plan
+
+
+def fp8_filter(rule: Fp8Rule) -> Callable[[torch.nn.Module, str], bool]:
+    """torchao's ``filter_fn(module, fqn)``: True for the linears to quantize."""
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and fp8_keeps_bf16(module, fqn, rule) is None
+
+    return keep
+
+
+def quantize_fp8(model: torch.nn.Module, name: str = "transformer") -> dict[str, Any]:
+    """Quantize ``model``'s linears in place (torchao, rowwise); returns the report for /server_info."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    rule = fp8_rule_for(model)
+    plan = fp8_plan(model, rule)
+    quantize_(
+        model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fp8_filter(rule)
+    )
+    logger.info(
+        "%s: FP8 (torchao, rowwise) on %d linears; %d kept bf16 by name (embedders, norms, final "
+        "projection), %d by size (< %d weight elements; %s)",
+        name, len(plan["fp8"]), len(plan["bf16_name"]), len(plan["bf16_size"]),
+        rule.min_weight_elements, rule.note,
+    )  # fmt: skip
+    return {
+        "fp8_linears": len(plan["fp8"]),
+        "bf16_linears": len(plan["bf16_name"]) + len(plan["bf16_size"]),
+        "min_weight_elements": rule.min_weight_elements,
+        "rule": rule.note,
+    }
+
+
+# --------------------------------------------------------------------------- FlashAttention-4
+def _fa4_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_lse: bool = False,
+    _parallel_config: Any = None,
+):
+    """diffusers' dispatcher calls this with ``(batch, seq, heads, head_dim)`` tensors."""
+    if attn_mask is not None:
+        raise ValueError("attention_backend=fa4 takes no attention mask, and this model passed one")
+    if _parallel_config is not None:
+        raise ValueError("attention_backend=fa4 does not support context parallelism")
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(query, key, value, softmax_scale=scale, causal=is_causal, return_lse=return_lse)
+    if isinstance(out, tuple):  # (out, lse)
+        return (out[0], out[1]) if return_lse else out[0]
+    return out
+
+
+def _add_enum_member(enum_cls: Any, name: str, value: str) -> Any:
+    """Add a member to a ``(str, Enum)`` class after its creation (what ``aenum.extend_enum`` does)."""
+    member = str.__new__(enum_cls, value)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    member.__init__(value)
+    member._sort_order_ = len(enum_cls._member_names_)
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register_fa4() -> Any:
+    """Register ``fa4`` with diffusers' attention dispatcher (once); returns its backend name member.
+
+    After this, ``model.set_attention_backend("fa4")`` works as for diffusers' own backends: the name
+    is a member of ``AttentionBackendName`` (so diffusers' requirement and Hub-download checks pass it
+    by) and ``_AttentionBackendRegistry`` maps it to :func:`_fa4_attention`, with diffusers' own
+    device, dtype (bf16/fp16) and shape constraints. ``flash_attn.cute`` is imported on the first call.
+    """
+    from diffusers.models import attention_dispatch as ad
+
+    names = ad.AttentionBackendName
+    member = names._value2member_map_.get(FA4)
+    if member is None:
+        member = _add_enum_member(names, "FA4", FA4)
+    if member not in ad._AttentionBackendRegistry._backends:
+        ad._AttentionBackendRegistry.register(
+            member,
+            constraints=[ad._check_device, ad._check_qkv_dtype_bf16_or_fp16, ad._check_shape],
+            supports_context_parallel=False,
+        )(_fa4_attention)
+    return member

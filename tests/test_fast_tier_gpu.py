@@ -1,0 +1,103 @@
+"""The fast tier served on a GPU (skipped without CUDA): each option gives ``exact: false``, names
+itself in ``/server_info`` and a finite output (tiny models, bf16). Not yet run on a GPU.
+
+- ``quantize="fp8"`` (with compile, as it is meant to run): the tiny model's linears are all below
+  the per-family size thresholds, so the test lowers the rule to 0 to quantize its block linears.
+  Needs torchao and compute capability >= 8.9.
+- ``attention_backend="fa4"``: needs flash-attn-4 and compute capability >= 9.0; its outputs stay
+  close to the native backend's (FA4 is not bit-identical to SDPA).
+- A weight update under FP8: the updater copies into the parameters in place, and torchao's float8
+  weights refuse a copy from a bf16 tensor; marked xfail until the updater re-quantizes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from diffusion_rollout.models import TINY_CALL_DEFAULTS
+from diffusion_rollout.server import fast_tier
+
+pytestmark = pytest.mark.gpu
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _need(minimum: tuple[int, int], module: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() < minimum:
+        pytest.skip(f"needs compute capability >= {minimum}")
+    if not _has(module):
+        pytest.skip(f"needs {module}")
+
+
+def _body(**fields) -> dict:
+    return {
+        "prompt": "a red square on a table",
+        "seed": 3,
+        "generator_device": "cuda",
+        "num_outputs_per_prompt": 2,
+        **TINY_CALL_DEFAULTS["sd3"],
+        **fields,
+    }
+
+
+@pytest.fixture
+def all_linears_fp8(monkeypatch):
+    monkeypatch.setitem(fast_tier.FP8_RULES, "SD3Transformer2DModel", fast_tier.Fp8Rule(0))
+
+
+def test_fp8_server_is_inexact_and_finite(fresh_server, all_linears_fp8):
+    _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+    server = fresh_server("sd3", device="cuda", dtype="bfloat16", quantize="fp8", compile=True)
+    speed = server.client.get("/server_info").json()["speed"]
+    assert speed["exact"] is False and "quantize=fp8" in speed["inexact_options"]
+    assert speed["quantize"]["denoisers"]["transformer"]["fp8_linears"] > 0
+    for body in (_body(rollout=False), _body(rollout_debug_mode=True)):
+        for out in server.generate(body):
+            assert out["exact"] is False and not out["nonfinite_output"]
+            assert torch.isfinite(out["generated_output"]).all()
+            if out.get("rollout_log_probs") is not None:
+                assert torch.isfinite(out["rollout_log_probs"]).all()
+
+
+def test_fa4_server_is_inexact_finite_and_close_to_native(fresh_server):
+    _need(fast_tier.FA4_MIN_CAPABILITY, "flash_attn.cute")
+    body = _body(rollout=False, return_generated_output=False)
+    native = fresh_server("sd3", device="cuda", dtype="bfloat16").generate(body)
+    server = fresh_server("sd3", device="cuda", dtype="bfloat16", attention_backend="fa4")
+    speed = server.client.get("/server_info").json()["speed"]
+    assert speed["exact"] is False and speed["inexact_options"] == ["attention_backend=fa4"]
+    outs = server.generate(body)
+    for out, ref in zip(outs, native, strict=True):
+        assert out["exact"] is False and ref["exact"] is True
+        assert torch.isfinite(out["generated_output"]).all()
+        torch.testing.assert_close(out["generated_output"], ref["generated_output"], atol=0.1, rtol=0.1)
+    rollout = server.generate(_body(rollout_debug_mode=True))
+    assert all(torch.isfinite(o["rollout_log_probs"]).all() for o in rollout)
+
+
+@pytest.mark.xfail(reason="torchao float8 weights refuse the updater's in-place copy from bf16", strict=False)
+def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_linears_fp8):
+    _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+    from diffusers import AutoModel
+
+    from diffusion_rollout.client import RolloutClient, push_weights
+
+    server = fresh_server("sd3", device="cuda", dtype="bfloat16", quantize="fp8", compile=True)
+    client = RolloutClient("http://testserver", http_client=server.client)
+    trainer = AutoModel.from_pretrained(
+        str(tiny_model_path("sd3")), subfolder="transformer", dtype=torch.bfloat16
+    )
+    master = {f"transformer.{n}": t.detach() for n, t in trainer.named_parameters()}
+    assert push_weights(client, master, weight_version="fp8-1").weight_version == "fp8-1"
+    outs = server.generate(_body(rollout=False))
+    assert all(torch.isfinite(o["generated_output"]).all() for o in outs)
