@@ -1,5 +1,14 @@
 """Context parallelism for one Wan video over k GPUs: ms/step and exactness against one GPU.
 
+Text-to-video (Wan 2.1 1.3B, Wan 2.2 A14B) and the image-to-video variants the server serves with
+``--context-parallel k``: Wan 2.1 I2V 14B 480P (36 input channels, CLIP image tokens in
+cross-attention), Wan 2.2 I2V-A14B (two experts, 36 channels) and Wan 2.2 TI2V-5B image-to-video
+(per-token timesteps, the first latent frame the image's). Image-to-video calls get a 832x480 input
+image; the pipeline encodes it in every call (diffusers takes ``image`` or ``image_embeds``, not both:
+it needs the image for the first-frame latent), so Wan 2.1 I2V's ms/step includes one CLIP pass per
+call (two small layers here); the one-transformer-call figures get its CLIP tokens; TI2V's transformer call gets per-token timesteps (the first
+frame's tokens at 0), as the pipeline gives them.
+
 diffusers' own sequence parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(
 ulysses_degree=k))`` or ``ring_degree=k``) is SPMD: every rank runs the same pipeline call on the same
 inputs and the transformer splits the token sequence across ranks inside attention, gathering the
@@ -28,6 +37,18 @@ stock pipeline on the same ranks, without the server, as the reference for that 
     python -m benchmarks.context_parallel --gpus 2 --out $OUT                       # Wan 2.1 1.3B
     python -m benchmarks.context_parallel --gpus 2 --model wan2.2-a14b --out $OUT   # 14B experts
     python -m benchmarks.context_parallel --device cpu --gpus 2 --tiny              # harness only
+
+The image-to-video rows (Ulysses only: the server refuses ring), one model per command (each builds
+its model twice: k = 1 and k = 2 share one build, the rest is the call), 480x832x81 on 2 GPUs:
+
+    python -m benchmarks.context_parallel --gpus 2 --model wan2.1-i2v-14b-480p --modes ulysses --out $OUT
+    python -m benchmarks.context_parallel --gpus 2 --model wan2.2-i2v-a14b --modes ulysses --out $OUT
+    python -m benchmarks.context_parallel --gpus 2 --model wan2.2-ti2v-5b-i2v --modes ulysses --out $OUT
+
+``--model`` takes a comma-separated list (one JSON, rows per model); ``speedup_vs_k1`` is the k = 1
+ms/step over the row's. CPU dry run of the image-to-video path: ``--device cpu --tiny --model
+tiny-wan-i2v,tiny-wan2.2-ti2v-i2v`` (the tiny zoo has no Wan 2.2 I2V-A14B; its layout is Wan 2.1
+I2V's channels without the image encoder, two experts as ``tiny-wan2.2``).
 
 On the CPU (gloo) diffusers' context parallelism is unavailable (it resolves ranks to accelerator
 devices), so ``--device cpu`` runs the harness with k = 1 on every rank and reports ``cp: skipped``.
@@ -89,8 +110,26 @@ def _call(pipe: Any, embeds: dict[str, torch.Tensor], args: dict[str, Any], devi
     return out, time.perf_counter() - t0
 
 
+def _image(opts: dict[str, Any]) -> Any:
+    """The input image of an image-to-video call: a deterministic RGB picture of the output size."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from benchmarks.model_builders import input_image_b64
+
+    data = base64.b64decode(input_image_b64(opts["width"], opts["height"]))
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def _is_i2v(pipe: Any) -> bool:
+    return type(pipe).__name__ == "WanImageToVideoPipeline"
+
+
 def _forward_inputs(pipe: Any, opts: dict[str, Any], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed latent-sized model input (the same on every rank) and a timestep."""
+    """A fixed latent-sized model input (the same on every rank) and a timestep (per token where the
+    model takes one per token: TI2V-5B, the first latent frame's tokens at 0 as in image-to-video)."""
     cfg = pipe.transformer.config
     shape = (
         1,
@@ -101,19 +140,29 @@ def _forward_inputs(pipe: Any, opts: dict[str, Any], device: str) -> tuple[torch
     )
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(pipe.transformer.dtype)
+    if pipe.config.get("expand_timesteps"):
+        p_t, p_h, p_w = cfg.patch_size
+        per_frame = (shape[3] // p_h) * (shape[4] // p_w)
+        t = torch.full((1, (shape[2] // p_t) * per_frame), 999.0, device=device)
+        if _is_i2v(pipe):
+            t[:, :per_frame] = 0.0
+        return x, t
     return x, torch.tensor([999.0], device=device)
 
 
-def _forward(pipe: Any, x: torch.Tensor, t: torch.Tensor, pe: torch.Tensor, device: str) -> tuple[Any, float]:
+def _forward(
+    pipe: Any, x: torch.Tensor, t: torch.Tensor, pe: torch.Tensor, image_embeds: Any, device: str
+) -> tuple[Any, float]:
     """One call of the (high-noise) transformer, timed after one warm-up call."""
     out = None
+    extra = {"encoder_hidden_states_image": image_embeds} if image_embeds is not None else {}
     for _ in range(2):
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=pe, return_dict=False)[
-                0
-            ]
+            out = pipe.transformer(
+                hidden_states=x, timestep=t, encoder_hidden_states=pe, return_dict=False, **extra
+            )[0]
         _sync(device)
     return out, time.perf_counter() - t0
 
@@ -146,21 +195,30 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
         with torch.inference_mode():
             pe, npe = pipe.encode_prompt(PROMPT, do_classifier_free_guidance=True, device=device)
         embeds = {"prompt_embeds": pe, "negative_prompt_embeds": npe}
+        image_embeds = None
+        if _is_i2v(pipe):
+            args["image"] = _image(opts)
+            if getattr(pipe, "image_encoder", None) is not None:  # Wan 2.1 I2V: CLIP image tokens
+                with torch.inference_mode():
+                    image_embeds = pipe.encode_image(args["image"], device).to(pipe.transformer.dtype)
         size = f"{opts['width']}x{opts['height']}x{opts['frames']}"
-        base = {"model": opts["model"], "size": size, "steps": opts["steps"], "world": world}
+        base = {"model": opts["model"], "family": opts["family"], "size": size, "steps": opts["steps"],
+                "world": world, "image_to_video": _is_i2v(pipe)}  # fmt: skip
 
         x, t = _forward_inputs(pipe, opts, device)
         ref = ref_forward = None
         if rank == 0:
             _call(pipe, embeds, args, device)  # warm-up
             ref, seconds = _call(pipe, embeds, args, device)
-            ref_forward, forward_s = _forward(pipe, x, t, pe, device)
+            ref_forward, forward_s = _forward(pipe, x, t, pe, image_embeds, device)
             rows.append({**base, "k": 1, "mode": "single_gpu", "seconds": seconds,
                          "ms_per_step": 1000 * seconds / opts["steps"],
                          "ms_per_forward": 1000 * forward_s})  # fmt: skip
         dist.barrier()
 
         modes = [("ulysses", {"ulysses_degree": world}), ("ring", {"ring_degree": world})]
+        modes = [(m, kw) for m, kw in modes if m in opts["modes"]]
+        k1_ms = rows[0]["ms_per_step"] if rows else None
         for index, (mode, kw) in enumerate(modes):
             if not cuda:
                 if rank == 0:
@@ -184,7 +242,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                         m.enable_parallelism(config=ContextParallelConfig(**kw))
                 _call(pipe, embeds, args, device)  # warm-up
                 out, seconds = _call(pipe, embeds, args, device)
-                out_forward, forward_s = _forward(pipe, x, t, pe, device)
+                out_forward, forward_s = _forward(pipe, x, t, pe, image_embeds, device)
                 gathered = [torch.empty_like(out) for _ in range(world)]
                 dist.all_gather(gathered, out.contiguous())
                 if rank == 0:
@@ -194,6 +252,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
                         **base, "k": world, "mode": mode, "seconds": seconds,
                         "ms_per_step": 1000 * seconds / opts["steps"],
                         "ms_per_forward": 1000 * forward_s,
+                        "speedup_vs_k1": k1_ms / (1000 * seconds / opts["steps"]),
                         "bit_identical_to_k1": bool(torch.equal(out, ref)),
                         "max_abs_diff_vs_k1": float(diff.max()),
                         "mean_abs_diff_vs_k1": float(diff.mean()),
@@ -219,12 +278,39 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
         dist.destroy_process_group()
 
 
+def _family(model: str) -> str:
+    from benchmarks import model_builders_scale  # noqa: F401  (registers the large models)
+    from benchmarks.model_builders import _REAL_FAMILY
+
+    return model.removeprefix("tiny-") if model.startswith("tiny-") else _REAL_FAMILY.get(model, "")
+
+
+def _run_model(opts: dict[str, Any], gpus: int) -> list[dict[str, Any]]:
+    """The k ranks for one model; rank 0's rows."""
+    import torch.multiprocessing as mp
+
+    from benchmarks.common import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(gpus, free_port(), opts, results), nprocs=gpus, start_method="spawn")
+    rows = results.get() if not results.empty() else [{"error": "rank 0 returned nothing"}]
+    return [{"model": opts["model"], **r} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--model", default="wan2.1-1.3b")
-    p.add_argument("--tiny", action="store_true", help="the tiny Wan model at 32x32x5 (harness check)")
+    p.add_argument(
+        "--model",
+        "--models",
+        dest="model",
+        default="wan2.1-1.3b",
+        help="comma-separated: wan2.1-1.3b, wan2.2-a14b, wan2.1-i2v-14b-480p, wan2.2-i2v-a14b, "
+        "wan2.2-ti2v-5b-i2v, or tiny-<family> (tiny-wan, tiny-wan-i2v, tiny-wan2.2-ti2v-i2v)",
+    )
+    p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
+    p.add_argument("--tiny", action="store_true", help="tiny models at their zoo size (harness check)")
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--frames", type=int, default=81)
@@ -232,37 +318,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
     if args.tiny:
-        args.model, args.height, args.width, args.frames = "tiny-wan", 32, 32, 5
-    opts = {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
-        "height": args.height,
-        "width": args.width,
-        "frames": args.frames,
-        "steps": args.steps,
-    }
-    import torch.multiprocessing as mp
+        models = [m if m.startswith("tiny-") else "tiny-wan" for m in models]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(modes) <= {"ulysses", "ring"}:
+        p.error(f"--modes: ulysses and/or ring, got {args.modes!r}")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    rows: list[dict[str, Any]] = []
+    settings: dict[str, Any] = {"models": models, "modes": modes, "gpus": args.gpus, "dtype": dtype}
+    for model in models:
+        size = {"height": args.height, "width": args.width, "frames": args.frames}
+        if model.startswith("tiny-"):
+            from diffusion_rollout.models import TINY_CALL_DEFAULTS
 
-    from benchmarks.common import document, free_port, print_table, write_json
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(
-        _worker, args=(args.gpus, free_port(), opts, results), nprocs=args.gpus, start_method="spawn"
-    )
-    rows = results.get() if not results.empty() else [{"error": "rank 0 returned nothing"}]
+            d = TINY_CALL_DEFAULTS[model.removeprefix("tiny-")]
+            size = {"height": d["height"], "width": d["width"], "frames": d["num_frames"]}
+        opts = {"model": model, "family": _family(model), "device": args.device, "dtype": dtype,
+                "steps": args.steps, "modes": modes, **size}  # fmt: skip
+        settings.setdefault("per_model", {})[model] = opts
+        rows.extend(_run_model(opts, args.gpus))
     ok = all("error" not in r for r in rows)
-    doc = document("context_parallel", args.device, opts | {"gpus": args.gpus}, rows, ok=ok, notes=[])
+    if len(models) == 1:  # the single-model settings as before (model, size, ...) at the top level
+        settings.update(settings["per_model"][models[0]])
+    from benchmarks.common import document, print_table, write_json
+
+    doc = document("context_parallel", args.device, settings, rows, ok=ok, notes=[])
     write_json(args.out, "context_parallel", doc)
-    columns = [("mode", "mode", ""), ("k", "k", ""), ("ms_per_step", "ms/step", ".1f"),
-               ("ms_per_forward", "ms/forward", ".1f"), ("bit_identical_to_k1", "bit-identical", ""),
-               ("max_abs_diff_vs_k1", "max |diff|", ".3g"), ("forward_max_abs_diff_vs_k1", "fwd max |diff|", ".3g"),
+    columns = [("model", "model", ""), ("mode", "mode", ""), ("k", "k", ""), ("ms_per_step", "ms/step", ".1f"),
+               ("speedup_vs_k1", "speedup", ".2f"), ("ms_per_forward", "ms/forward", ".1f"),
+               ("bit_identical_to_k1", "bit-identical", ""), ("max_abs_diff_vs_k1", "max |diff|", ".3g"),
+               ("forward_max_abs_diff_vs_k1", "fwd max |diff|", ".3g"), ("cp", "cp", ""),
                ("error", "error", "")]  # fmt: skip
-    print_table(
-        f"Context parallel: {opts['model']} {opts['width']}x{opts['height']}x{opts['frames']}", rows, columns
-    )
+    print_table(f"Context parallel over {args.gpus} ranks ({args.device})", rows, columns)
     return 0 if ok else 2
 
 

@@ -21,6 +21,11 @@ so ``model_builders.build(name)`` and every benchmark built on it serve them:
 - ``wan2.2-i2v-a14b``: Wan-AI/Wan2.2-I2V-A14B: two 14B experts with 36 input channels (16 noise + 4
   mask + 16 first-frame latent), no image encoder, ``boundary_ratio`` 0.9, shift 5, guidance 3.5 / 3.5
   (Wan2.2's ``wan_i2v_A14B.py``); 480x832x33 with a 480x832 input image.
+- ``wan2.1-i2v-14b-480p``: Wan-AI/Wan2.1-I2V-14B-480P: one 14B transformer with 36 input channels and
+  image cross-attention (``image_dim`` 1280, ``added_kv_proj_dim`` 5120), the Wan 2.1 VAE, its CLIP
+  ViT-H/14 image encoder at the real width (1280 wide, 16 heads, 224 px, 257 tokens; two layers of
+  the 32, as the text encoders: the pipeline reads the penultimate hidden state), OpenAI CLIP's image
+  processor settings, UniPC at shift 3 (the 480P card's), guidance 5; 480x832x81 with an input image.
 
 Text encoders are small (one or two layers) at the real output widths, as in ``model_builders``.
 Step counts are small (2 to 4) so the whole set runs within one device call; ms/step is per step.
@@ -73,6 +78,22 @@ WAN22_VAE = {
     "latents_mean": [0.0] * 48,
     "latents_std": [1.0] * 48,
 }
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers transformer/config.json (the rest: WanTransformer3DModel's
+# defaults, the 14B sizes: 40 layers, 40 x 128 heads, ffn 13824).
+WAN21_I2V_14B_TRANSFORMER = {"in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+# Its image_encoder/config.json (CLIPVisionModel, open-clip xlm-roberta-large-vit-huge-14's vision
+# tower), except num_hidden_layers: 2 of 32.
+WAN21_I2V_CLIP_VISION = {
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 2,
+    "image_size": 224,
+    "patch_size": 14,
+    "projection_dim": 1024,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+}
 WAN22_T2V_BOUNDARY = 0.875  # wan_t2v_A14B.py
 WAN22_I2V_BOUNDARY = 0.9  # wan_i2v_A14B.py
 QWEN25_VL_7B_HIDDEN = 3584
@@ -117,6 +138,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "true_cfg_scale": 4.0,
         "negative_prompt": " ",
     },
+    "wan2.1-i2v-14b-480p": {
+        "height": 480,
+        "width": 832,
+        "num_frames": 81,
+        "num_inference_steps": 2,
+        "guidance_scale": 5.0,
+    },
     # 33 frames (not 81) keeps the image-to-video row within the device call; 81 is wan2.2-a14b's.
     "wan2.2-i2v-a14b": {
         "height": 480,
@@ -135,6 +163,7 @@ FAMILY = {
     "flux.1-kontext-dev": "flux-kontext",
     "qwen-image-edit": "qwenimage-edit",
     "wan2.2-i2v-a14b": "wan-i2v",
+    "wan2.1-i2v-14b-480p": "wan-i2v",
 }
 
 
@@ -298,6 +327,35 @@ def _wan22_ti2v_5b_i2v(device: str, dtype, seed: int, overrides: dict[str, Any])
     return WanImageToVideoPipeline(**parts, scheduler=t2v.scheduler, expand_timesteps=True)
 
 
+def _wan21_i2v_14b_480p(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    from diffusion_rollout.models.tokenizers import make_t5_tokenizer
+
+    tok = make_t5_tokenizer()
+    tcfg = {**WAN21_I2V_14B_TRANSFORMER, **overrides}
+    vision = CLIPVisionConfig(**WAN21_I2V_CLIP_VISION)
+    processor = CLIPImageProcessor(  # image_processor/preprocessor_config.json: OpenAI CLIP's
+        size={"shortest_edge": 224},
+        crop_size={"height": 224, "width": 224},
+        do_resize=True,
+        do_center_crop=True,
+        do_normalize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+    )
+    return WanImageToVideoPipeline(
+        transformer=build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLWan(), device, dtype, seed + 1),
+        text_encoder=mb._t5(tok, umt5=True, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        image_encoder=build_module(lambda: CLIPVisionModel(vision), device, dtype, seed + 3),
+        image_processor=processor,
+        scheduler=_wan_scheduler(3.0),
+    )
+
+
 def _flux1_kontext_dev(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
     from diffusers import FluxKontextPipeline
 
@@ -313,6 +371,7 @@ BUILDERS = {
     "flux.1-kontext-dev": _flux1_kontext_dev,
     "qwen-image-edit": _qwen_image_edit,
     "wan2.2-i2v-a14b": _wan22_i2v_a14b,
+    "wan2.1-i2v-14b-480p": _wan21_i2v_14b_480p,
 }
 
 
