@@ -233,3 +233,29 @@ def test_options_off_change_nothing(served):
     assert server.generate(body)[0]["exact"] is True
     speed = server.client.get("/server_info").json()["speed"]
     assert speed["exact"] is True and speed["inexact_options"] == [] and speed["quantize"] is None
+
+
+def test_an_update_into_quantized_weights_is_refused_before_anything_is_copied(fresh_server):
+    """Weights held as a tensor subclass (torchao's float8 under --quantize fp8) take no in-place
+    copy: the update is a 400 naming them, and no weight changes (checked with a stand-in subclass)."""
+    import torch
+    from safetensors.torch import save
+
+    class Quantized(torch.Tensor):  # a stand-in for torchao's Float8Tensor
+        pass
+
+    server = fresh_server("sd3")
+    tr = server.engine.pipe.transformer
+    name, param = next((n, p) for n, p in tr.named_parameters() if p.dim() == 2)
+    owner = tr.get_submodule(name.rsplit(".", 1)[0])
+    # As torchao's quantize_ leaves it: a Parameter over a tensor subclass.
+    setattr(owner, name.rsplit(".", 1)[1], torch.nn.Parameter(param.detach().clone().as_subclass(Quantized)))
+    before = {n: p.detach().clone() for n, p in tr.named_parameters()}
+    update = {n: p.detach() + 1 for n, p in tr.named_parameters()}
+    r = server.client.post(
+        "/update_weights", content=save({n: t.as_subclass(torch.Tensor) for n, t in update.items()}),
+        headers={"Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert "quantized" in r.json()["error"]["message"] and name in r.json()["error"]["message"]
+    assert all(torch.equal(p.detach(), before[n]) for n, p in tr.named_parameters())

@@ -246,6 +246,23 @@ class UpdatePlan:
         return ", ".join(f"{m}: {n} tensors" for m, n in per.items())
 
 
+def _refuse_quantized(module_name: str, targets: Mapping[str, torch.Tensor]) -> None:
+    """Weights held as a tensor subclass (torchao's float8 under ``--quantize fp8``) cannot take an
+    in-place copy of plain values: refuse before anything is copied, naming them (a 400, not the
+    500 of a copy failing half-way)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    quantized = sorted(
+        n for n, t in targets.items() if type(t) not in plain or type(t.data) is not torch.Tensor
+    )
+    if quantized:
+        kind = type(targets[quantized[0]]).__name__
+        raise WeightUpdateError(
+            f"{module_name}: {len(quantized)} weight(s) are held quantized ({kind}, --quantize), e.g. "
+            f"{describe_names(quantized)}; updates into quantized weights are not supported yet. "
+            "Nothing was applied: serve without --quantize to train through weight updates"
+        )
+
+
 def plan_update(
     pipe, payload: Mapping[str, Iterable[tuple[str, object]]], *, check_finite: bool = True
 ) -> UpdatePlan:
@@ -257,6 +274,7 @@ def plan_update(
         live = live_tensors(module)
         spec = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in live.items()}
         converted = check_and_convert(module_name, named, spec, problems, check_finite=check_finite)
+        _refuse_quantized(module_name, {n: live[n] for n in converted})
         copies.extend(PlannedCopy(module_name, n, live[n], t) for n, t in converted.items())
     problems.raise_if_any()
     if not copies:
