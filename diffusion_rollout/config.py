@@ -157,7 +157,7 @@ class ServerConfig(BaseModel):
     context_parallel: int = Field(
         1,
         ge=1,
-        description="ranks per engine for one request's transformer calls (Wan families); "
+        description="ranks per engine for one request's transformer calls (Wan families, LTX-2); "
         ">1 starts k-1 follower processes, one per GPU (a CPU engine mirrors them, for tests)",
     )
     context_parallel_mode: Literal["ulysses", "ring"] = Field(

@@ -34,8 +34,9 @@ zoo's tiny LTX-2 transformer in float32):
    each rank gets back one copy of the duplicated query rows, so audio self-attention, audio-text,
    a2v and v2a all equal k = 1 (float32 ~1e-7), and both ranks hold the same audio.
    ``audio_proj_out`` is not gathered, and need not be: every rank computes the whole audio.
-3. A corrected plan serves LTX-2 exactly (the sketch ``corrected_plan`` below, not wired into the
-   server): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
+3. A corrected plan serves LTX-2 exactly (the sketch ``corrected_plan`` below; the server runs the
+   same plan from ``server/cp_plans.py``, and the ``server_*`` cases call the server's own
+   ``context_parallel._enable`` on both ranks, since its CPU mirror mode does not shard): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
    ``cross_attn_rope`` on the token dim (dim 2 for 4-D split RoPE, dim 1 for 3-D interleaved),
    gather ``proj_out``; keep text and audio whole on every rank; and take the attentions whose keys
    and values are whole on every rank off Ulysses (``_parallel_config = None`` on attn2,
@@ -73,6 +74,9 @@ CASES: dict[str, tuple[str, str | None, str, str]] = {
     "replicated_audio_all_ulysses": ("split", None, "corrected", "ulysses"),
     "corrected_split": ("split", "padded", "corrected", "local"),
     "corrected_interleaved": ("interleaved", "padded", "corrected", "local"),
+    # The server's own code path: server/context_parallel.py's _enable -> server/cp_plans.py.
+    "server_split": ("split", "padded", "server", "server"),
+    "server_interleaved": ("interleaved", "padded", "server", "server"),
 }
 
 
@@ -157,10 +161,15 @@ def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> d
         ref = model(**make_inputs(model, mask, device, dtype, shapes))
     result["ref_video"], result["ref_audio"] = (t.float().cpu() for t in ref)
     try:
-        model.enable_parallelism(
-            config=ContextParallelConfig(ulysses_degree=WORLD),
-            cp_plan=None if plan == "diffusers" else corrected_plan(model),
-        )
+        if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
+            from diffusion_rollout.server.context_parallel import _enable
+
+            _enable({"transformer": model}, "ulysses", WORLD)
+        else:
+            model.enable_parallelism(
+                config=ContextParallelConfig(ulysses_degree=WORLD),
+                cp_plan=None if plan == "diffusers" else corrected_plan(model),
+            )
         if routing == "local":
             localize_replicated_attentions(model)
         seen.clear()
@@ -292,8 +301,11 @@ def test_replicated_audio_through_ulysses_is_duplicated_yet_exact(ranks):
     )
 
 
-@pytest.mark.parametrize("case", ["corrected_split", "corrected_interleaved"])
+@pytest.mark.parametrize(
+    "case", ["corrected_split", "corrected_interleaved", "server_split", "server_interleaved"]
+)
 def test_corrected_plan_matches_one_rank_with_a_padded_text_mask(ranks, case):
+    """The sketch here, and the server's own plan (``server/cp_plans.py`` through ``_enable``)."""
     tokens = SHAPES["frames"] * SHAPES["height"] * SHAPES["width"]
     for r in ranks:
         res = r[case]

@@ -54,6 +54,7 @@ from torch import nn
 
 from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.errors import ContextParallelError
+from diffusion_rollout.server.cp_plans import check_start, enable_plan
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ logger = logging.getLogger(__name__)
 # sequence after the patch embedding, so I2V's channel-concatenated input (noise, mask, image latents)
 # is sharded like T2V's; cross-attention (text, and Wan 2.1 I2V's CLIP image tokens) is not sharded;
 # TI2V-5B's per-token ``[B, tokens]`` timestep is split along the tokens with the sequence.
-SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v")
+# LTX-2 (``ltx2``) runs the server's own plan instead of diffusers' (``server/cp_plans.py``).
+SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v", "ltx2")
 # Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
 _TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
 
@@ -155,7 +157,7 @@ def _enable(modules: dict[str, nn.Module], mode: str, world: int) -> None:
 
     kw = {"ulysses_degree": world} if mode == "ulysses" else {"ring_degree": world}
     for module in modules.values():
-        module.enable_parallelism(config=ContextParallelConfig(**kw))
+        enable_plan(module, ContextParallelConfig(**kw))  # diffusers' plan, or the server's (cp_plans)
 
 
 # ---------------------------------------------------------------------- follower side
@@ -536,6 +538,7 @@ def start_for(engine: Any) -> ContextParallelGroup:
         if first + cfg.context_parallel > torch.cuda.device_count():
             raise ContextParallelError(
                 f"context_parallel={cfg.context_parallel} needs {cfg.context_parallel} GPUs from "
+    check_start(engine)  # per-family refusals (LTX-2's head counts), before any follower is spawned
                 f"{engine.device}; this process sees {torch.cuda.device_count()}"
             )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # followers inherit it: they read the same folder

@@ -428,7 +428,12 @@ class Engine:
             raise RequestError(
                 "feature_cache is not supported on a context_parallel engine", field="feature_cache"
             )
-        return self.planner.plan(p)
+        plan = self.planner.plan(p)
+        if self.context_parallel is not None:  # per-family shapes the ranks must shard evenly (LTX-2)
+            from diffusion_rollout.server.cp_plans import check_call
+
+            check_call(self, plan.call)
+        return plan
 
     # ------------------------------------------------------------------ the worker side
     def _after_batch_error(self, exc: BaseException, jobs: list[Job]) -> None:
