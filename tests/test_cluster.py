@@ -113,6 +113,7 @@ def test_single_process_app_does_not_import_ray(tiny_model_path):
 def test_server_info_lists_replicas(cluster):
     info = cluster.client.get("/server_info").json()
     assert info["weight_update_ranks"] == 2 and info["num_replicas"] == 2
+    assert info["placement"] is None and info["replica_upload_urls"] is None  # defaults: no option set
     assert [r["replica_id"] for r in info["replicas"]] == [0, 1]
     assert len({r["pid"] for r in info["replicas"]}) == 2  # two processes
     for r in info["replicas"]:

@@ -129,6 +129,7 @@ def test_placement_spread_and_pack_on_two_nodes(tiny_model_path):
                 assert [o["seed"] for o in outs] == [1, 2]
                 pg = engine._placement_group
                 assert pg is not None and pg.bundle_specs == [{"CPU": 1.0}] * 2
+                assert client.get("/server_info").json()["placement"] == placement
             # stop() gave the group back: all 4 CPUs free for the next front.
             wait_for(lambda: ray_nodes.ray.available_resources().get("CPU") == 4.0, 30, "the group's CPUs")
 

@@ -363,6 +363,7 @@ class ClusterEngine:
             "num_replicas": len(self.replicas),
             # Ranks this front takes in a weight-update group (one per replica; WeightBroadcaster).
             "weight_update_ranks": len(self.replicas),
+            "placement": self.config.placement,  # None: Ray's default scheduling
             "replica_upload_urls": self.replica_upload_urls(),
         }
 
