@@ -222,9 +222,7 @@ def _follower_main(
                 return
             if kind == "sync":
                 with torch.no_grad():
-                    for t, dtype in zip(_follower_tensors(modules, op[1]), op[2], strict=True):
-                        if t.dtype != dtype:  # hold it as rank 0 does, so both compute the same
-                            t.data = t.data.to(dtype)
+                    for t in _follower_tensors(modules, op[1]):
                         dist.broadcast(t.data, src=0)
                 stats[_SYNCS] += 1
                 if not cuda:
@@ -429,10 +427,7 @@ class ContextParallelGroup:
             for name in sorted(self.denoisers)
             for key, t in _synced_tensors(self.denoisers[name])
         ]
-        # With each tensor's dtype: a follower may hold some in another one (``from_pretrained`` keeps
-        # ``_keep_in_fp32_modules`` in float32, the follower's ``.to(dtype)`` casts them), and a broadcast
-        # between tensors of different dtypes is garbage on NCCL (gloo aborts: "size doesn't match").
-        self._send(("sync", [(name, key) for name, key, _ in tensors], [t.dtype for _, _, t in tensors]))
+        self._send(("sync", [(name, key) for name, key, _ in tensors]))
 
         def run() -> None:
             with torch.no_grad():
@@ -538,12 +533,12 @@ def start_for(engine: Any) -> ContextParallelGroup:
         )
     if family in _TIMESTEP_PER_TOKEN:
         _check_timestep_split(engine.adapter.transformers())
+    check_start(engine)  # per-family refusals (LTX-2's head counts), before any follower is spawned
     if engine.device.startswith("cuda"):
         first = torch.device(engine.device).index or 0
         if first + cfg.context_parallel > torch.cuda.device_count():
             raise ContextParallelError(
                 f"context_parallel={cfg.context_parallel} needs {cfg.context_parallel} GPUs from "
-    check_start(engine)  # per-family refusals (LTX-2's head counts), before any follower is spawned
                 f"{engine.device}; this process sees {torch.cuda.device_count()}"
             )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # followers inherit it: they read the same folder
