@@ -222,7 +222,9 @@ def _follower_main(
                 return
             if kind == "sync":
                 with torch.no_grad():
-                    for t in _follower_tensors(modules, op[1]):
+                    for t, dtype in zip(_follower_tensors(modules, op[1]), op[2], strict=True):
+                        if t.dtype != dtype:  # hold it as rank 0 does, so both compute the same
+                            t.data = t.data.to(dtype)
                         dist.broadcast(t.data, src=0)
                 stats[_SYNCS] += 1
                 if not cuda:
@@ -427,7 +429,10 @@ class ContextParallelGroup:
             for name in sorted(self.denoisers)
             for key, t in _synced_tensors(self.denoisers[name])
         ]
-        self._send(("sync", [(name, key) for name, key, _ in tensors]))
+        # With each tensor's dtype: a follower may hold some in another one (``from_pretrained`` keeps
+        # ``_keep_in_fp32_modules`` in float32, the follower's ``.to(dtype)`` casts them), and a broadcast
+        # between tensors of different dtypes is garbage on NCCL (gloo aborts: "size doesn't match").
+        self._send(("sync", [(name, key) for name, key, _ in tensors], [t.dtype for _, _, t in tensors]))
 
         def run() -> None:
             with torch.no_grad():
