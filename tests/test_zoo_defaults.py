@@ -77,3 +77,12 @@ def test_ltx2_refuses_a_video_whose_shift_overflows_naming_the_field(served):
     assert r.status_code == 400, r.text[:500]
     message = r.json()["error"]["message"]
     assert "num_frames=" in message and "overflows" in message, message
+
+
+def test_ltx2_refuses_a_size_not_divisible_by_32_naming_the_field(served):
+    srv = served("ltx2")
+    body = {"prompt": "a cat", "num_inference_steps": 2, "height": 34, "width": 32, "num_frames": 9}
+    r = srv.client.post("/rollout/generate", json=body, headers={"Accept": "application/json"})
+    assert r.status_code == 400, r.text[:500]  # was a 500 from the pipeline's own check mid-call
+    message = r.json()["error"]["message"]
+    assert "height=34" in message and "divisible by 32" in message, message

@@ -129,6 +129,15 @@ class LTX2Adapter(FamilyAdapter):
                 f"{(frames - 1) // k * k + 1} or {((frames - 1) // k + 1) * k + 1}",
                 field="num_frames",
             )
+        for field in ("height", "width"):
+            value = getattr(settings, field)
+            if value is not None and value % 32:
+                # The pipeline's own rule (check_inputs): refused here as a 400, not a 500 mid-call.
+                raise RequestError(
+                    f"{field}={value} must be divisible by 32 for LTX-2, e.g. {value // 32 * 32 or 32} "
+                    f"or {(value // 32 + 1) * 32}",
+                    field=field,
+                )
         self._validate_shift(settings)
         registers = self.pipe.connectors.config.get("video_connector_num_learnable_registers")
         msl = self._max_sequence_length(settings)
