@@ -182,18 +182,8 @@ def test_i2v_dead_follower_fails_the_engine_with_503(variant):
     assert cp.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
 
 
-@pytest.mark.parametrize("family", ["hunyuanvideo15"])  # LTX-2: tests/test_context_parallel_ltx2.py
-def test_video_families_without_a_served_plan_are_refused_at_start_up(tiny_model_path, family):
-    from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.errors import ContextParallelError
-    from diffusion_rollout.server.engine import Engine
-
-    engine = Engine(ServerConfig(model=str(tiny_model_path(family)), device="cpu", context_parallel=2))
-    with pytest.raises(
-        ContextParallelError, match=f"not supported for family '{family}'.*wan2.2-ti2v-i2v, ltx2"
-    ):
-        engine.load()
-    assert engine.context_parallel is None  # refused before any follower was spawned
+# Every video family has a served plan now (LTX-2: tests/test_context_parallel_ltx2.py, HunyuanVideo 1.5:
+# tests/test_context_parallel_hunyuanvideo15.py); the refusal of the other families: tests/test_context_parallel.py.
 
 
 def test_per_token_timesteps_need_a_plan_that_shards_them():

@@ -63,8 +63,9 @@ logger = logging.getLogger(__name__)
 # sequence after the patch embedding, so I2V's channel-concatenated input (noise, mask, image latents)
 # is sharded like T2V's; cross-attention (text, and Wan 2.1 I2V's CLIP image tokens) is not sharded;
 # TI2V-5B's per-token ``[B, tokens]`` timestep is split along the tokens with the sequence.
-# LTX-2 (``ltx2``) runs the server's own plan instead of diffusers' (``server/cp_plans.py``).
-SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v", "ltx2")
+# LTX-2 (``ltx2``) and HunyuanVideo 1.5 (``hunyuanvideo15``, no diffusers plan) run the server's own
+# plans (``server/cp_plans.py``).
+SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v", "ltx2", "hunyuanvideo15")
 # Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
 _TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
 
