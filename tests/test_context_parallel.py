@@ -83,6 +83,47 @@ def both(servers, body=BODY):
     return ref, cp
 
 
+def update_both(servers, body=BODY, seed: int = 3) -> tuple[dict, dict, dict]:
+    """The same perturbed transformer pushed to the one-process and the context-parallel server;
+    checks that the follower took it (one more sync, rank 0's digest) and that the outputs changed.
+    Returns the context-parallel output before the update, and both outputs after it."""
+    g = torch.Generator().manual_seed(seed)
+    new = {
+        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+        for n, p in servers.cp.engine.pipe.transformer.named_parameters()
+    }
+    (old,) = servers.cp.generate(body)
+    digest_before = group(servers.cp).weights_digest()
+    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
+    for srv in (servers.ref, servers.cp):
+        r = srv.client.post(
+            "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
+        )
+        assert r.status_code == 200, r.text
+    digest_after = group(servers.cp).weights_digest()
+    assert digest_after != digest_before
+    ref, cp = both(servers, body)
+    assert not torch.equal(cp["generated_output"], old["generated_output"])  # the update mattered
+    stats = settled_stats(servers.cp)
+    (follower,) = stats["followers"]
+    assert follower["weight_syncs"] == syncs_before + 1
+    assert follower["weights_digest"] == digest_after
+    assert follower["last_output_checksum"] == stats["last_output_checksum"]
+    return old, ref, cp
+
+
+def assert_dead_follower_fails_with_503(server, body=BODY) -> None:
+    """Kill the follower: the next rollout is a 503 naming it, and the engine is marked failed."""
+    (proc,) = group(server).processes
+    proc.kill()
+    proc.join(10)
+    r = server.client.post("/rollout/generate", json=body)
+    assert r.status_code == 503, r.text
+    assert "follower" in r.json()["error"]["message"]
+    assert server.engine.status == "failed"
+    assert server.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
+
+
 def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
     before = settled_stats(servers.cp)["forwards"]
     ref, cp = both(servers)
@@ -100,27 +141,9 @@ def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
 
 
 def test_a_full_update_reaches_the_follower_before_the_next_rollout(servers):
-    pipe = servers.cp.engine.pipe
-    g = torch.Generator().manual_seed(3)
-    new = {
-        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for n, p in pipe.transformer.named_parameters()
-    }
-    digest_before = group(servers.cp).weights_digest()
-    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
-    for srv in (servers.ref, servers.cp):
-        r = srv.client.post(
-            "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
-        )
-        assert r.status_code == 200, r.text
-    digest_after = group(servers.cp).weights_digest()
-    assert digest_after != digest_before
-    ref, cp = both(servers)
+    _, ref, cp = update_both(servers)
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], cp[key]), key
-    (follower,) = settled_stats(servers.cp)["followers"]
-    assert follower["weight_syncs"] == syncs_before + 1
-    assert follower["weights_digest"] == digest_after
 
 
 def test_dynamic_lora_and_feature_caches_are_refused_naming_the_field(servers):

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save
 
 from tests.conftest import ServedModel
-from tests.test_context_parallel import group, settled_stats
+from tests.test_context_parallel import (
+    assert_dead_follower_fails_with_503,
+    both,
+    group,
+    settled_stats,
+    update_both,
+)
 
 T = 2
 BODY = {
@@ -55,12 +60,6 @@ def servers(tiny_model_path):
     s.close()
 
 
-def both(servers, body=BODY):
-    (ref,) = servers.ref.generate(body)
-    (cp,) = servers.cp.generate(body)
-    return ref, cp
-
-
 def assert_same_tensors(ref, cp, where="") -> int:
     """Every tensor of the two responses equal bit for bit (walks dicts and lists); returns how many."""
     if isinstance(ref, torch.Tensor):
@@ -79,7 +78,7 @@ def assert_same_tensors(ref, cp, where="") -> int:
 def test_hunyuanvideo15_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
     assert servers.cp.engine.adapter.name == "hunyuanvideo15"
     before = settled_stats(servers.cp)["forwards"]
-    ref, cp = both(servers)
+    ref, cp = both(servers, BODY)
     assert assert_same_tensors(ref, cp) >= 3  # output, log-probs, the trajectory
     assert cp["exact"] is True  # mirror mode: rank 0 computes alone
     stats = settled_stats(servers.cp)
@@ -111,43 +110,13 @@ def test_hunyuanvideo15_odd_video_token_count_gets_400_naming_the_field(servers)
 
 
 def test_hunyuanvideo15_update_reaches_the_follower_before_the_next_rollout(servers):
-    pipe = servers.cp.engine.pipe
-    g = torch.Generator().manual_seed(3)
-    new = {
-        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for n, p in pipe.transformer.named_parameters()
-    }
-    (old,) = servers.cp.generate(BODY)
-    digest_before = group(servers.cp).weights_digest()
-    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
-    for srv in (servers.ref, servers.cp):
-        r = srv.client.post(
-            "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
-        )
-        assert r.status_code == 200, r.text
-    digest_after = group(servers.cp).weights_digest()
-    assert digest_after != digest_before
-    ref, cp = both(servers)
-    assert not torch.equal(cp["generated_output"], old["generated_output"])  # the update mattered
+    _, ref, cp = update_both(servers, BODY)
     assert_same_tensors(ref, cp)
-    stats = settled_stats(servers.cp)
-    (follower,) = stats["followers"]
-    assert follower["weight_syncs"] == syncs_before + 1
-    assert follower["weights_digest"] == digest_after
-    assert follower["last_output_checksum"] == stats["last_output_checksum"]
 
 
 @pytest.mark.timeout(60)
 def test_hunyuanvideo15_dead_follower_fails_the_engine_with_503(servers):
-    cp = servers.cp
-    (proc,) = group(cp).processes
-    proc.kill()
-    proc.join(10)
-    r = cp.client.post("/rollout/generate", json=BODY)
-    assert r.status_code == 503, r.text
-    assert "follower" in r.json()["error"]["message"]
-    assert cp.engine.status == "failed"
-    assert cp.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
+    assert_dead_follower_fails_with_503(servers.cp, BODY)
 
 
 def test_hunyuanvideo15_heads_not_divisible_by_k_are_refused_at_start_up(tiny_model_path):

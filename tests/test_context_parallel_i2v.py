@@ -22,10 +22,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save
 
 from tests.conftest import ServedModel
-from tests.test_context_parallel import both, group, settled_stats
+from tests.test_context_parallel import (
+    assert_dead_follower_fails_with_503,
+    both,
+    group,
+    settled_stats,
+    update_both,
+)
 
 T = 3
 
@@ -141,45 +146,15 @@ def test_i2v_rollouts_equal_one_process_and_the_follower_runs_every_call(variant
 
 def test_i2v_update_reaches_the_follower_before_the_next_rollout(variant):
     _, servers, body = variant
-    pipe = servers.cp.engine.pipe
-    g = torch.Generator().manual_seed(3)
-    new = {
-        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for n, p in pipe.transformer.named_parameters()
-    }
-    (old,) = servers.cp.generate(body)
-    digest_before = group(servers.cp).weights_digest()
-    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
-    for srv in (servers.ref, servers.cp):
-        r = srv.client.post(
-            "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
-        )
-        assert r.status_code == 200, r.text
-    digest_after = group(servers.cp).weights_digest()
-    assert digest_after != digest_before
-    ref, cp = both(servers, body)
-    assert not torch.equal(cp["generated_output"], old["generated_output"])  # the update mattered
+    _, ref, cp = update_both(servers, body)
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], cp[key]), key
-    stats = settled_stats(servers.cp)
-    (follower,) = stats["followers"]
-    assert follower["weight_syncs"] == syncs_before + 1
-    assert follower["weights_digest"] == digest_after
-    assert follower["last_output_checksum"] == stats["last_output_checksum"]
 
 
 @pytest.mark.timeout(60)
 def test_i2v_dead_follower_fails_the_engine_with_503(variant):
     _, servers, body = variant
-    cp = servers.cp
-    (proc,) = group(cp).processes
-    proc.kill()
-    proc.join(10)
-    r = cp.client.post("/rollout/generate", json=body)
-    assert r.status_code == 503, r.text
-    assert "follower" in r.json()["error"]["message"]
-    assert cp.engine.status == "failed"
-    assert cp.client.get("/server_info").json()["speed"]["context_parallel"]["error"]
+    assert_dead_follower_fails_with_503(servers.cp, body)
 
 
 # Every video family has a served plan now (LTX-2: tests/test_context_parallel_ltx2.py, HunyuanVideo 1.5:
