@@ -8,13 +8,10 @@ test prints the distances it measured). Not run yet (no two-GPU machine at the t
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from tests.conftest import ServedModel
-from tests.test_context_parallel_gpu import BOUND, update
+from tests.test_context_parallel_gpu import served_k2_against_k1
 from tests.test_context_parallel_hunyuanvideo15 import BODY, CALLS_PER_ROLLOUT
 
 pytestmark = [
@@ -32,38 +29,6 @@ def distances(a: dict, b: dict) -> dict[str, float]:
 
 
 def test_hunyuanvideo15_two_gpu_rollouts_match_one_gpu_and_follow_updates(tiny_model_path):
-    path = tiny_model_path("hunyuanvideo15")
-    ref = ServedModel(path, device="cuda:0")
-    try:
-        (base,) = ref.generate(BODY)
-        update(ref, 1)
-        (updated,) = ref.generate(BODY)
-    finally:
-        ref.close()
-    moved = max(distances(updated, base).values())
-    cp = ServedModel(path, device="cuda:0", context_parallel=2, context_parallel_mode="ulysses")
-    try:
-        (out,) = cp.generate(BODY)
-        before = distances(out, base)
-        update(cp, 1)
-        (out_updated,) = cp.generate(BODY)
-        after = distances(out_updated, updated)
-        print(
-            f"hunyuanvideo15 ulysses k=2 vs k=1: before update {before}, after {after}; update moved {moved:.3g}"
-        )
-        assert max(before.values()) <= BOUND and max(after.values()) <= BOUND
-        assert out["exact"] is False  # sharded attention
-        assert max(distances(out_updated, out).values()) > 0.5 * moved  # the update reached both ranks
-        assert moved > 10 * BOUND
-        deadline = time.monotonic() + 30
-        while True:
-            stats = cp.client.get("/server_info").json()["speed"]["context_parallel"]
-            (follower,) = stats["followers"]
-            if follower["forwards"] == stats["forwards"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert stats["mode"] == "ulysses" and stats["error"] is None
-        assert follower["forwards"] == stats["forwards"] == 2 * CALLS_PER_ROLLOUT
-        assert follower["weight_syncs"] == 2  # at start, and after the update
-    finally:
-        cp.close()
+    served_k2_against_k1(
+        tiny_model_path("hunyuanvideo15"), BODY, distances, CALLS_PER_ROLLOUT, "hunyuanvideo15"
+    )
