@@ -176,11 +176,7 @@ def push_weights(
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     cast_to = resolve_dtype(client, dtype, server=server or 0)
-    replicas: list[str] = []
-    if direct:
-        for index in range(len(client.urls)) if server is None else [server]:
-            client.upload_url(index, refresh=True)  # a restarted server may listen elsewhere
-        replicas = _replica_upload_urls(client, server)
+    replicas = _learn_upload_urls(client, server) if direct else []
     upload_id = upload_id or uuid.uuid4().hex
     manifest: dict[str, str] = {}
     parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
@@ -252,16 +248,18 @@ def push_weights(
     return result
 
 
-def _replica_upload_urls(client: RolloutClient, server: int | None) -> list[str]:
-    """The replicas' own upload ports of every target server (``replica_upload_urls`` in a
-    cluster front's ``/model_info``); empty unless every target advertises them."""
-    urls: list[str] = []
+def _learn_upload_urls(client: RolloutClient, server: int | None) -> list[str]:
+    """One ``/model_info`` per target server, asked again at every push (a restarted server may
+    listen elsewhere): its direct upload port is remembered for ``update_weights``, and the replicas'
+    own upload ports (``replica_upload_urls`` of a cluster front) are returned, empty unless every
+    target advertises them."""
+    replicas: list[str] | None = []
     for index in range(len(client.urls)) if server is None else [server]:
-        found = client.model_info(server=index).get("replica_upload_urls")
-        if not found:
-            return []
-        urls += found
-    return urls
+        info = client.model_info(server=index)
+        client._remember_upload_url(client.urls[index], info)
+        found = info.get("replica_upload_urls")
+        replicas = replicas + found if replicas is not None and found else None
+    return replicas or []
 
 
 def verify_weights_checksum(
