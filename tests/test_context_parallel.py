@@ -83,6 +83,19 @@ def both(servers, body=BODY):
     return ref, cp
 
 
+def assert_follower_ran_every_call(server, forwards: int) -> None:
+    """Mirror mode after a rollout: the follower ran each of the ``forwards`` calls rank 0 ran, and
+    the last one bit for bit (same output checksum, same weights): it got rank 0's inputs and
+    weights, not just a call."""
+    stats = settled_stats(server)
+    (follower,) = stats["followers"]
+    assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
+    assert stats["forwards"] == forwards
+    assert follower["forwards"] == stats["forwards"] and follower["alive"]
+    assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0
+    assert follower["weights_digest"] == group(server).weights_digest()
+
+
 def update_both(servers, body=BODY, seed: int = 3) -> tuple[dict, dict, dict]:
     """The same perturbed transformer pushed to the one-process and the context-parallel server;
     checks that the follower took it (one more sync, rank 0's digest) and that the outputs changed.
@@ -130,14 +143,7 @@ def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], cp[key]), key
     assert cp["exact"] is True  # mirror mode: rank 0 computes alone
-    stats = settled_stats(servers.cp)
-    (follower,) = stats["followers"]
-    assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
-    assert stats["forwards"] == before + CALLS_PER_ROLLOUT
-    assert follower["forwards"] == stats["forwards"] and follower["alive"]
-    # Bit-equal outputs of the last call: the follower got rank 0's inputs and weights, not just a call.
-    assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0
-    assert follower["weights_digest"] == group(servers.cp).weights_digest()
+    assert_follower_ran_every_call(servers.cp, before + CALLS_PER_ROLLOUT)
 
 
 def test_a_full_update_reaches_the_follower_before_the_next_rollout(servers):

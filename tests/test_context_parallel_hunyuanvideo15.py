@@ -22,8 +22,8 @@ import torch
 from tests.conftest import ServedModel
 from tests.test_context_parallel import (
     assert_dead_follower_fails_with_503,
+    assert_follower_ran_every_call,
     both,
-    group,
     settled_stats,
     update_both,
 )
@@ -81,15 +81,8 @@ def test_hunyuanvideo15_rollouts_equal_one_process_and_the_follower_runs_every_c
     ref, cp = both(servers, BODY)
     assert assert_same_tensors(ref, cp) >= 3  # output, log-probs, the trajectory
     assert cp["exact"] is True  # mirror mode: rank 0 computes alone
-    stats = settled_stats(servers.cp)
-    (follower,) = stats["followers"]
-    assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
-    assert stats["forwards"] == before + CALLS_PER_ROLLOUT
-    assert follower["forwards"] == stats["forwards"] and follower["alive"]
-    # Bit-equal outputs of the last call: the follower got rank 0's inputs (latents with the condition
-    # channels, both text encodings and masks, image embeddings) and weights, not just a call.
-    assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0
-    assert follower["weights_digest"] == group(servers.cp).weights_digest()
+    # The follower got rank 0's inputs (latents with the condition channels, both text encodings and masks, image embeddings) and weights.
+    assert_follower_ran_every_call(servers.cp, before + CALLS_PER_ROLLOUT)
 
 
 def test_hunyuanvideo15_odd_video_token_count_gets_400_naming_the_field(servers):

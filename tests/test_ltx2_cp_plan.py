@@ -34,7 +34,7 @@ zoo's tiny LTX-2 transformer in float32):
    each rank gets back one copy of the duplicated query rows, so audio self-attention, audio-text,
    a2v and v2a all equal k = 1 (float32 ~1e-7), and both ranks hold the same audio.
    ``audio_proj_out`` is not gathered, and need not be: every rank computes the whole audio.
-3. A corrected plan serves LTX-2 exactly (the sketch ``corrected_plan`` below; the server runs the
+3. A corrected plan serves LTX-2 exactly (``cp_plans.ltx2_plan`` with ``localize_ltx2_attentions``; the server runs the
    same plan from ``server/cp_plans.py``, and the ``server_*`` cases call the server's own
    ``context_parallel._enable`` on both ranks, since its CPU mirror mode does not shard): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
    ``cross_attn_rope`` on the token dim (dim 2 for 4-D split RoPE, dim 1 for 3-D interleaved),
@@ -59,12 +59,13 @@ from typing import Any
 import pytest
 import torch
 
+from diffusion_rollout.server.cp_plans import localize_ltx2_attentions, ltx2_plan
+
 WORLD = 2
 # Tiny shapes: 2 x 4 x 4 = 32 video tokens, 6 audio tokens, 8 text tokens, CFG-like batch of 2.
 SHAPES = {"batch": 2, "frames": 2, "height": 4, "width": 4, "audio_frames": 6, "text": 8}
 # The Ulysses-routed attentions of the corrected plan; the other four run locally on each rank.
 ULYSSES_ATTENTIONS = ("attn1", "video_to_audio_attn")
-LOCAL_ATTENTIONS = ("attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn")
 
 # name: (rope_type, text mask, plan, how the attentions are routed)
 CASES: dict[str, tuple[str, str | None, str, str]] = {
@@ -128,29 +129,6 @@ def make_inputs(model, mask: str | None, device, dtype, shapes: dict[str, int] =
     }
 
 
-def corrected_plan(model) -> dict[str, Any]:
-    """Video tokens sharded, text and audio whole on every rank; RoPE split on its token dim."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    if model.config.rope_type == "split":  # cos/sin are (B, heads, tokens, r)
-        rope = ContextParallelInput(split_dim=2, expected_dims=4, split_output=True)
-    else:  # interleaved: (B, tokens, dim)
-        rope = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
-    return {
-        "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-        "rope": {0: rope, 1: rope},
-        "cross_attn_rope": {0: rope, 1: rope},
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-    }
-
-
-def localize_replicated_attentions(model) -> None:
-    """Attentions whose keys/values are whole on every rank need no exchange: run them locally."""
-    for block in model.transformer_blocks:
-        for name in LOCAL_ATTENTIONS:
-            getattr(block, name).processor._parallel_config = None
-
-
 def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> dict[str, Any]:
     from diffusers import ContextParallelConfig
 
@@ -168,10 +146,10 @@ def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> d
         else:
             model.enable_parallelism(
                 config=ContextParallelConfig(ulysses_degree=WORLD),
-                cp_plan=None if plan == "diffusers" else corrected_plan(model),
+                cp_plan=None if plan == "diffusers" else ltx2_plan(model),
             )
         if routing == "local":
-            localize_replicated_attentions(model)
+            localize_ltx2_attentions(model)
         seen.clear()
         with torch.no_grad():
             out = model(**make_inputs(model, mask, device, dtype, shapes))
