@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
+from benchmarks.train_recipes import model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("replicas", "context_parallel")
@@ -64,29 +65,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def model_folder(name: str, work: Path) -> Path:
-    """The saved diffusers folder of ``name`` (built on first use, in a process of its own, on GPU 0;
-    ``train_recipes.model_folder`` with the large models of ``model_builders_scale`` registered)."""
-    path = work / "models" / name
-    if (path / "model_index.json").exists():
-        return path
-    code = (
-        "import sys, torch; from pathlib import Path\n"
-        "name, path = sys.argv[1], Path(sys.argv[2])\n"
-        "if name.startswith('tiny-'):\n"
-        "    from diffusion_rollout.models import save_tiny_model; save_tiny_model(name[5:], path)\n"
-        "else:\n"
-        "    from benchmarks import model_builders_scale  # noqa: F401  (Wan 2.2 A14B)\n"
-        "    from benchmarks.model_builders import build_real_pipeline\n"
-        "    build_real_pipeline(name, 'cuda', torch.bfloat16, 0).save_pretrained(path)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, name, str(path)], check=True, cwd=ROOT, env=env)
-    print(f"[cp_tradeoff] built and saved {name} in {time.perf_counter() - t0:.1f} s", flush=True)
-    return path
 
 
 def serve_command(layout: str, folder: Path, port: int, cpu: bool, k: int = 2) -> list[str]:
@@ -250,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layouts: {', '.join(LAYOUTS)}; got {args.layouts!r}")
     if args.frames is None and not args.model.startswith("tiny-"):
         args.frames = 81
-    folder = model_folder(args.model, args.work)
+    folder = model_folder(args.model, args.work)  # train_recipes': built once under --work
     body = request_body(args.model, args)
     rows = [{"model": args.model, **run_layout(layout, folder, body, args)} for layout in layouts]
     device = "cpu" if args.cpu else "cuda"

@@ -126,6 +126,7 @@ def model_folder(name: str, work: Path) -> Path:
         "if name.startswith('tiny-'):\n"
         "    from diffusion_rollout.models import save_tiny_model; save_tiny_model(name[5:], path)\n"
         "else:\n"
+        "    from benchmarks import model_builders_scale  # noqa: F401  (registers the large models)\n"
         "    from benchmarks.model_builders import build_real_pipeline\n"
         "    build_real_pipeline(name, 'cuda', torch.bfloat16, 0).save_pretrained(path)\n"
     )
