@@ -7,7 +7,7 @@ The model is a real architecture with random weights saved as a diffusers folder
 (``train_recipes.model_folder``), served by the CLI as a user runs it: ``diffusion-rollout serve
 --replicas N --gpus-per-replica G --upload-port 0`` in a process of its own. This process is the
 trainer: it holds the transformer's tensors on the CPU (read from the folder) and pushes them with
-``push_weights`` and its defaults (``verify=True``, two parts in flight, 512 MiB parts), alternating
+``push_weights`` and its defaults (``verify=True``, ``DEFAULT_CONCURRENCY`` parts in flight, 512 MiB parts), alternating
 the two paths in the same run:
 
 - ``replica_ports``: ``direct=True`` (the default). Every replica advertises its own upload port

@@ -94,7 +94,7 @@ def test_bytes_altered_on_the_way_fail_verification(fresh_server, monkeypatch):
 
     def corrupting(lease):
         parsed, rest = real(lease)
-        if not hit:
+        if parsed and not hit:  # the first part with data (push_weights opens with an empty one)
             name = sorted(parsed)[0]
             parsed = {**parsed, name: parsed[name] + 1}
             hit.append(name)

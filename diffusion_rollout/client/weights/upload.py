@@ -4,15 +4,17 @@ Design decisions:
 
 - **Bounded parts, one commit.** :func:`push_weights` packs named tensors into safetensors parts of
   at most ``max_part_bytes`` (a larger single tensor travels alone), sends them with
-  ``final=false`` and numbered ``part``, and commits with the last part (``final=true``): the server
-  stages the parts and applies all or nothing. The iterator is consumed lazily with one part of
+  ``final=false`` and numbered ``part``, and commits with an empty last part (``final=true``): the
+  server stages the parts and applies all or nothing. A push that fits in one part is one request. The iterator is consumed lazily with one part of
   look-ahead, so an FSDP trainer can feed gathered shards without holding the whole model twice.
   Each push gets its own ``upload_id`` so stale parts of an earlier failed push never mix in.
 - **No copies, parts in flight together.** A part is a :class:`SafetensorsBody`: the header and
-  views of the (cast) tensors, sent in slices, so nothing is serialised before the socket. Part 0
-  goes alone (it opens the upload on the server), then up to ``concurrency`` parts are sent at
-  once on separate connections (the server checks one while it receives the next), and the final
-  part goes last, after every other part was accepted. Per-tensor hashes for verification start on
+  views of the (cast) tensors, sent in slices, so nothing is serialised before the socket. An empty
+  part 0 opens the upload on the server, then every part with data travels with up to
+  ``concurrency - 1`` others on separate connections (the server checks and hashes some while it
+  receives others: with 2 in flight an H100 host took 2.1 GB/s, the wire alone 3.2), and the
+  empty commit goes last, after every other part was accepted. Parts with data never travel alone:
+  a part 0 or a final part with data did, at a single connection's speed. Per-tensor hashes for verification start on
   the hashing threads (``checksums.hash_pool``) as soon as a part is packed, while parts are sent.
 - **The direct port when the server has one.** A server started with ``--upload-port`` advertises
   it (``weight_upload_port``); the parts then go there (``direct=True``, the default), where they
@@ -75,6 +77,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PART_BYTES = 512 * 2**20
+# Parts in flight: the server checks and hashes a received part before it answers, so the wire
+# idles on a connection meanwhile; more connections keep it busy (benchmarks/RESULTS.md#sync-verified).
+DEFAULT_CONCURRENCY = 4
 
 
 @dataclass
@@ -159,7 +164,7 @@ def push_weights(
     server: int | None = None,
     timeout: float | None = None,
     partial: bool = False,
-    concurrency: int = 2,
+    concurrency: int = DEFAULT_CONCURRENCY,
     direct: bool = True,
 ) -> UpdateResult:
     """Upload full weights over HTTP in bounded parts and apply them atomically with the last one.
@@ -169,7 +174,7 @@ def push_weights(
     applies the push only if it names every parameter of the module, unless ``partial=True`` (then
     exactly the tensors sent are applied). With ``verify``
     the server checks every tensor's SHA-256 afterwards (raises :class:`ChecksumMismatchError`).
-    ``concurrency``: how many non-final parts are in flight at once (1 sends them one by one).
+    ``concurrency``: how many parts with data are in flight at once (1 sends them one by one).
     ``direct``: send the parts to each server's direct upload port when it advertises one (False:
     the main port).
     """
@@ -183,8 +188,8 @@ def push_weights(
 
     def send(index: int, part: WeightPart, last: bool) -> UpdateResult | None:
         if replicas:
-            # A cluster whose replicas have upload ports: every part (the last one with data too)
-            # goes to each replica's own port at once; the commit follows, at the front.
+            # A cluster whose replicas have upload ports: every part goes to each replica's own
+            # port at once; the commit follows, at the front.
             call = _upload_call(
                 part.body, target_module, weight_version, False, upload_id, index, flush_cache, timeout, partial
             )  # fmt: skip
@@ -214,34 +219,44 @@ def push_weights(
 
     in_flight: collections.deque[Future] = collections.deque()
     hashes: dict[str, Future] = {}  # hashed on the hashing threads while the parts travel
+    empty = WeightPart(SafetensorsBody({}), [])
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="push-weights") as pool:
         try:
-            for index, (part, last) in enumerate(_lookahead(parts)):
+            index = 0
+            for part, last in _lookahead(parts):
                 if verify:
                     hashes.update(submit_tensors_sha256(part.tensors))
-                if index == 0 or last:
-                    # Part 0 opens the upload on the server; the final part must come after all others.
-                    while in_flight:
-                        in_flight.popleft().result()
-                    result = send(index, part, last)
-                    continue
+                if last and index == 0 and not replicas:
+                    # One part: it opens the upload and commits it in one request.
+                    result = send(0, part, True)
+                    break
+                if index == 0:
+                    # An empty part 0 opens the upload, so that every part with data travels
+                    # alongside others (a part 0 with data went alone).
+                    send(0, empty, False)
+                    index = 1
                 while len(in_flight) >= concurrency:
                     in_flight.popleft().result()
-                in_flight.append(pool.submit(send, index, part, last))
+                in_flight.append(pool.submit(send, index, part, False))
+                index += 1
+            else:
+                while in_flight:
+                    in_flight.popleft().result()
+                # The commit, an empty final part after every other part was accepted: at a
+                # cluster front it applies the staged upload on every replica or on none
+                # (cluster/weights.py).
+                result = client.update_weights(
+                    empty.body, target_module=target_module, weight_version=weight_version,
+                    final=True, upload_id=upload_id, part=index, flush_cache=flush_cache, server=server,
+                    timeout=timeout, partial=partial, direct=direct and not replicas,
+                )  # fmt: skip
+                logger.info("committed upload %s of %d parts", upload_id, index)
         finally:
             for future in in_flight:
                 future.cancel()
             if verify and sys.exc_info()[0] is not None:
                 for future in hashes.values():
                     future.cancel()
-        if replicas:
-            # The commit: an empty final part at the front, which applies the staged upload on
-            # every replica or on none (cluster/weights.py).
-            result = client.update_weights(
-                SafetensorsBody({}), target_module=target_module, weight_version=weight_version,
-                final=True, upload_id=upload_id, part=index + 1, flush_cache=flush_cache, server=server,
-                timeout=timeout, partial=partial, direct=False,
-            )  # fmt: skip
     if verify:
         manifest.update({name: future.result() for name, future in hashes.items()})
         _check_manifest(client, target_module, manifest, server)

@@ -293,7 +293,7 @@ class FullWeightOps(ManagerCore):
                     problems.raise_if_any()
                     # Hashed here, while the next part is received: the tensor checker then needs
                     # no read-back of the applied weights (received_digests.py).
-                    return tensors, tensors_sha256(tensors)
+                    return tensors, tensors_sha256(tensors) if tensors else {}
 
                 tensors, digests = await asyncio.to_thread(parse)
                 # Same-dtype tensors stay views into the receive buffer, which the upload then keeps.
