@@ -207,7 +207,8 @@ def reward_curves(out: Path) -> list[Path]:
                 "Flow-GRPO in-process": run("sd35-in-process.json"),
                 "Flow-GRPO released": run("sd35-flow-grpo-released.json"),
                 "DanceGRPO": run("sd35-dance-grpo.json"),
-                "DiffusionNFT (EMA decay 0.5)": run("sd35-diffusion-nft.json"),
+                "DiffusionNFT (EMA decay ramped from 0)": run("sd35-diffusion-nft.json"),
+                "DiffusionNFT (EMA decay 0.5, before)": run("sd35-diffusion-nft-decay05.json"),
             },
         ),
         (

@@ -24,8 +24,8 @@ no SDE: any ODE sampler will do. Each iteration:
    pushed (``push_lora``, checksums verified, and read back) and ``old`` stays active. The decay
    ramps up from 0 by ``--ema-ramp`` per iteration to at most ``--ema-decay``: a constant 0.5 from
    the start left ``old`` lagging ``default`` and did not learn (SD3.5-medium, 30 iterations on an
-   H100: -232.7 -> -233.5); on the tiny model a decay of 0 gained about 6x more reward than 0.5
-   (3 seeds x 2 rewards, each run paired with an lr-0 control on the same rollouts).
+   H100: -232.7 -> -233.5); the ramp did, in the same run (-229.7 -> -179.4 kB, 29.7 standard
+   errors over iteration means; benchmarks/RESULTS.md#train-nft).
 
 **Parity check** (the counterpart of Flow-GRPO's ratio of exactly 1 for deterministic rollouts): the
 trainer's ``old`` adapter recomputes one ODE step of every group from the returned trajectory entry,
