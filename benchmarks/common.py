@@ -488,6 +488,62 @@ def _clients_main(url: str) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def push_phases() -> Any:
+    """Where a ``push_weights`` call's time goes, from the trainer's side: patches the upload module
+    for the duration and fills the yielded dict with ``parts_s`` (from the call to the start of the
+    commit), ``commit_s``, ``hash_wait_s`` (after the commit, waiting for the trainer's own
+    hashes) and ``check_s`` (the server's tensor checker). Timing only: nothing else changes."""
+    from diffusion_rollout.client.weights import upload
+
+    marks: dict[str, float] = {}
+    real_check = upload._check_manifest
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        marks["check_start"] = time.perf_counter()
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            marks["check_end"] = time.perf_counter()
+
+    real_push = upload.push_weights
+
+    def push(client, *args: Any, **kwargs: Any) -> Any:
+        real_update = client.update_weights
+
+        def update(*a: Any, **kw: Any) -> Any:
+            if kw.get("final"):
+                marks["commit_start"] = time.perf_counter()
+            try:
+                return real_update(*a, **kw)
+            finally:
+                if kw.get("final"):
+                    marks["commit_end"] = time.perf_counter()
+
+        client.update_weights = update
+        marks.clear()
+        marks["start"] = time.perf_counter()
+        try:
+            return real_push(client, *args, **kwargs)
+        finally:
+            marks["end"] = time.perf_counter()
+            del client.update_weights
+            out.clear()
+            if "commit_start" in marks:
+                out["parts_s"] = marks["commit_start"] - marks["start"]
+                out["commit_s"] = marks["commit_end"] - marks["commit_start"]
+                after = marks.get("check_start", marks["end"])
+                out["hash_wait_s"] = after - marks["commit_end"]
+                out["check_s"] = marks.get("check_end", after) - after
+
+    out: dict[str, float] = {}
+    upload._check_manifest = check
+    try:
+        yield push, out
+    finally:
+        upload._check_manifest = real_check
+
+
 def quiet_libraries() -> None:
     """Silence the libraries' per-call warnings (truncated prompts, experimental attention backends)."""
     import diffusers

@@ -67,9 +67,15 @@ def environment() -> dict:
     return info
 
 
+def port_seconds(client) -> list[dict[str, float]]:
+    """Per replica: the seconds its upload port spent leasing buffers, receiving and applying parts."""
+    return [r.get("upload_port_seconds", {}) for r in client.server_info().get("replicas", [])]
+
+
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import push_phases
     from benchmarks.train_recipes import model_folder
-    from diffusion_rollout.client import RolloutClient, push_weights
+    from diffusion_rollout.client import RolloutClient
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -103,20 +109,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the front advertises no replica upload ports: {info}")
             tensors = transformer_tensors(folder)
             gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+            last_ports = port_seconds(client)
             for rnd in range(args.rounds):
                 for path in ("replica_ports", "object_store"):
                     version = f"{path}-{rnd}"
-                    t0 = time.perf_counter()
-                    result = push_weights(
-                        client, tensors, weight_version=version, direct=path == "replica_ports"
-                    )
-                    seconds = time.perf_counter() - t0
+                    with push_phases() as (push, phases):
+                        t0 = time.perf_counter()
+                        result = push(client, tensors, weight_version=version, direct=path == "replica_ports")
+                        seconds = time.perf_counter() - t0
                     assert result.weight_version == version, result
+                    ports = port_seconds(client)
                     row = {
                         "path": path, "round": rnd, "gb": gb, "seconds": seconds,
                         "gb_per_s_per_replica": gb / seconds, "verified": True,
                         "replicas": args.replicas,
+                        "trainer_seconds": {k: round(v, 3) for k, v in phases.items()},
+                        # Summed over each replica port's connections during this push.
+                        "replica_port_seconds": [
+                            {k: round(v - before.get(k, 0.0), 3) for k, v in now.items()}
+                            for now, before in zip(ports, last_ports, strict=True)
+                        ],
                     }  # fmt: skip
+                    last_ports = ports
                     rows.append(row)
                     print("[replica_push]", json.dumps(row), flush=True)
     finally:

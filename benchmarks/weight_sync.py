@@ -75,6 +75,7 @@ from benchmarks.common import (
     log,
     median,
     print_table,
+    push_phases,
     quiet_libraries,
     resolve_device,
     sync,
@@ -92,6 +93,8 @@ DEFAULT_PHASES = (
 PHASE_HELP = {
     "h2d": "host-to-device copy rate, pinned and pageable (the reference)",
     "tcp": "one bare loopback socket, sendall into recv_into (the ceiling of any HTTP path)",
+    "tcp_parallel": "the same bytes over 2, 4 and 8 loopback sockets at once (the ceiling for parts in "
+    "flight and replicas on one host; not default)",
     "http_legacy": "the previous HTTP path: safetensors.save per part, request.body() on the server",
     "http_stream": "push_weights into the main port (uvicorn, streamed into pooled buffers)",
     "http_direct": "push_weights into the direct upload listener (upload_port: recv_into, thread per "
@@ -352,6 +355,7 @@ def http_push(
                         "server_cpu_s": server_cpu,
                         "server_cpu_s_per_gb": server_cpu / _gb(total),
                         "trainer_cpu_s": report["cpu_s"],
+                        "trainer_seconds": report["trainer_seconds"],
                         "apply_s": report["apply_s"],
                         # Receiving, parsing, checking and staging every part, without the final copy.
                         "transfer_gb_per_s": _gb(total) / (seconds - (report["apply_s"] or 0.0)),
@@ -374,7 +378,6 @@ def http_trainer_main(spec_path: str) -> int:
     from safetensors.torch import save
 
     from diffusion_rollout.client import RolloutClient
-    from diffusion_rollout.client.weights.upload import push_weights
 
     spec = json.loads(Path(spec_path).read_text())
     gen = torch.Generator().manual_seed(3)
@@ -387,6 +390,7 @@ def http_trainer_main(spec_path: str) -> int:
         if sys.stdin.readline().strip() != "go":
             return 0
         tag = f"bench-{spec['mode']}-{rep}"
+        phases: dict[str, float] = {}  # push_phases' split (stream and direct modes)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         if spec["mode"] in ("stream", "direct"):
@@ -395,13 +399,14 @@ def http_trainer_main(spec_path: str) -> int:
                 if direct and client.upload_url(0) == client.url:
                     print("the server advertises no upload port", flush=True)
                     return 2
-                message = push_weights(
-                    client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
-                    upload_id=tag, flush_cache=False, verify=spec.get("verify", False),
-                    concurrency=spec["concurrency"],
-                    partial=True,  # --http-gb may cap the payload below the whole module
-                    direct=direct,
-                ).message  # fmt: skip
+                with push_phases() as (push, phases):
+                    message = push(
+                        client, named, dtype=None, max_part_bytes=spec["part_bytes"], weight_version=tag,
+                        upload_id=tag, flush_cache=False, verify=spec.get("verify", False),
+                        concurrency=spec["concurrency"],
+                        partial=True,  # --http-gb may cap the payload below the whole module
+                        direct=direct,
+                    ).message  # fmt: skip
         else:
             parts = _parts(named, spec["part_bytes"])
             with httpx.Client(base_url=spec["url"], timeout=httpx.Timeout(1200.0)) as client:
@@ -427,6 +432,7 @@ def http_trainer_main(spec_path: str) -> int:
         applied = re.search(r"MiB in ([0-9.]+) s", message)
         report = {"seconds": seconds, "cpu_s": time.process_time() - cpu0}
         report["apply_s"] = float(applied.group(1)) if applied else None
+        report["trainer_seconds"] = {k: round(v, 4) for k, v in phases.items()}
         print(json.dumps(report), flush=True)
     return 0
 
@@ -437,41 +443,60 @@ def _receive_pool(srv):
     return get_weight_manager(srv.engine).receive_buffers
 
 
-def tcp_raw(size: int = 2**30, reps: int = 3) -> dict[str, Any]:
-    """One loopback TCP stream, ``sendall`` of 1 MiB views into ``recv_into`` a reused buffer (a ceiling)."""
+def tcp_raw(size: int = 2**30, reps: int = 3, streams: int = 1) -> dict[str, Any]:
+    """Loopback TCP, ``sendall`` of 1 MiB views into ``recv_into`` a reused buffer (a ceiling):
+    ``size`` bytes in all per round, split over ``streams`` connections received at once (the
+    ceiling for parts in flight, and for replicas on one host)."""
     import socket
     import threading
 
-    listener = socket.create_server(("127.0.0.1", 0))
+    per = size // streams
+    listener = socket.create_server(("127.0.0.1", 0), backlog=streams)
     port = listener.getsockname()[1]
-    src = memoryview(bytearray(b"\x5a") * size)
+    src = memoryview(bytearray(b"\x5a") * per)
 
     def sender() -> None:
         with socket.create_connection(("127.0.0.1", port)) as s:
             for _ in range(reps + 1):
-                for i in range(0, size, 2**20):
+                for i in range(0, per, 2**20):
                     s.sendall(src[i : i + 2**20])
                 s.recv(1)
 
-    thread = threading.Thread(target=sender, daemon=True)
-    thread.start()
-    conn, _ = listener.accept()
-    dst = bytearray(size)
-    view = memoryview(dst)
+    threads = [threading.Thread(target=sender, daemon=True) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    conns = [listener.accept()[0] for _ in range(streams)]
+    views = [memoryview(bytearray(per)) for _ in range(streams)]
+
+    def receive(k: int) -> None:
+        pos = 0
+        while pos < per:
+            pos += conns[k].recv_into(views[k][pos:], min(per - pos, 4 << 20))
+
     times = []
-    with conn:
+    try:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            pos = 0
-            while pos < size:
-                pos += conn.recv_into(view[pos:], min(size - pos, 4 << 20))
+            receivers = [threading.Thread(target=receive, args=(k,)) for k in range(streams)]
+            for r in receivers:
+                r.start()
+            for r in receivers:
+                r.join()
             times.append(time.perf_counter() - t0)
-            conn.sendall(b"k")
-    thread.join(30)
-    listener.close()
+            for c in conns:
+                c.sendall(b"k")
+    finally:
+        for t in threads:
+            t.join(30)
+        for c in conns:
+            c.close()
+        listener.close()
     s = median(times[1:])
-    return {"transport": "tcp_raw", "what": f"{size >> 20} MiB loopback socket, no HTTP", "gb": _gb(size), "seconds": s,
-            "gb_per_s": _gb(size) / s, "note": f"median of {reps}"}  # fmt: skip
+    what = f"{size >> 20} MiB loopback socket, no HTTP"
+    if streams > 1:
+        what = f"{size >> 20} MiB over {streams} loopback sockets at once, no HTTP"
+    return {"transport": "tcp_raw" if streams == 1 else f"tcp_raw_x{streams}", "what": what, "gb": _gb(size),
+            "seconds": s, "gb_per_s": _gb(size) / s, "streams": streams, "note": f"median of {reps}"}  # fmt: skip
 
 
 def finite_check(named_cpu: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -803,9 +828,16 @@ def run(
             listener = front.app.state.upload_listener
             out = []
             for c in concurrency:
-                out += http_push(
+                before = dataclasses.replace(listener.stats)
+                rows_c = http_push(
                     front, payload(), part_bytes, mode="direct", concurrency=c, reps=2, verify=verify
                 )
+                # Where the upload port's time went over both pushes, summed over connections.
+                spent = {k: round(getattr(listener.stats, k) - getattr(before, k), 3)
+                         for k in ("lease_s", "recv_s", "apply_s")}  # fmt: skip
+                for r in rows_c:
+                    r["upload_port_seconds_both_reps"] = spent
+                out += rows_c
             n = len(_parts(payload(), part_bytes))
             # push_weights: an empty part 0 opens a multi-part upload and an empty part commits it.
             expected = 2 * len(concurrency) * (n + 2 if n > 1 else 1)
@@ -822,7 +854,9 @@ def run(
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             return disk_update(srv, named, part_bytes, Path(tmp))
 
-    phase("tcp", lambda: tcp_raw(2**30 if device.startswith("cuda") else 256 * 2**20), 10)
+    tcp_bytes = 2**30 if device.startswith("cuda") else 256 * 2**20
+    phase("tcp", lambda: tcp_raw(tcp_bytes), 10)
+    phase("tcp_parallel", lambda: [tcp_raw(tcp_bytes, streams=n) for n in (2, 4, 8)], 20)
     phase("http_legacy", lambda: do_push("legacy"), 30)
     # http_stream / http_direct: in the order (and as often) as --phases names them, so a run can
     # alternate the two receive paths on a noisy machine.

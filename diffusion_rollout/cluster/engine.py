@@ -414,6 +414,9 @@ class ClusterEngine:
                 "queue_depth": r.info.get("queue_depth"),
                 "outstanding_requests": r.load.requests,
                 "served_requests": r.load.served,
+                # The replica's own upload port: parts received, and where its time went.
+                "upload_parts_received": r.info.get("upload_parts_received", 0),
+                "upload_port_seconds": r.info.get("upload_port_seconds", {}),
             }
             for r in self.replicas
         ]

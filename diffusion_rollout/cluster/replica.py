@@ -194,7 +194,13 @@ class ReplicaServer:
             "module_names": self.manager.module_names() if ready else [],
             "upload_url": self.upload_url(),
             "upload_parts_received": self.upload_listener.stats.parts if self.upload_listener else 0,
+            "upload_port_seconds": self._upload_seconds(),
         }
+
+    def _upload_seconds(self) -> dict[str, float]:
+        """Where this replica's upload port spent its time, summed over connections."""
+        stats = self.upload_listener.stats if self.upload_listener else None
+        return {k: round(getattr(stats, k), 4) if stats else 0.0 for k in ("lease_s", "recv_s", "apply_s")}
 
     async def metrics_text(self) -> str:
         return await self.engine.metrics_text()
