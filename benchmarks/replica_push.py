@@ -85,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-replica", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=3, help="pushes per path, alternating the paths")
     p.add_argument("--cpu", action="store_true", help="CPU replicas (a dry run of the commands)")
+    p.add_argument(
+        "--also-concurrency", default="", help="comma list: also replica_ports_c<N> with N parts in flight"
+    )
     args = p.parse_args(argv)
+    # (name, direct, concurrency): None is push_weights' default; rotated in every round.
+    paths = [("replica_ports", True, None), ("object_store", False, None)] + [
+        (f"replica_ports_c{c}", True, int(c)) for c in args.also_concurrency.split(",") if c
+    ]
 
     folder = model_folder(args.model, args.work)
     port = _free_port()
@@ -111,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
             last_ports = port_seconds(client)
             for rnd in range(args.rounds):
-                for path in ("replica_ports", "object_store"):
+                for path, direct, concurrency in paths:
                     version = f"{path}-{rnd}"
+                    extra = {} if concurrency is None else {"concurrency": concurrency}
                     with push_phases() as (push, phases):
                         t0 = time.perf_counter()
-                        result = push(client, tensors, weight_version=version, direct=path == "replica_ports")
+                        result = push(client, tensors, weight_version=version, direct=direct, **extra)
                         seconds = time.perf_counter() - t0
                     assert result.weight_version == version, result
                     ports = port_seconds(client)
@@ -152,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**vars(args), "work": str(args.work), "model_folder": str(folder), "server": cmd},
         "server_ready_s": ready_s,
         "results": rows,
-        "summary": {
-            "replica_ports_gb_per_s": best("replica_ports"),
-            "object_store_gb_per_s": best("object_store"),
-        },
+        "summary": {f"{path}_gb_per_s": best(path) for path, _, _ in paths},
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "replica_push.json").write_text(json.dumps(doc, indent=1))

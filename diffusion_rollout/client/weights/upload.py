@@ -186,17 +186,16 @@ def push_weights(
     manifest: dict[str, str] = {}
     parts = safetensors_parts(named_tensors, max_part_bytes=max_part_bytes, dtype=cast_to)
 
-    def send(index: int, part: WeightPart, last: bool) -> UpdateResult | None:
-        if replicas:
-            # A cluster whose replicas have upload ports: every part goes to each replica's own
-            # port at once; the commit follows, at the front.
+    # Where the parts go: each replica's own upload port (a cluster that advertises them; the
+    # commit follows at the front), or the one server (its upload port when it has one).
+    targets: list[str | None] = list(replicas) or [None]
+
+    def send(index: int, part: WeightPart, last: bool, url: str | None) -> UpdateResult | None:
+        if url is not None:
             call = _upload_call(
                 part.body, target_module, weight_version, False, upload_id, index, flush_cache, timeout, partial
             )  # fmt: skip
-            with ThreadPoolExecutor(len(replicas), thread_name_prefix="push-replica") as fan:
-                for sent in [fan.submit(client._send, call, url) for url in replicas]:
-                    sent.result()
-            logger.info("pushed part %d to %d replicas", index, len(replicas))
+            client._send(call, url)
             return None
         result = client.update_weights(
             part.body,
@@ -211,16 +210,19 @@ def push_weights(
             partial=partial,
             direct=direct,
         )
-        logger.info(
+        logger.debug(
             "pushed part %d (%d tensors, %.1f MiB)%s", index, len(part.names), part.num_bytes / 2**20,
             " and committed" if last else "",
         )  # fmt: skip
         return result
 
+    # One task per part and target: with replicas, each keeps about ``concurrency`` parts in flight
+    # of its own instead of every part waiting for the slowest replica before the next one starts.
+    limit = concurrency * len(targets)
     in_flight: collections.deque[Future] = collections.deque()
     hashes: dict[str, Future] = {}  # hashed on the hashing threads while the parts travel
     empty = WeightPart(SafetensorsBody({}), [])
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="push-weights") as pool:
+    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="push-weights") as pool:
         try:
             index = 0
             for part, last in _lookahead(parts):
@@ -228,16 +230,18 @@ def push_weights(
                     hashes.update(submit_tensors_sha256(part.tensors))
                 if last and index == 0 and not replicas:
                     # One part: it opens the upload and commits it in one request.
-                    result = send(0, part, True)
+                    result = send(0, part, True, None)
                     break
                 if index == 0:
-                    # An empty part 0 opens the upload, so that every part with data travels
-                    # alongside others (a part 0 with data went alone).
-                    send(0, empty, False)
+                    # An empty part 0 opens the upload (on every target), so that every part with
+                    # data travels alongside others (a part 0 with data went alone).
+                    for opened in [pool.submit(send, 0, empty, False, url) for url in targets]:
+                        opened.result()
                     index = 1
-                while len(in_flight) >= concurrency:
-                    in_flight.popleft().result()
-                in_flight.append(pool.submit(send, index, part, False))
+                for url in targets:
+                    while len(in_flight) >= limit:
+                        in_flight.popleft().result()
+                    in_flight.append(pool.submit(send, index, part, False, url))
                 index += 1
             else:
                 while in_flight:
@@ -250,7 +254,7 @@ def push_weights(
                     final=True, upload_id=upload_id, part=index, flush_cache=flush_cache, server=server,
                     timeout=timeout, partial=partial, direct=direct and not replicas,
                 )  # fmt: skip
-                logger.info("committed upload %s of %d parts", upload_id, index)
+                logger.info("committed upload %s: %d parts to %d target(s)", upload_id, index, len(targets))
         finally:
             for future in in_flight:
                 future.cancel()
