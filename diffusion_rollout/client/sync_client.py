@@ -55,6 +55,7 @@ from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutH
 from diffusion_rollout.client.receive import read_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
 from diffusion_rollout.client.stream import RolloutStream
+from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 __all__ = ["RolloutClient"]
@@ -102,9 +103,11 @@ class RolloutClient(_ClientBase):
             headers=headers,
         )
         self._owns_http = http_client is None
-        self._http = http_client or httpx.Client(
-            transport=transport, timeout=timeout, limits=self._http_limits()
-        )
+        if transport is None:
+            # Large uploads (full-weight parts) go out without a copy under the GIL
+            # (upload_transport.py); a caller's own transport is used as it is.
+            transport = BodyPassthroughTransport(httpx.HTTPTransport(limits=self._http_limits()))
+        self._http = http_client or httpx.Client(transport=transport, timeout=timeout)
         self._sleep: Callable[[float], None] = time.sleep
 
     def close(self) -> None:
