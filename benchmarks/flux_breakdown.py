@@ -18,6 +18,7 @@ call, the TFLOP/s achieved.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from typing import Any
@@ -85,6 +86,36 @@ def time_forward(transformer, inputs: dict[str, Any], device: str, reps: int) ->
     return {"ms": 1000 * median(times), "spread": spread(times)}
 
 
+def _sample(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out.sample
+
+
+def fp8_rows(transformer, inputs, device: str, reps: int, label: str, reference: torch.Tensor) -> list[dict]:
+    """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``: torchao rowwise, its per-family
+    keep-bf16 rule) on the compiled blocks, which recompile for the quantized weights; with each
+    row the output's relative L2 difference from the eager bf16 forward (same inputs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
+
+    reason = unsupported_reason(quantize="fp8", attention_backend=None, device=device)
+    if reason:
+        return [{"variant": f"{label} + fp8", "ms": None, "spread": None, "note": f"skipped: {reason}"}]
+    report = quantize_fp8(transformer)
+    note = f"{report['fp8_linears']} linears FP8, {report['bf16_linears']} bf16"
+    rows = []
+    for name, backends in (("default sdpa", None), ("sdpa cudnn", [SDPBackend.CUDNN_ATTENTION])):
+        ctx = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+        with ctx:
+            timing = time_forward(transformer, inputs, device, reps)
+            with torch.inference_mode():
+                out = _sample(transformer(**inputs)).float()
+        drift = float((out - reference).norm() / reference.norm())
+        rows.append({"variant": f"{label} + fp8, {name}", **timing, "rel_l2_vs_eager_bf16": drift,
+                     "note": f"{note}; output rel. L2 vs eager bf16 {drift:.4f}"})  # fmt: skip
+    return rows
+
+
 def flop_counts(transformer, inputs: dict[str, Any]) -> tuple[float, float]:
     """(all FLOPs, attention FLOPs) of one eager forward."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -142,6 +173,8 @@ def run(args) -> dict[str, Any]:
         transformer = model.stock.transformer
         inputs = captured_inputs(model)
         flops = flop_counts(transformer, inputs)
+        with torch.inference_mode():
+            reference = _sample(transformer(**inputs)).float()  # eager bf16: the drift reference
         log(f"flux_breakdown: {flops[0] / 1e12:.1f} TFLOP per forward, {flops[1] / 1e12:.1f} in attention")
         kernels = (
             [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -176,6 +209,8 @@ def run(args) -> dict[str, Any]:
                         **time_forward(transformer, inputs, device, args.reps),
                     }
                 )
+        if args.fp8:
+            rows += fp8_rows(transformer, inputs, device, args.reps, label, reference)
         for r in rows:
             r.setdefault("note", "")
     finally:
@@ -204,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="the tiny FLUX model (a CPU check of the script)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--fp8", action="store_true", help="also the compiled forward with --quantize fp8 (torchao), last"
+    )
     p.add_argument(
         "--compile-mode",
         default=None,
