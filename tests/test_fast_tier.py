@@ -259,3 +259,78 @@ def test_an_update_into_quantized_weights_is_refused_before_anything_is_copied(f
     assert r.status_code == 400, r.text
     assert "quantized" in r.json()["error"]["message"] and name in r.json()["error"]["message"]
     assert all(torch.equal(p.detach(), before[n]) for n, p in tr.named_parameters())
+
+
+def _hold_quantized(tr, count: int):
+    """``count`` 2-D weights of ``tr`` held as a stand-in subclass of torchao's Float8Tensor, as
+    ``quantize_`` leaves them (a Parameter over the subclass); returns their names."""
+
+    class Quantized(torch.Tensor):
+        pass
+
+    names = [n for n, p in tr.named_parameters() if p.dim() == 2][:count]
+    for name in names:
+        owner_path, attr = name.rsplit(".", 1)
+        owner = tr.get_submodule(owner_path)
+        held = getattr(owner, attr).detach().clone().as_subclass(Quantized)
+        setattr(owner, attr, torch.nn.Parameter(held, requires_grad=False))
+    return names, Quantized
+
+
+def _post_update(server, update):
+    from safetensors.torch import save
+
+    return server.client.post(
+        "/update_weights", content=save({n: t.as_subclass(torch.Tensor) for n, t in update.items()}),
+        headers={"Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+
+
+def test_an_update_into_quantized_weights_re_quantizes_them_when_the_loader_left_a_requantizer(fresh_server):
+    """Under --quantize fp8 the loader leaves fast_tier.requantize_fp8 on the denoiser: a full update
+    replaces each quantized weight with its new values quantized again, and writes the rest in place
+    (a stand-in subclass and re-quantizer here; torchao's own runs in tests/test_fast_tier_gpu.py)."""
+    from diffusion_rollout.server.weights.updater import REQUANTIZE_ATTR
+
+    server = fresh_server("sd3")
+    tr = server.engine.pipe.transformer
+    names, quantized = _hold_quantized(tr, 3)
+    calls: list[tuple[int, ...]] = []
+
+    def requantize(values, held):
+        assert type(held) is not torch.Tensor and values.dtype == held.dtype
+        calls.append(tuple(values.shape))
+        return values.detach().clone().as_subclass(quantized)
+
+    setattr(tr, REQUANTIZE_ATTR, requantize)
+    update = {n: p.detach().as_subclass(torch.Tensor) + 1 for n, p in tr.named_parameters()}
+    r = _post_update(server, update)
+    assert r.status_code == 200, r.text
+    assert len(calls) == len(names)
+    for n, p in tr.named_parameters():
+        assert torch.equal(p.detach().as_subclass(torch.Tensor), update[n]), n
+        assert (type(p.data) is quantized) == (n in names), n
+
+
+def test_a_failing_re_quantization_puts_every_weight_back(fresh_server):
+    from diffusion_rollout.server.weights.updater import REQUANTIZE_ATTR
+
+    server = fresh_server("sd3")
+    tr = server.engine.pipe.transformer
+    _, quantized = _hold_quantized(tr, 3)
+    objects = dict(tr.named_parameters())
+    before = {n: p.detach().as_subclass(torch.Tensor).clone() for n, p in tr.named_parameters()}
+    seen: list[int] = []
+
+    def requantize(values, held):
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("the device refused the quantized copy")
+        return values.detach().clone().as_subclass(quantized)
+
+    setattr(tr, REQUANTIZE_ATTR, requantize)
+    r = _post_update(server, {n: p.detach().as_subclass(torch.Tensor) + 1 for n, p in tr.named_parameters()})
+    assert r.status_code >= 400 and "restored" in r.json()["error"]["message"], r.text
+    for n, p in tr.named_parameters():
+        assert p is objects[n], n  # the replaced parameters are the original objects again
+        assert torch.equal(p.detach().as_subclass(torch.Tensor), before[n]), n

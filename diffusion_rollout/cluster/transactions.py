@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightApplyError, WeightUpdateError
-from diffusion_rollout.server.weights.updater import UpdatePlan, apply_copies, get_module, plan_update
+from diffusion_rollout.server.weights.updater import (
+    UpdatePlan,
+    apply_copies,
+    get_module,
+    plan_update,
+    restore_copy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +134,7 @@ class FullUpdateTransactions:
                 self._merge_suspended(stack, applied.plan)
                 try:
                     for copy, saved in zip(applied.plan.copies, applied.backups, strict=True):
-                        copy.target.data.copy_(saved)
+                        restore_copy(copy, saved)
                 except Exception as exc:  # pragma: no cover - the device itself is failing
                     logger.critical("rollback of update %s failed; weights are inconsistent: %s", txn, exc)
                     raise WeightApplyError(

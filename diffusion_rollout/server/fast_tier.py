@@ -176,15 +176,39 @@ def fp8_filter(rule: Fp8Rule) -> Callable[[torch.nn.Module, str], bool]:
     return keep
 
 
+def fp8_config() -> Any:
+    """torchao's config for the FP8 linears: dynamic rowwise activations, rowwise weights."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+
+def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """A weight update's new ``values`` for a linear quantized by :func:`quantize_fp8`, quantized
+    the same way (a fresh linear of the same shape through torchao's ``quantize_``) on ``held``'s
+    device. The updater sets it as the layer's new weight (``server/weights/updater.py``)."""
+    from torchao.quantization import quantize_
+
+    out_features, in_features = values.shape
+    holder = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=False, device="meta"))
+    holder[0].weight = torch.nn.Parameter(
+        values.to(device=held.device, dtype=values.dtype), requires_grad=False
+    )
+    quantize_(holder, fp8_config())
+    return holder[0].weight.data
+
+
 def quantize_fp8(model: torch.nn.Module, name: str = "transformer") -> dict[str, Any]:
-    """Quantize ``model``'s linears in place (torchao, rowwise); returns the report for /server_info."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    """Quantize ``model``'s linears in place (torchao, rowwise); returns the report for /server_info.
+    Full weight updates into the model then re-quantize those linears (:func:`requantize_fp8`)."""
+    from torchao.quantization import quantize_
+
+    from diffusion_rollout.server.weights.updater import REQUANTIZE_ATTR
 
     rule = fp8_rule_for(model)
     plan = fp8_plan(model, rule)
-    quantize_(
-        model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fp8_filter(rule)
-    )
+    quantize_(model, fp8_config(), filter_fn=fp8_filter(rule))
+    setattr(model, REQUANTIZE_ATTR, requantize_fp8)
     logger.info(
         "%s: FP8 (torchao, rowwise) on %d linears; %d kept bf16 by name (embedders, norms, final "
         "projection), %d by size (< %d weight elements; %s)",

@@ -18,6 +18,12 @@ Design decisions:
   raises ``WeightApplyError``. A failure while backing up changes nothing.
 - The copy is ``target.data.copy_(source)`` under ``torch.no_grad``: parameter objects keep their
   identity (optimizers, PEFT wrappers and pinned-memory bookkeeping hold references to them).
+- Weights held quantized (a tensor subclass: torchao's float8 under ``--quantize fp8``) take no
+  in-place copy of plain values. A module whose loader quantized it carries a re-quantizer
+  (:data:`REQUANTIZE_ATTR`, set by ``server/fast_tier.py``): such a weight is replaced by a new
+  parameter quantized from the update's values, the old parameter object kept as the backup (put
+  back on a failure or a cluster rollback, :func:`restore_copy`). Without one, the update is refused
+  before anything changes.
 - Nothing here knows about threads: the manager runs planning and applying on the engine's worker
   thread, between generation batches.
 """
@@ -38,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 # How many names of one kind an error message lists before it only counts the rest.
 SHOWN_NAMES = 5
+# A module whose weights a loader quantized carries ``(values, held) -> new held tensor`` under this
+# attribute: full updates re-quantize those weights instead of refusing them.
+REQUANTIZE_ATTR = "_rollout_requantize"
+Requantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 BeforeCopy = Callable[[str, str], None]
 
@@ -227,6 +237,16 @@ class PlannedCopy:
     name: str
     target: torch.Tensor
     source: torch.Tensor
+    # For a weight held quantized: ``(values, held) -> new held tensor``, and where the parameter
+    # lives (the replacement is set there instead of copying into ``target``).
+    requantize: Requantize | None = None
+    owner: nn.Module | None = None
+
+    def install(self, value: torch.Tensor) -> None:
+        """Set ``value`` as this weight: a new parameter on its owner (``requantize`` copies)."""
+        assert self.owner is not None
+        attr = self.name.rsplit(".", 1)[-1]
+        setattr(self.owner, attr, nn.Parameter(value, requires_grad=False))
 
 
 @dataclass
@@ -246,14 +266,16 @@ class UpdatePlan:
         return ", ".join(f"{m}: {n} tensors" for m, n in per.items())
 
 
+def held_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is held as a tensor subclass (e.g. torchao's float8), not plain values."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) or type(t.data) is not torch.Tensor
+
+
 def _refuse_quantized(module_name: str, targets: Mapping[str, torch.Tensor]) -> None:
     """Weights held as a tensor subclass (torchao's float8 under ``--quantize fp8``) cannot take an
-    in-place copy of plain values: refuse before anything is copied, naming them (a 400, not the
-    500 of a copy failing half-way)."""
-    plain = (torch.Tensor, torch.nn.Parameter)
-    quantized = sorted(
-        n for n, t in targets.items() if type(t) not in plain or type(t.data) is not torch.Tensor
-    )
+    in-place copy of plain values, and this module has no re-quantizer: refuse before anything is
+    copied, naming them (a 400, not the 500 of a copy failing half-way)."""
+    quantized = sorted(n for n, t in targets.items() if held_quantized(t))
     if quantized:
         kind = type(targets[quantized[0]]).__name__
         raise WeightUpdateError(
@@ -274,15 +296,25 @@ def plan_update(
         live = live_tensors(module)
         spec = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in live.items()}
         converted = check_and_convert(module_name, named, spec, problems, check_finite=check_finite)
-        _refuse_quantized(module_name, {n: live[n] for n in converted})
-        copies.extend(PlannedCopy(module_name, n, live[n], t) for n, t in converted.items())
+        requantize = getattr(module, REQUANTIZE_ATTR, None)
+        if requantize is None:
+            _refuse_quantized(module_name, {n: live[n] for n in converted})
+        for n, t in converted.items():
+            if requantize is not None and held_quantized(live[n]):
+                owner = module.get_submodule(n.rsplit(".", 1)[0]) if "." in n else module
+                copies.append(PlannedCopy(module_name, n, live[n], t, requantize, owner))
+            else:
+                copies.append(PlannedCopy(module_name, n, live[n], t))
     problems.raise_if_any()
     if not copies:
         raise WeightUpdateError("the update holds no tensors")
     return UpdatePlan(copies)
 
 
-def _backup(t: torch.Tensor) -> torch.Tensor:
+def _backup(c: PlannedCopy) -> torch.Tensor:
+    if c.requantize is not None:
+        return c.target  # replaced, not written: the old parameter object is the backup
+    t = c.target
     try:
         return t.detach().clone()
     except torch.cuda.OutOfMemoryError:
@@ -297,7 +329,7 @@ def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = 
     a successful update (a cluster replica, until every replica has applied) keeps them."""
     with torch.no_grad():
         try:
-            backups = [_backup(c.target) for c in copies]
+            backups = [_backup(c) for c in copies]
         except Exception as exc:
             raise WeightApplyError(
                 f"could not back up the {len(copies)} tensors to update (nothing changed): "
@@ -308,14 +340,17 @@ def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = 
             for c in copies:
                 if before_copy is not None:
                     before_copy(c.module, c.name)
-                c.target.data.copy_(c.source)
+                if c.requantize is None:
+                    c.target.data.copy_(c.source)
+                else:
+                    c.install(c.requantize(c.source, c.target))
                 done += 1
         except Exception as exc:
             failed = copies[done]
             try:
                 # The failing tensor may be half written: restore it too.
                 for c, saved in zip(copies[: done + 1], backups, strict=False):
-                    c.target.data.copy_(saved)
+                    restore_copy(c, saved)
             except Exception as restore_exc:  # pragma: no cover - the device itself is failing
                 logger.critical("weight rollback failed; weights are inconsistent: %s", restore_exc)
                 raise WeightApplyError(
@@ -327,6 +362,16 @@ def apply_copies(copies: list[PlannedCopy], *, before_copy: BeforeCopy | None = 
                 f"{type(exc).__name__}: {exc}; the previous weights were restored"
             ) from exc
     return backups
+
+
+def restore_copy(c: PlannedCopy, saved: torch.Tensor) -> None:
+    """Put back what :func:`apply_copies` saved for ``c`` (its bytes, or its replaced parameter)."""
+    with torch.no_grad():
+        if c.requantize is None:
+            c.target.data.copy_(saved)
+        else:
+            attr = c.name.rsplit(".", 1)[-1]
+            setattr(c.owner, attr, saved)
 
 
 def encoder_modules_touched(modules: Iterable[str]) -> bool:
