@@ -36,6 +36,14 @@ to back, with a bit-exactness gate),
 ``--grpo-compiled``) is the lean uint8 Flow-GRPO request, alone and ``--iteration-groups`` in flight,
 with regional compile, vs the stock eager pipeline timed first (a few minutes, most of it compiling).
 ``flux_compiled`` is the batch-1 FLUX rollout compiled, vs stock eager (the issue's <= 120 ms/step).
+``grpo_fast`` is the fast tier's Flow-GRPO throughput (issue #26): the lean uint8 request with
+``--quantize fp8`` and regional compile, alone and ``--iteration-groups`` in flight, vs stock eager
+timed first. ``--fp8`` adds the FP8 rows to the drift table (alone, then with compile; last, on a
+quantized copy of the denoiser, so the stock pipeline and the eager replay stay bf16); the replay
+columns are what a bf16 eager trainer recomputes: max and mean |log-prob difference| and the spread
+of the first step's ratio::
+
+    python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 --budget 560 --out $OUT
 ``--no-flux`` drops the FLUX phases::
 
     python -m benchmarks.speed_options --device cuda --phases grpo_iteration,grpo_compiled,flux_compiled \
@@ -117,6 +125,8 @@ DRIFT_COLUMNS = [
     ("log_prob_max_abs_diff", "log-prob max|diff|", ".3g"),
     ("ode_gate_exact", "ODE = eager", ""),
     ("replay_ratio_max_dev", "max|ratio-1| eager replay", ".3g"),
+    ("replay_log_prob_mean_abs_diff", "mean|dlogp| eager replay", ".3g"),
+    ("first_step_ratio_std", "1st-step ratio std", ".3g"),
     ("note", "note", ""),
 ]
 
@@ -503,23 +513,34 @@ def _decode_outputs(results: list[dict[str, Any]], body: dict[str, Any]):
 
 
 def eager_replay(model: BenchModel, results: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, float]:
-    """Replay a server rollout with the eager transformer (in process, not graphed): ratio stats."""
+    """Replay a server rollout with the eager bf16 transformer (in process, not graphed, not
+    quantized: what a trainer recomputes): the ratio's and the log-probs' largest and mean deviation,
+    and the spread of the first step's ratio."""
     from diffusion_rollout.client import ReplayBatch, replay_steps
 
     outs = _decode_outputs(results, body)
     batch = ReplayBatch(outs, device=model.device)
     dev = 0.0
     lp = 0.0
+    diffs: list[torch.Tensor] = []
+    first_ratios: torch.Tensor | None = None
     modules = {"transformer": model.pipe.transformer}
     if getattr(model.pipe, "transformer_2", None) is not None:
         modules["transformer_2"] = model.pipe.transformer_2
     with torch.inference_mode():
         for s in replay_steps(modules if len(modules) > 1 else modules["transformer"], batch):
             dev = max(dev, float((s.ratio.double() - 1).abs().max()))
-            lp = max(
-                lp, float((s.log_prob.double() - s.old_log_prob.to(s.log_prob.device).double()).abs().max())
-            )
-    return {"replay_ratio_max_dev": dev, "replay_log_prob_max_abs_diff": lp}
+            diff = (s.log_prob.double() - s.old_log_prob.to(s.log_prob.device).double()).abs()
+            lp = max(lp, float(diff.max()))
+            diffs.append(diff.flatten().cpu())
+            if first_ratios is None:
+                first_ratios = s.ratio.double().flatten().cpu()
+    out = {"replay_ratio_max_dev": dev, "replay_log_prob_max_abs_diff": lp}
+    if diffs:
+        out["replay_log_prob_mean_abs_diff"] = float(torch.cat(diffs).mean())
+    if first_ratios is not None and first_ratios.numel() > 1:
+        out["first_step_ratio_std"] = float(first_ratios.std())
+    return out
 
 
 def _ode_gate(model: BenchModel, label: str, graphs: bool | None, n: int) -> dict[str, Any]:
@@ -583,7 +604,7 @@ def batch1(
 # ---------------------------------------------------------------------------------------------
 # 4. Drift per speed option
 # ---------------------------------------------------------------------------------------------
-def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
+def _option_contexts(model: BenchModel, backends, caches, with_compile: bool, fp8: bool = False):
     """(name, context manager factory, extra body fields, note) per option; compile is last."""
 
     backend = functools.partial(_attention_backend, model)
@@ -607,6 +628,10 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool):
     options.append((LANES_OPTION, contextlib.nullcontext, {}))
     if with_compile:
         options.append(("regional compile", lambda: _compiled(model), {}))
+    if fp8:
+        options.append(("quantize fp8", lambda: _fp8(model), {}))
+        if with_compile:
+            options.append(("quantize fp8 + regional compile", lambda: _fp8_compiled(model), {}))
     return options
 
 
@@ -614,7 +639,15 @@ LANES_OPTION = "pipeline_lanes 2"
 
 
 def drift(
-    model: BenchModel, *, reps: int, backends, caches, with_compile: bool, deadline: Deadline, n: int = 2
+    model: BenchModel,
+    *,
+    reps: int,
+    backends,
+    caches,
+    with_compile: bool,
+    deadline: Deadline,
+    n: int = 2,
+    fp8: bool = False,
 ) -> list[dict[str, Any]]:
     srv = model.server()
     body = _body(model, num_outputs_per_prompt=n, seed=5, **SDE_ROLLOUT_ENV, lean_response=True)
@@ -627,8 +660,8 @@ def drift(
     rows: list[dict[str, Any]] = []
     ref = ref_ode = None
     eager_ms = None
-    for name, ctx, extra in _option_contexts(model, backends, caches, with_compile):
-        estimate = 120.0 if name == "regional compile" else 15.0
+    for name, ctx, extra in _option_contexts(model, backends, caches, with_compile, fp8):
+        estimate = 120.0 if "compile" in name else 15.0
         if not deadline.allows(estimate):
             rows.append({"model": model.name, "option": name, "note": "skipped: time budget"})
             continue
@@ -708,6 +741,43 @@ def _compiled(model: BenchModel) -> Iterator[None]:
         speed.compile = False
 
 
+@contextlib.contextmanager
+def _fp8(model: BenchModel) -> Iterator[None]:
+    """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``) on a copy of the denoiser swapped
+    into the served pipeline for the server's next calls; the original bf16 module is put back after.
+    The stock pipeline keeps the original throughout (it was timed, and replays run, on bf16)."""
+    import copy
+    import gc
+
+    from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
+
+    reason = unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
+    if reason:
+        raise RuntimeError(reason)
+    speed = model.server().engine.loaded.speed
+    original = model.pipe.transformer
+    quantized = copy.deepcopy(original)
+    quantize_fp8(quantized)
+    model.pipe.transformer = quantized
+    speed.quantize = "fp8"  # so the response's exact flag tells the truth
+    try:
+        yield
+    finally:
+        model.pipe.transformer = original
+        speed.quantize = None
+        del quantized
+        gc.collect()
+        if model.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _fp8_compiled(model: BenchModel) -> Iterator[None]:
+    """FP8 then regional compile of the quantized copy (the loader's order)."""
+    with _fp8(model), _compiled(model):
+        yield
+
+
 def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
     """The lean uint8 Flow-GRPO request with the blocks compiled, one request and ``groups`` in flight,
     vs the eager stock pipeline (timed first, before anything is compiled)."""
@@ -732,6 +802,32 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
     return [
         *_rows(model, "grpo_compiled", times, sizes, group, steps, {"stock": note}),
         *_rows(model, "grpo_iteration_compiled", it_times, it_sizes, group * groups, steps, {"stock": note}),
+    ]
+
+
+def grpo_fast(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+    """The fast tier's Flow-GRPO throughput (issue #26: at least 2x stock eager): the lean uint8
+    request with ``--quantize fp8`` and regional compile, one request and ``groups`` in flight, vs the
+    stock eager pipeline timed first in the same process."""
+    body = _body(model, num_outputs_per_prompt=group)
+    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
+    stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
+    times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
+    it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
+    with _fp8_compiled(model), _graphs(model, False):
+        t2, sizes = _time_interleaved(
+            {"server_lean_uint8_fp8_compiled": _remote_fn(model, full)}, reps, model.device
+        )
+        it2, it_sizes = _time_interleaved(
+            {f"server_lean_uint8_fp8_compiled_{groups}_in_flight": served(False)}, reps, model.device
+        )
+    times.update(t2)
+    it_times.update(it2)
+    steps = body["num_inference_steps"]
+    note = "stock eager timed first, in the same process"
+    return [
+        *_rows(model, "grpo_fast", times, sizes, group, steps, {"stock": note}),
+        *_rows(model, "grpo_iteration_fast", it_times, it_sizes, group * groups, steps, {"stock": note}),
     ]
 
 
@@ -763,7 +859,9 @@ def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True)
 
 
 # ---------------------------------------------------------------------------------------------
-SD_PHASES = {"grpo", "grpo_iteration", "grpo_profile", "grpo_lanes", "batch1", "drift", "grpo_compiled"}
+SD_PHASES = {
+    "grpo", "grpo_iteration", "grpo_profile", "grpo_lanes", "batch1", "drift", "grpo_compiled", "grpo_fast",
+}  # fmt: skip
 FLUX_PHASES = {"flux", "flux_compiled"}
 DEFAULT_PHASES = ("grpo", "grpo_iteration", "batch1", "drift", "flux")
 
@@ -870,7 +968,7 @@ def run(args) -> dict[str, Any]:
             drift_rows.extend(
                 drift(
                     model, reps=2, backends=backends, caches=sd_caches, with_compile=compile_here,
-                    deadline=deadline,
+                    deadline=deadline, fp8=args.fp8,
                 )
             )  # fmt: skip
         # Last on this model: compiling takes minutes and the other phases must not wait for it.
@@ -878,6 +976,13 @@ def run(args) -> dict[str, Any]:
             speed_rows.extend(
                 grpo_compiled(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
             )
+        if "grpo_fast" in phases and phase("grpo fast tier", 180):
+            try:
+                speed_rows.extend(
+                    grpo_fast(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
+                )
+            except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
+                notes.append(f"grpo_fast: {exc}")
 
     def flux_phases() -> None:
         model.server(**server_cfg)
@@ -943,6 +1048,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--grpo-compiled", action="store_true", help="add grpo_compiled to --phases")
     p.add_argument("--no-flux", dest="flux", action="store_false", default=True, help="drop flux phases")
+    p.add_argument(
+        "--fp8", action="store_true",
+        help="drift: also the server's --quantize fp8, alone and with regional compile (last)",
+    )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU: 470)")
     args = p.parse_args(argv)
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]

@@ -161,8 +161,10 @@ def test_speed_options_tiny(tmp_path):
     drift = {r["option"]: r for r in doc["drift"]}
     eager = drift["eager"]
     assert eager["exact"] and eager["ode_gate_exact"] and eager["replay_ratio_max_dev"] == 0.0
+    assert eager["replay_log_prob_mean_abs_diff"] == 0.0 and eager["first_step_ratio_std"] == 0.0
     cache = drift["feature_cache taylorseer"]
     assert cache["exact"] is False and cache["latent_max_abs_diff"] > 0 and not cache["ode_gate_exact"]
+    assert 0 < cache["replay_log_prob_mean_abs_diff"] <= cache["replay_log_prob_max_abs_diff"]
     assert drift["attention _native_math"]["exact"] is False
     lanes = drift["pipeline_lanes 2"]  # an exact option: no drift at all
     assert lanes["exact"] and lanes["ode_gate_exact"] and lanes["latent_max_abs_diff"] == 0.0
@@ -177,6 +179,16 @@ def test_speed_options_tiny(tmp_path):
             assert row["outside_pipeline_s"] == pytest.approx(row["median_s"] - row["server_pipeline_s"])
         else:
             assert row["server_pipeline_s"] is None
+
+
+def test_speed_options_fast_tier_phases_say_why_they_cannot_run_on_a_cpu(tmp_path):
+    argv = ["--tiny", "--device", "cpu", "--phases", "drift,grpo_fast", "--fp8", "--out", str(tmp_path)]
+    assert speed_options.main(argv) == 0
+    doc = _doc(tmp_path, "speed_options")
+    fp8 = {r["option"]: r for r in doc["drift"]}["quantize fp8"]
+    assert "needs a CUDA GPU" in fp8["note"] and "ms_per_rollout" not in fp8
+    assert any(n.startswith("grpo_fast: quantize=fp8 needs a CUDA GPU") for n in doc["notes"])
+    assert not [r for r in doc["speed"] if r["phase"].endswith("fast")]
 
 
 def test_speed_options_profile_phase_tiny(tmp_path):
@@ -206,10 +218,13 @@ def test_wire_codec_tiny(tmp_path):
 def test_flux_breakdown_tiny(tmp_path):
     from benchmarks import flux_breakdown
 
-    assert flux_breakdown.main(["--tiny", "--device", "cpu", "--reps", "2", "--out", str(tmp_path)]) == 0
+    argv = ["--tiny", "--device", "cpu", "--reps", "2", "--fp8", "--out", str(tmp_path)]
+    assert flux_breakdown.main(argv) == 0
     doc = _doc(tmp_path, "flux_breakdown")
-    assert [r["variant"] for r in doc["forward"]] == ["eager, sdpa math", "compiled, default sdpa"]
-    assert all(r["ms"] > 0 for r in doc["forward"])
+    variants = [r["variant"] for r in doc["forward"]]
+    assert variants == ["eager, sdpa math", "compiled, default sdpa", "compiled + fp8"]
+    assert all(r["ms"] > 0 for r in doc["forward"][:2])
+    assert doc["forward"][2]["ms"] is None and "needs a CUDA GPU" in doc["forward"][2]["note"]
     # The CPU's math attention is counted as its matmuls; CUDA's fused kernels as attention.
     assert doc["settings"]["tflop_per_forward"] > 0 and doc["settings"]["attention_tflop_per_forward"] >= 0
     kinds = {r["kind"]: r for r in doc["compiled_kernels"]}
@@ -259,4 +274,12 @@ def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
     doc = json.loads((tmp_path / "replica_push.json").read_text())
     assert [r["path"] for r in doc["results"]] == ["replica_ports", "object_store"]
     assert all(r["verified"] and r["gb"] > 0 for r in doc["results"])
+    # Where each push's time went: the trainer's side, and every replica port's (only the first
+    # path sends to the replicas' ports).
+    ports, store = doc["results"]
+    for row in (ports, store):
+        assert set(row["trainer_seconds"]) == {"parts_s", "commit_s", "hash_wait_s", "check_s"}
+        assert len(row["replica_port_seconds"]) == 2
+    assert all(r["recv_s"] >= 0 and r["apply_s"] > 0 for r in ports["replica_port_seconds"])  # tiny bodies
+    assert all(r["recv_s"] == 0 and r["apply_s"] == 0 for r in store["replica_port_seconds"])
     assert doc["environment"]["commit"] and doc["summary"]["replica_ports_gb_per_s"] > 0
