@@ -281,13 +281,46 @@ def async_timeline(out: Path, sync: dict, async_: dict) -> Path:
     return path
 
 
+def fast_tier_curves(
+    out: Path, fast: str = "sd35-fast-fp8.json", exact: str = "sd35-flow-grpo.json"
+) -> list[Path]:
+    """The fast tier's reward next to the exact tier's (issue #26), per iteration and per wall-clock
+    second of training; nothing until the fast run's JSON is committed."""
+    train = RESULTS / "h100" / "training"
+    if not (train / fast).exists():
+        return []
+    runs = {"exact tier (bf16 eager server)": json.loads((train / exact).read_text()),
+            "fast tier (FP8 + compile server, TIS)": json.loads((train / fast).read_text())}  # fmt: skip
+    plt = _plt()
+    fig, (by_it, by_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for label, run in runs.items():
+        hist = run["history"]
+        rewards = [h["reward_mean"] for h in hist]
+        clock, t = [], 0.0
+        for h in hist:
+            t += h["iteration_s"]
+            clock.append(t)
+        by_it.plot(range(len(rewards)), rewards, label=label)
+        by_s.plot(clock, rewards, label=label)
+    by_it.set_xlabel("iteration")
+    by_s.set_xlabel("seconds of training (sum of iteration times)")
+    by_it.set_ylabel("mean reward")
+    for ax in (by_it, by_s):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SD3.5-medium Flow-GRPO, JPEG compressibility, one H100: fast tier vs exact tier")
+    path = out / "reward_fast_tier.png"
+    _save(fig, path)
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=RESULTS / "plots")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = [speed_vs_stock(args.out), scaling(args.out), weight_sync(args.out), drift(args.out)]
-    paths += reward_curves(args.out)
+    paths += reward_curves(args.out) + fast_tier_curves(args.out)
     for path in paths:
         print(path)
 

@@ -84,6 +84,20 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     # Asynchronous rollouts (#24) next to the synchronous loop, both colocated on one GPU, same seeds.
     "sd35-async1": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "18", "--async-depth", "1"]),
     "sd35-sync": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "18"]),
+    # The fast tier (#26): rollouts from an FP8 + compiled server, trained in bf16 eager against the
+    # trainer's own recomputed log-probs with a TIS cap; beside sd35-flow-grpo (the exact tier).
+    "sd35-fast-fp8": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [
+            *_SD35,
+            *_CFG,
+            "--iterations",
+            "40",
+            "--recompute-old-log-probs",
+            "--server-args=--quantize fp8 --compile",
+        ],
+    ),
     # Wan sampled without CFG (half the transformer passes in rollout and replay): ~2x the
     # iterations of the CFG runs in one stretch, with the 2-step window that learned faster.
     "wan-flow-grpo-nocfg": (
@@ -110,6 +124,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     ),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-async1": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "3", "--async-depth", "1"]),
+    "tiny-recompute": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--recompute-old-log-probs"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
     "tiny-diffusion-nft": ("tiny-sd3", "diffusion_nft", [*_TINY, "--iterations", "2"]),
 }

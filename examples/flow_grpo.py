@@ -122,6 +122,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--tis-cap", type=float, default=2.0, help="truncated importance weight cap (stale batches)"
     )
+    g.add_argument(
+        "--recompute-old-log-probs",
+        action="store_true",
+        help="treat every batch as off-policy: the clipped ratio is taken against the trainer's own "
+        "recomputed log-probs and weighted by the truncated importance weight to the server's; for "
+        "rollouts from an inexact server (the fast tier: --server-args='--quantize fp8 --compile')",
+    )
     return p.parse_args(argv)
 
 
@@ -143,6 +150,8 @@ def train_iteration(
     the clipped ratio against the trainer's own policy, weighted by the truncated importance weight
     to the server's (behaviour) log-probs."""
     batches = [ReplayBatch(group) for group in groups]
+    # Other trainers built on this function (ray_colocated.py) have no such flag.
+    tis = bool(staleness or getattr(args, "recompute_old_log_probs", False))
     n_terms = sum(len(b.trainable_steps()) for b in batches)
     first_dev, ratios, clip_fracs, losses, kls, first = 0.0, [], [], [], [], []
     proximal: dict[tuple[int, int], torch.Tensor] = {}
@@ -151,7 +160,7 @@ def train_iteration(
         for batch, adv in zip(batches, advantages, strict=True):
             for t in batch.trainable_steps():
                 step = replay_step(transformer, batch, t)
-                if staleness:
+                if tis:
                     if epoch == 0:  # the trainer's policy before this update, per (batch, step)
                         proximal[(id(batch), t)] = step.log_prob.detach()
                     loss, stats = tis_policy_loss(
@@ -191,6 +200,8 @@ def train_iteration(
         "ratio_max": float(r.max()),
         "clip_frac": sum(clip_fracs) / len(clip_fracs),
         "loss": sum(losses) / len(losses),
+        # Whether the loss was TIS-weighted against the trainer's own recomputed log-probs.
+        "tis_weighted": tis,
         **({"kl": sum(kls) / len(kls)} if kls else {}),
         **({"staleness": staleness, "ratio_by_staleness": by_staleness} if by_staleness is not None else {}),
     }

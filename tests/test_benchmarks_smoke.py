@@ -283,3 +283,14 @@ def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
     assert all(r["recv_s"] >= 0 and r["apply_s"] > 0 for r in ports["replica_port_seconds"])  # tiny bodies
     assert all(r["recv_s"] == 0 and r["apply_s"] == 0 for r in store["replica_port_seconds"])
     assert doc["environment"]["commit"] and doc["summary"]["replica_ports_gb_per_s"] > 0
+
+
+def test_fast_tier_figure_waits_for_its_run_and_draws_both_axes(tmp_path):
+    """The fast-vs-exact reward figure (issue #26): nothing until the fast run is committed; with a
+    run (a committed exact-tier run standing in), one PNG, reward by iteration and by seconds."""
+    from benchmarks import plots
+
+    assert plots.fast_tier_curves(tmp_path, fast="no-such-run.json") == []
+    [png] = plots.fast_tier_curves(tmp_path, fast="sd35-sync.json")
+    data = png.read_bytes()
+    assert png.name == "reward_fast_tier.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -88,6 +88,21 @@ def test_flow_grpo_async_depth_trains_on_batches_at_most_one_push_stale(examples
     assert run["final_adapter_checksum"] == run["server_adapter_checksum"]
 
 
+def test_flow_grpo_recompute_old_log_probs_matches_the_plain_loss_on_the_exact_tier(examples):
+    """--recompute-old-log-probs (for the fast tier) trains against the trainer's own log-probs with
+    a TIS weight to the server's; on the exact tier both are the same bits, so the weight is 1 and
+    the run follows the plain clipped loss: same first rewards, same losses, ratio exactly 1."""
+    flow_grpo = examples("flow_grpo")
+    plain = flow_grpo.main([*SMALL, "--iterations", "2"])
+    tis = flow_grpo.main([*SMALL, "--iterations", "2", "--recompute-old-log-probs"])
+    assert tis["history"][0]["rewards"] == plain["history"][0]["rewards"]
+    for a, b in zip(tis["history"], plain["history"], strict=True):
+        assert a["tis_weighted"] and not b["tis_weighted"]
+        assert a["first_ratio_max_dev"] == 0.0 and a["checksum_ok"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert tis["final_adapter_checksum"] == tis["server_adapter_checksum"]
+
+
 def test_flow_grpo_reward_plugin_gets_the_served_images_and_prompts(examples, tmp_path):
     flow_grpo, recipe_prompts = examples("flow_grpo"), examples("_common").PROMPTS
     calls = tmp_path / "calls.json"
