@@ -294,3 +294,29 @@ def test_fast_tier_figure_waits_for_its_run_and_draws_both_axes(tmp_path):
     [png] = plots.fast_tier_curves(tmp_path, fast="sd35-sync.json")
     data = png.read_bytes()
     assert png.name == "reward_fast_tier.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
+    """The one-GPU video-vs-stock command (issue #27) on tiny video models: every variant of both
+    phases against stock, HunyuanVideo 1.5 with one video per request (its stock decode)."""
+    from benchmarks import video_grpo
+
+    argv = [
+        "--device",
+        "cpu",
+        "--models",
+        "tiny-wan,tiny-hunyuanvideo15",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    assert video_grpo.main(argv) == 0
+    doc = _doc(tmp_path, "video_grpo")
+    for model, group in (("tiny-wan", 2), ("tiny-hunyuanvideo15", 1)):
+        rows = [r for r in doc["results"] if r["model"] == model]
+        grpo = {r["variant"]: r for r in rows if r["phase"] == "grpo"}
+        assert set(grpo) == {"stock", "server_plain_float32", "server_lean_float32", "server_lean_uint8"}
+        assert all(r["outputs"] == group and r["ratio"] > 0 for r in grpo.values())
+        iteration = [r for r in rows if r["phase"] == "grpo_iteration"]
+        assert {r["outputs"] for r in iteration} == {4} and any("2_lanes" in r["variant"] for r in iteration)

@@ -1,0 +1,84 @@
+"""The video GRPO request against the stock pipeline, per video family, on one GPU (issue #27).
+
+For each model (built one at a time, ``per_model.each_model``), the same two phases as the image
+families' (``speed_options``), side by side in one process, interleaved repeats, median:
+
+- ``grpo``: one request of ``--group`` videos (HunyuanVideo 1.5: one, with proportionally more
+  requests in flight; its stock pipeline decodes one video per call) as a replaying trainer sends it (SDE window,
+  log-probs, ``dit_trajectory`` and ``denoising_env``) decoded by a client in another process: the
+  plain per-output float32 form, the lean form, and lean with uint8 videos, against the stock
+  pipeline at batch ``--group`` (precomputed embeddings, videos left on the device);
+- ``grpo_iteration``: ``--iteration-groups`` such requests in flight (lean, uint8), on one lane and
+  on two (``--pipeline-lanes 2``), against the stock pipeline running the same batches back to back.
+
+Ratios are throughput against stock (videos per second; higher is faster). Writes
+``video_grpo.json`` under ``--out`` after every model.
+
+    python -m benchmarks.video_grpo --device cuda --out $OUT                   # the default set below
+    python -m benchmarks.video_grpo --device cuda --models wan2.1-1.3b --out $OUT
+    python -m benchmarks.video_grpo --device cpu --tiny --out /tmp/vg          # the CPU dry run
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from benchmarks import per_model, speed_options
+from benchmarks.common import document, print_table, quiet_libraries, write_json
+
+TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
+# Sizes a device call fits: Wan 2.1 1.3B as trained in the recipes (480x832, 33 frames), then the
+# larger families at their builders' defaults.
+DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
+
+
+def run(args) -> int:
+    device, names, dtype = per_model.choice(args, TINY, DEFAULT)
+    rows: list[dict[str, Any]] = []
+    failures: list[dict[str, str]] = []
+
+    def measure(model) -> None:
+        if args.steps:
+            model.defaults["num_inference_steps"] = args.steps
+        # HunyuanVideo 1.5's stock pipeline decodes one video per call (its VAE's attention mask):
+        # its requests hold one video each, and the iteration keeps more of them in flight.
+        group = 1 if model.decodes_one_video_per_call else args.group
+        groups = args.iteration_groups * args.group // group
+        model.server(max_batch_size=max(16, group))
+        rows.extend(speed_options.grpo(model, group=group, reps=args.reps))
+        rows.extend(speed_options.grpo_iteration(model, group=group, groups=groups, reps=args.reps))
+
+    def save() -> dict[str, Any]:
+        doc = document(
+            "video_grpo",
+            device,
+            {"models": names, "group": args.group, "iteration_groups": args.iteration_groups,
+             "reps": args.reps, "steps": args.steps},
+            rows,
+            ok=not failures,
+            notes=per_model.failure_notes(failures),
+        )  # fmt: skip
+        doc["table"] = print_table(
+            "Video GRPO request vs the stock pipeline", rows, speed_options.THROUGHPUT_COLUMNS
+        )
+        write_json(args.out, "video_grpo", doc)
+        return doc
+
+    per_model.each_model(
+        "video_grpo", names, device=device, dtype=dtype, measure=measure, save=save, failures=failures
+    )
+    return 2 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
+    p = per_model.parser(__doc__.splitlines()[0], TINY, "denoising steps (default: each builder's)")
+    p.add_argument("--group", type=int, default=2, help="videos per request")
+    p.add_argument("--iteration-groups", type=int, default=2, help="requests in flight")
+    p.add_argument("--reps", type=int, default=3)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
