@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 
+import httpx
 import pytest
 import torch
 
@@ -102,3 +103,16 @@ def test_small_bodies_and_everything_else_keep_the_httpx_transport(fresh_server)
         client.model_info()
         client.get_weights_checksum(["transformer"])
         assert transport_of(client).passthrough_requests == 0
+
+
+def test_only_large_plain_http_uploads_take_the_passthrough(small_threshold):
+    octet = {"Content-Type": "application/octet-stream"}
+    big, small = bytes(4096), bytes(512)
+
+    def takes(url: str, body: bytes, headers: dict[str, str]) -> bool:
+        return BodyPassthroughTransport._takes(httpx.Request("POST", url, content=body, headers=headers))
+
+    assert takes("http://h:1/update_weights", big, octet)
+    assert not takes("http://h:1/update_weights", small, octet)  # one slice: nothing to gain
+    assert not takes("https://h:1/update_weights", big, octet)  # TLS stays with httpx
+    assert not takes("http://h:1/generate", big, {"Content-Type": "application/json"})  # streamed answers

@@ -11,9 +11,11 @@ parts in flight really run in parallel. Measured on an H100 host (SD3.5-medium, 
 
 Design decisions:
 
-- **Only where it pays.** A plain-``http`` request with a ``Content-Length`` above the client's
-  slicing threshold (``calls._UPLOAD_CHUNK``: the bodies it already sends as an iterator of views)
-  goes through ``http.client``; everything else, TLS included, goes to the wrapped httpx transport
+- **Only where it pays.** A plain-``http`` upload (``Content-Type: application/octet-stream``, what
+  weight parts and adapters are sent as) with a ``Content-Length`` above the client's slicing
+  threshold (``calls._UPLOAD_CHUNK``: the bodies it already sends as an iterator of views) goes
+  through ``http.client``; everything else, TLS and rollout requests included (their answers are
+  read into the client's own buffers as they stream), goes to the wrapped httpx transport
   unchanged.
 - **httpx semantics kept.** The answer comes back as an ``httpx.Response`` (status, headers, body
   read in full), and failures as httpx's own exceptions (``ConnectError``, ``ConnectTimeout``,
@@ -68,6 +70,8 @@ class BodyPassthroughTransport(httpx.BaseTransport):
     @staticmethod
     def _takes(request: httpx.Request) -> bool:
         if request.url.scheme != "http":
+            return False
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/octet-stream":
             return False
         length = request.headers.get("content-length")
         return length is not None and length.isdigit() and int(length) > calls._UPLOAD_CHUNK
