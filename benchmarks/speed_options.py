@@ -778,57 +778,50 @@ def _fp8_compiled(model: BenchModel) -> Iterator[None]:
         yield
 
 
-def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
-    """The lean uint8 Flow-GRPO request with the blocks compiled, one request and ``groups`` in flight,
-    vs the eager stock pipeline (timed first, before anything is compiled)."""
+def _grpo_against_stock(
+    model: BenchModel, option, *, tag: str, phase: str, note: str, group: int, groups: int, reps: int
+) -> list[dict[str, Any]]:
+    """The lean uint8 Flow-GRPO request under ``option`` (a context manager factory), one request
+    and ``groups`` in flight, vs the stock eager pipeline timed first (before the option applies)."""
     body = _body(model, num_outputs_per_prompt=group)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
     stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
-    served_iteration = served(False)
-
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
-    with _compiled(model), _graphs(model, False):
+    with option(), _graphs(model, False):
         t2, sizes = _time_interleaved(
-            {"server_lean_uint8_compiled": _remote_fn(model, full)}, reps, model.device
+            {f"server_lean_uint8_{tag}": _remote_fn(model, full)}, reps, model.device
         )
         it2, it_sizes = _time_interleaved(
-            {f"server_lean_uint8_compiled_{groups}_in_flight": served_iteration}, reps, model.device
+            {f"server_lean_uint8_{tag}_{groups}_in_flight": served(False)}, reps, model.device
         )
     times.update(t2)
     it_times.update(it2)
     steps = body["num_inference_steps"]
-    note = "stock eager timed before compiling, in the same process"
     return [
-        *_rows(model, "grpo_compiled", times, sizes, group, steps, {"stock": note}),
-        *_rows(model, "grpo_iteration_compiled", it_times, it_sizes, group * groups, steps, {"stock": note}),
-    ]
+        *_rows(model, phase, times, sizes, group, steps, {"stock": note}),
+        *_rows(model, f"grpo_iteration_{phase.removeprefix('grpo_')}", it_times, it_sizes, group * groups, steps,
+               {"stock": note}),
+    ]  # fmt: skip
+
+
+def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+    """The lean uint8 Flow-GRPO request with the blocks compiled, one request and ``groups`` in flight,
+    vs the eager stock pipeline (timed first, before anything is compiled)."""
+    return _grpo_against_stock(
+        model, lambda: _compiled(model), tag="compiled", phase="grpo_compiled",
+        note="stock eager timed before compiling, in the same process", group=group, groups=groups, reps=reps,
+    )  # fmt: skip
 
 
 def grpo_fast(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
     """The fast tier's Flow-GRPO throughput (issue #26: at least 2x stock eager): the lean uint8
     request with ``--quantize fp8`` and regional compile, one request and ``groups`` in flight, vs the
     stock eager pipeline timed first in the same process."""
-    body = _body(model, num_outputs_per_prompt=group)
-    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
-    stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
-    times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
-    it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
-    with _fp8_compiled(model), _graphs(model, False):
-        t2, sizes = _time_interleaved(
-            {"server_lean_uint8_fp8_compiled": _remote_fn(model, full)}, reps, model.device
-        )
-        it2, it_sizes = _time_interleaved(
-            {f"server_lean_uint8_fp8_compiled_{groups}_in_flight": served(False)}, reps, model.device
-        )
-    times.update(t2)
-    it_times.update(it2)
-    steps = body["num_inference_steps"]
-    note = "stock eager timed first, in the same process"
-    return [
-        *_rows(model, "grpo_fast", times, sizes, group, steps, {"stock": note}),
-        *_rows(model, "grpo_iteration_fast", it_times, it_sizes, group * groups, steps, {"stock": note}),
-    ]
+    return _grpo_against_stock(
+        model, lambda: _fp8_compiled(model), tag="fp8_compiled", phase="grpo_fast",
+        note="stock eager timed first, in the same process", group=group, groups=groups, reps=reps,
+    )  # fmt: skip
 
 
 def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True) -> list[dict[str, Any]]:
