@@ -19,6 +19,7 @@ call, the TFLOP/s achieved.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import sys
 from typing import Any
@@ -116,6 +117,33 @@ def fp8_rows(transformer, inputs, device: str, reps: int, label: str, reference:
     return rows
 
 
+def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: torch.Tensor) -> list[dict]:
+    """:func:`fp8_rows` with the family's size threshold lifted: every linear not kept by name
+    (embedders, norms, final projection) goes FP8, the attention projections included. Whether the
+    whole compiled model gains from them is what the per-family rule (``fast_tier.FP8_RULES``,
+    provisional) has to settle."""
+    from diffusion_rollout.server import fast_tier
+    from diffusion_rollout.server.loader import repeated_blocks
+
+    key = type(transformer).__name__
+    saved = fast_tier.FP8_RULES.get(key)
+    fast_tier.FP8_RULES[key] = fast_tier.Fp8Rule(
+        0, note="every linear not kept by name (a benchmark variant)"
+    )
+    try:
+        for block in repeated_blocks(transformer):
+            block.compile(mode=args.compile_mode)
+        rows = fp8_rows(transformer, inputs, device, args.reps, label, reference)
+    finally:
+        if saved is None:
+            fast_tier.FP8_RULES.pop(key, None)
+        else:
+            fast_tier.FP8_RULES[key] = saved
+    for r in rows:
+        r["variant"] = r["variant"].replace("+ fp8", "+ fp8 (all by size)")
+    return rows
+
+
 def flop_counts(transformer, inputs: dict[str, Any]) -> tuple[float, float]:
     """(all FLOPs, attention FLOPs) of one eager forward."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -194,6 +222,9 @@ def run(args) -> dict[str, Any]:
                 rows.append(
                     {"variant": f"eager, sdpa {name}", "ms": None, "spread": None, "note": str(exc)[:100]}
                 )
+        # A bf16 copy for the FP8 variant with every linear of its size quantized (made before
+        # compiling: a compiled block's call is bound to the block it was compiled from).
+        spare = copy.deepcopy(transformer) if args.fp8_all else None
         for block in repeated_blocks(transformer):
             block.compile(mode=args.compile_mode)
         label = f"compiled ({args.compile_mode})" if args.compile_mode else "compiled"
@@ -211,6 +242,9 @@ def run(args) -> dict[str, Any]:
                 )
         if args.fp8:
             rows += fp8_rows(transformer, inputs, device, args.reps, label, reference)
+        if spare is not None:
+            rows += fp8_all_rows(spare, inputs, device, args, label, reference)
+            del spare
         for r in rows:
             r.setdefault("note", "")
     finally:
@@ -242,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fp8", action="store_true", help="also the compiled forward with --quantize fp8 (torchao), last"
     )
+    p.add_argument(
+        "--fp8-all", action="store_true",
+        help="also FP8 on every linear not kept by name (a bf16 copy of the transformer, last)",
+    )  # fmt: skip
     p.add_argument(
         "--compile-mode",
         default=None,

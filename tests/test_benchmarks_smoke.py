@@ -218,13 +218,15 @@ def test_wire_codec_tiny(tmp_path):
 def test_flux_breakdown_tiny(tmp_path):
     from benchmarks import flux_breakdown
 
-    argv = ["--tiny", "--device", "cpu", "--reps", "2", "--fp8", "--out", str(tmp_path)]
+    argv = ["--tiny", "--device", "cpu", "--reps", "2", "--fp8", "--fp8-all", "--out", str(tmp_path)]
     assert flux_breakdown.main(argv) == 0
     doc = _doc(tmp_path, "flux_breakdown")
     variants = [r["variant"] for r in doc["forward"]]
-    assert variants == ["eager, sdpa math", "compiled, default sdpa", "compiled + fp8"]
+    assert variants == [
+        "eager, sdpa math", "compiled, default sdpa", "compiled + fp8", "compiled + fp8 (all by size)"
+    ]  # fmt: skip
     assert all(r["ms"] > 0 for r in doc["forward"][:2])
-    assert doc["forward"][2]["ms"] is None and "needs a CUDA GPU" in doc["forward"][2]["note"]
+    assert all(r["ms"] is None and "needs a CUDA GPU" in r["note"] for r in doc["forward"][2:])
     # The CPU's math attention is counted as its matmuls; CUDA's fused kernels as attention.
     assert doc["settings"]["tflop_per_forward"] > 0 and doc["settings"]["attention_tflop_per_forward"] >= 0
     kinds = {r["kind"]: r for r in doc["compiled_kernels"]}

@@ -32,9 +32,11 @@ denoiser's class name.
    its 3072x3072 attention projections in bf16: compiled FP8 made that shape slower on an H100
    (issue #26), while the 3072x12288 MLP shapes ran 1.3-1.6x faster.
 
-**The thresholds are provisional**: only FLUX's came from a measurement (single layers, not the
-whole model); SD3's, Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by
-the per-family GPU measurement of issue #26.
+**The thresholds are provisional**: only FLUX's came from a measurement (single layers); SD3's,
+Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by the per-family GPU
+measurement of issue #26. On the whole compiled FLUX.1-dev transformer at 1024² (H100) this rule
+took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux);
+``benchmarks.flux_breakdown --fp8-all`` times the same model without the size threshold.
 """
 
 from __future__ import annotations
