@@ -24,6 +24,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -265,6 +266,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_session(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
+    """Stop a process started with ``start_new_session=True`` and everything it started (a CLI
+    server's replicas, a recipe's server): ``sig`` to its process group, SIGKILL after ``timeout_s``."""
+    if proc.poll() is not None:
+        return proc.returncode
+    os.killpg(proc.pid, sig)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 class LoopbackServer:

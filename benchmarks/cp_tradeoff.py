@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
+from benchmarks.common import free_port, stop_session
 from benchmarks.train_recipes import model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,14 +57,6 @@ COLUMNS = [  # (key, header, format)
     ("outputs_ok", "outputs ok", ""),
     ("error", "error", ""),
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(layout: str, folder: Path, port: int, cpu: bool, k: int = 2) -> list[str]:
@@ -124,17 +116,6 @@ def check_outputs(results: list[dict[str, Any]], body: dict[str, Any]) -> dict[s
     }
 
 
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGINT)
-    try:
-        server.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-
-
 def run_layout(layout: str, folder: Path, body: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -142,7 +123,7 @@ def run_layout(layout: str, folder: Path, body: dict[str, Any], args: argparse.N
     from diffusion_rollout import lean
     from diffusion_rollout.client import RolloutClient
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = serve_command(layout, folder, port, args.cpu)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -190,7 +171,7 @@ def run_layout(layout: str, folder: Path, body: dict[str, Any], args: argparse.N
     finally:
         if remote is not None:
             remote.close()
-        _stop(server)
+        stop_session(server, timeout_s=120)
     row["exit_code"] = server.returncode
     return row
 

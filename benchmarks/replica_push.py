@@ -24,21 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import free_port, stop_session
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def transformer_tensors(folder: Path) -> dict:
@@ -95,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     folder = model_folder(args.model, args.work)
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(folder),
         "--replicas", str(args.replicas), "--upload-port", "0", "--port", str(port), "--host", "127.0.0.1",
@@ -142,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print("[replica_push]", json.dumps(row), flush=True)
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_session(server)
 
     def best(path: str) -> float:
         """The best steady push (the first round allocates receive buffers) of ``path``."""

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import stop_session
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _SD35 = ["--steps", "10", "--size", "512", "--prompts", "4", "--group-size", "8", "--lora-rank", "32",
@@ -168,12 +170,7 @@ def run_one(name: str, args: argparse.Namespace, deadline: float) -> int:
         rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
     except subprocess.TimeoutExpired:
         print(f"[train_recipes] {name}: out of time, stopping it (its checkpoint continues it)", flush=True)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc = stop_session(proc, signal.SIGTERM, timeout_s=20)
     print(f"[train_recipes] {name}: exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
     if out.exists():
         summary = json.loads(out.read_text()).get("summary", {})

@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from tests.reliability_helpers import free_port
 from tests.test_cluster import BODY, assert_same_output, generate, replicas, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,12 +196,6 @@ README_COMMANDS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _readme_commands() -> list[str]:
     """The shell lines of the README's multi-host block (section "Many GPUs and hosts (Ray)")."""
     text = (REPO / "README.md").read_text()
@@ -240,7 +234,7 @@ def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
     ] == (README_COMMANDS), "the README's multi-host commands changed: update README_COMMANDS and this test"
     home = tmp_path / "home"
     home.mkdir()
-    gcs_port, http_port = _free_port(), _free_port()
+    gcs_port, http_port = free_port(), free_port()
     current_cluster = (
         Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     )

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import ServedModel
 from tests.test_context_parallel import (
+    Servers,
     assert_dead_follower_fails_with_503,
     assert_follower_ran_every_call,
     both,
@@ -41,16 +41,6 @@ BODY = {
     "rollout_debug_mode": False,
 }
 CALLS_PER_ROLLOUT = 2 * T  # the guider's CFG: a cond and an uncond call per step
-
-
-class Servers:
-    def __init__(self, path) -> None:
-        self.ref = ServedModel(path)
-        self.cp = ServedModel(path, context_parallel=2)
-
-    def close(self) -> None:
-        self.ref.close()
-        self.cp.close()
 
 
 @pytest.fixture(scope="module")

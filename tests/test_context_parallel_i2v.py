@@ -23,8 +23,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import ServedModel
 from tests.test_context_parallel import (
+    Servers,
     assert_dead_follower_fails_with_503,
     assert_follower_ran_every_call,
     both,
@@ -87,16 +87,6 @@ def save_wan22_i2v(out) -> None:
         boundary_ratio=t2v.config.boundary_ratio,
     )
     pipe.save_pretrained(out)
-
-
-class Servers:
-    def __init__(self, path) -> None:
-        self.ref = ServedModel(path)
-        self.cp = ServedModel(path, context_parallel=2)
-
-    def close(self) -> None:
-        self.ref.close()
-        self.cp.close()
 
 
 @pytest.fixture(scope="module", params=VARIANTS)

@@ -88,7 +88,10 @@ def test_fa4_server_is_inexact_finite_and_close_to_native(fresh_server):
     assert all(torch.isfinite(o["rollout_log_probs"]).all() for o in rollout)
 
 
-@pytest.mark.xfail(reason="the re-quantizing update (updater.REQUANTIZE_ATTR) has not run with torchao on a GPU yet; xfailed before it existed", strict=False)
+@pytest.mark.xfail(
+    reason="the re-quantizing update (updater.REQUANTIZE_ATTR) has not run with torchao on a GPU yet; xfailed before it existed",
+    strict=False,
+)
 def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_linears_fp8):
     _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
     from diffusers import AutoModel

@@ -28,7 +28,6 @@ accelerator devices). The CPU mirror mode of the server does not shard; its serv
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -36,6 +35,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.reliability_helpers import free_port
 
 WORLD = 2
 # 2 latent frames x 4 x 4 = 32 video tokens; 12 Qwen tokens, 6 ByT5 tokens, 5 image tokens; CFG-like batch 2.
@@ -137,17 +138,11 @@ def _worker(rank: int, port: int, cases: list[str], out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_ranks(cases: list[str]) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), cases, out_dir), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), cases, out_dir), nprocs=WORLD, join=True)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -50,7 +50,6 @@ zoo's tiny LTX-2 transformer in float32):
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -60,6 +59,7 @@ import pytest
 import torch
 
 from diffusion_rollout.server.cp_plans import localize_ltx2_attentions, ltx2_plan
+from tests.reliability_helpers import free_port
 
 WORLD = 2
 # Tiny shapes: 2 x 4 x 4 = 32 video tokens, 6 audio tokens, 8 text tokens, CFG-like batch of 2.
@@ -203,12 +203,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_ranks(
     backend: str, dtype_name: str, cases: list[str], shapes: dict[str, int] = SHAPES
 ) -> list[dict[str, Any]]:
@@ -217,7 +211,7 @@ def run_two_ranks(
 
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(
-            _worker, args=(_free_port(), backend, dtype_name, cases, shapes, out_dir), nprocs=WORLD, join=True
+            _worker, args=(free_port(), backend, dtype_name, cases, shapes, out_dir), nprocs=WORLD, join=True
         )
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 

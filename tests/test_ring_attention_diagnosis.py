@@ -27,13 +27,14 @@ Hypotheses for the NaN, and what these tests show:
 from __future__ import annotations
 
 import math
-import socket
 import sys
 import time
 import types
 
 import pytest
 import torch
+
+from tests.reliability_helpers import free_port
 
 ad = pytest.importorskip("diffusers.models.attention_dispatch")
 
@@ -219,9 +220,7 @@ def _ring_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_tiny_wan_ring_on_two_gloo_ranks_is_finite_and_close_to_k1(tmp_path):
     import torch.multiprocessing as tmp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
     tmp.spawn(_ring_rank, args=(2, port, str(tmp_path / "ring.pt")), nprocs=2)
     ring = torch.load(tmp_path / "ring.pt").float()

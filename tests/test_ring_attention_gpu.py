@@ -9,12 +9,13 @@ diagnosis and hypotheses: ``tests/test_ring_attention_diagnosis.py``.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.reliability_helpers import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,9 +106,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 def test_tiny_wan_ring_bf16_two_gpus_is_finite_and_close_to_one_gpu(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = str(tmp_path / "ring")
     mp.spawn(_rank, args=(2, port, base), nprocs=2)
     reports = [json.loads(Path(f"{base}.rank{r}.json").read_text()) for r in range(2)]
