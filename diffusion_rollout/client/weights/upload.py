@@ -12,10 +12,12 @@ Design decisions:
   views of the (cast) tensors, sent in slices, so nothing is serialised before the socket. An empty
   part 0 opens the upload on the server, then every part with data travels with up to
   ``concurrency - 1`` others on separate connections (the server checks and hashes some while it
-  receives others: with 2 in flight an H100 host took 2.1 GB/s, the wire alone 3.2), and the
-  empty commit goes last, after every other part was accepted. Parts with data never travel alone:
-  a part 0 or a final part with data did, at a single connection's speed. Per-tensor hashes for verification start on
-  the hashing threads (``checksums.hash_pool``) as soon as a part is packed, while parts are sent.
+  receives others), and the empty commit goes last, after every other part was accepted. Parts
+  with data never travel alone: a part 0 or a final part with data did, at one connection's speed.
+  The bodies go out through ``client/upload_transport.py`` (no copy under the GIL). Together: 3.1-3.7
+  GB/s verified on an H100 host, against 2.1-2.2 before (benchmarks/RESULTS.md#sync-verified).
+  Per-tensor hashes for verification start on the hashing threads (``checksums.hash_pool``) as
+  soon as a part is packed, while parts are sent.
 - **The direct port when the server has one.** A server started with ``--upload-port`` advertises
   it (``weight_upload_port``); the parts then go there (``direct=True``, the default), where they
   are read from the socket straight into the receive buffers, while the verification and every
