@@ -8,6 +8,8 @@ checker hashes live is watched by wrapping the server's hash function.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -91,13 +93,16 @@ def test_bytes_altered_on_the_way_fail_verification(fresh_server, monkeypatch):
     master = perturbed(server.engine.pipe.transformer, 1)
     real = full_ops.parse_received
     hit: list[str] = []
+    lock = threading.Lock()  # parts in flight are parsed on several threads at once
 
     def corrupting(lease):
         parsed, rest = real(lease)
-        if parsed and not hit:  # the first part with data (push_weights opens with an empty one)
-            name = sorted(parsed)[0]
-            parsed = {**parsed, name: parsed[name] + 1}
-            hit.append(name)
+        with lock:
+            first = bool(parsed) and not hit  # the first part with data (part 0 is empty)
+            if first:
+                hit.append(sorted(parsed)[0])
+        if first:
+            parsed = {**parsed, hit[0]: parsed[hit[0]] + 1}
         return parsed, rest
 
     monkeypatch.setattr(full_ops, "parse_received", corrupting)
