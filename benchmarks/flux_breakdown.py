@@ -8,6 +8,9 @@ inputs captured from a real pipeline call):
 - with the server's regional compile (``--compile``), under the default and the cuDNN kernel
   (``--compile-mode max-autotune-no-cudagraphs`` tries Inductor's GEMM autotuning instead).
 
+``--fp8`` adds the server's FP8 linears on the compiled blocks, ``--fp8-all`` the same with every
+linear not kept by name in FP8, and ``--fa4`` FlashAttention-4 after each (issue #26).
+
 It also sorts the compiled call's GPU kernels, seen by the CUDA profiler, into matmuls, attention
 and the rest. For each it gives ms per forward and, from ``FlopCounterMode``'s count of the eager
 call, the TFLOP/s achieved.
@@ -91,10 +94,19 @@ def _sample(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.sample
 
 
-def fp8_rows(transformer, inputs, device: str, reps: int, label: str, reference: torch.Tensor) -> list[dict]:
+def fa4_unavailable(device: str) -> str | None:
+    from diffusion_rollout.server.fast_tier import unsupported_reason
+
+    return unsupported_reason(quantize=None, attention_backend="fa4", device=device)
+
+
+def fp8_rows(
+    transformer, inputs, device: str, reps: int, label: str, reference: torch.Tensor, fa4: bool = False
+) -> list[dict]:
     """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``: torchao rowwise, its per-family
     keep-bf16 rule) on the compiled blocks, which recompile for the quantized weights; with each
-    row the output's relative L2 difference from the eager bf16 forward (same inputs)."""
+    row the output's relative L2 difference from the eager bf16 forward (same inputs). ``fa4``: also
+    with ``--attention-backend fa4`` (last; the transformer keeps it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
@@ -114,7 +126,30 @@ def fp8_rows(transformer, inputs, device: str, reps: int, label: str, reference:
         drift = float((out - reference).norm() / reference.norm())
         rows.append({"variant": f"{label} + fp8, {name}", **timing, "rel_l2_vs_eager_bf16": drift,
                      "note": f"{note}; output rel. L2 vs eager bf16 {drift:.4f}"})  # fmt: skip
+    if fa4:
+        rows += fa4_rows(transformer, inputs, device, reps, f"{label} + fp8", reference, note)
     return rows
+
+
+def fa4_rows(
+    transformer, inputs, device: str, reps: int, label: str, reference, note: str = ""
+) -> list[dict]:
+    """``label`` with FlashAttention-4 (the server's ``--attention-backend fa4``); compiled blocks
+    recompile for it (the backend is read inside the traced code). The transformer keeps FA4."""
+    reason = fa4_unavailable(device)
+    if reason:
+        return [{"variant": f"{label}, fa4", "ms": None, "spread": None, "note": f"skipped: {reason}"}]
+    from diffusion_rollout.server.fast_tier import register_fa4
+
+    register_fa4()
+    transformer.set_attention_backend("fa4")
+    timing = time_forward(transformer, inputs, device, reps)
+    with torch.inference_mode():
+        out = _sample(transformer(**inputs)).float()
+    drift = float((out - reference).norm() / reference.norm())
+    lead = f"{note}; " if note else ""
+    return [{"variant": f"{label}, fa4", **timing, "rel_l2_vs_eager_bf16": drift,
+             "note": f"{lead}output rel. L2 vs eager bf16 {drift:.4f}"}]  # fmt: skip
 
 
 def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: torch.Tensor) -> list[dict]:
@@ -133,7 +168,7 @@ def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: 
     try:
         for block in repeated_blocks(transformer):
             block.compile(mode=args.compile_mode)
-        rows = fp8_rows(transformer, inputs, device, args.reps, label, reference)
+        rows = fp8_rows(transformer, inputs, device, args.reps, label, reference, fa4=args.fa4)
     finally:
         if saved is None:
             fast_tier.FP8_RULES.pop(key, None)
@@ -240,8 +275,10 @@ def run(args) -> dict[str, Any]:
                         **time_forward(transformer, inputs, device, args.reps),
                     }
                 )
+        if args.fa4 and not args.fp8:
+            rows += fa4_rows(transformer, inputs, device, args.reps, label, reference)
         if args.fp8:
-            rows += fp8_rows(transformer, inputs, device, args.reps, label, reference)
+            rows += fp8_rows(transformer, inputs, device, args.reps, label, reference, fa4=args.fa4)
         if spare is not None:
             rows += fp8_all_rows(spare, inputs, device, args, label, reference)
             del spare
@@ -279,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fp8-all", action="store_true",
         help="also FP8 on every linear not kept by name (a bf16 copy of the transformer, last)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fa4", action="store_true",
+        help="also FlashAttention-4 (--attention-backend fa4) on the compiled forward, after each FP8 variant",
     )  # fmt: skip
     p.add_argument(
         "--compile-mode",

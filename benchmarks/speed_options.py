@@ -44,6 +44,14 @@ columns are what a bf16 eager trainer recomputes: max and mean |log-prob differe
 of the first step's ratio::
 
     python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 --budget 560 --out $OUT
+
+``flux_fast`` is the same for the batch-1 FLUX.1-dev rollout (issue #26: <= 110 ms/step).
+``fa4`` among ``--backends`` adds FlashAttention-4 to each: alone and compiled in the drift table,
+with FP8 and compile in the drift table, ``grpo_fast`` and ``flux_fast``::
+
+    python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 \
+        --backends _native_cudnn,fa4 --budget 560 --out $OUT
+
 ``--no-flux`` drops the FLUX phases::
 
     python -m benchmarks.speed_options --device cuda --phases grpo_iteration,grpo_compiled,flux_compiled \
@@ -628,10 +636,21 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool, fp
     options.append((LANES_OPTION, contextlib.nullcontext, {}))
     if with_compile:
         options.append(("regional compile", lambda: _compiled(model), {}))
+    fa4 = any(b.lower() == "fa4" for b in backends)
+    if fa4 and with_compile:
+        options.append(("attention fa4 + regional compile", lambda: _fa4_compiled(model), {}))
     if fp8:
         options.append(("quantize fp8", lambda: _fp8(model), {}))
         if with_compile:
             options.append(("quantize fp8 + regional compile", lambda: _fp8_compiled(model), {}))
+        if fa4 and with_compile:
+            options.append(
+                (
+                    "quantize fp8 + attention fa4 + regional compile",
+                    lambda: _fp8_compiled(model, fa4=True),
+                    {},
+                )
+            )
     return options
 
 
@@ -741,6 +760,15 @@ def _compiled(model: BenchModel) -> Iterator[None]:
         speed.compile = False
 
 
+def _require_fp8(model: BenchModel) -> None:
+    """RuntimeError naming why ``--quantize fp8`` cannot run here (before any stock timing)."""
+    from diffusion_rollout.server.fast_tier import unsupported_reason
+
+    reason = unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
+    if reason:
+        raise RuntimeError(reason)
+
+
 @contextlib.contextmanager
 def _fp8(model: BenchModel) -> Iterator[None]:
     """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``) on a copy of the denoiser swapped
@@ -749,11 +777,9 @@ def _fp8(model: BenchModel) -> Iterator[None]:
     import copy
     import gc
 
-    from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
+    from diffusion_rollout.server.fast_tier import quantize_fp8
 
-    reason = unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
-    if reason:
-        raise RuntimeError(reason)
+    _require_fp8(model)
     speed = model.server().engine.loaded.speed
     original = model.pipe.transformer
     quantized = copy.deepcopy(original)
@@ -772,31 +798,52 @@ def _fp8(model: BenchModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fp8_compiled(model: BenchModel) -> Iterator[None]:
-    """FP8 then regional compile of the quantized copy (the loader's order)."""
-    with _fp8(model), _compiled(model):
+def _fp8_compiled(model: BenchModel, fa4: bool = False) -> Iterator[None]:
+    """FP8, then (``fa4``) FlashAttention-4, then regional compile of the quantized copy: the
+    loader's order (the attention backend is read inside the compiled code)."""
+    attention = _attention_backend(model, "fa4") if fa4 else contextlib.nullcontext()
+    with _fp8(model), attention, _compiled(model):
+        yield
+
+
+@contextlib.contextmanager
+def _fa4_compiled(model: BenchModel) -> Iterator[None]:
+    """FlashAttention-4, then regional compile (the loader's order)."""
+    with _attention_backend(model, "fa4"), _compiled(model):
         yield
 
 
 def _grpo_against_stock(
-    model: BenchModel, option, *, tag: str, phase: str, note: str, group: int, groups: int, reps: int
+    model: BenchModel, options, *, phase: str, note: str, group: int, groups: int, reps: int
 ) -> list[dict[str, Any]]:
-    """The lean uint8 Flow-GRPO request under ``option`` (a context manager factory), one request
-    and ``groups`` in flight, vs the stock eager pipeline timed first (before the option applies)."""
+    """The lean uint8 Flow-GRPO request under each of ``options`` ({tag: context manager factory}, in
+    turn), one request and ``groups`` in flight, vs the stock eager pipeline timed first (before any
+    option applies)."""
     body = _body(model, num_outputs_per_prompt=group)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True, "output_dtype": "uint8"}
     stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
-    with option(), _graphs(model, False):
-        t2, sizes = _time_interleaved(
-            {f"server_lean_uint8_{tag}": _remote_fn(model, full)}, reps, model.device
-        )
-        it2, it_sizes = _time_interleaved(
-            {f"server_lean_uint8_{tag}_{groups}_in_flight": served(False)}, reps, model.device
-        )
-    times.update(t2)
-    it_times.update(it2)
+    sizes: dict[str, Any] = {}
+    it_sizes: dict[str, Any] = {}
+    for tag, option in options.items():
+        try:
+            with option(), _graphs(model, False):
+                t2, s2 = _time_interleaved(
+                    {f"server_lean_uint8_{tag}": _remote_fn(model, full)}, reps, model.device
+                )
+                it2, is2 = _time_interleaved(
+                    {f"server_lean_uint8_{tag}_{groups}_in_flight": served(False)}, reps, model.device
+                )
+        except Exception as exc:  # an option this build lacks: say so, keep the other rows
+            failure = f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"{phase}: {failure}")
+            note = f"{note}; {failure}"
+            continue
+        times.update(t2)
+        it_times.update(it2)
+        sizes.update(s2)
+        it_sizes.update(is2)
     steps = body["num_inference_steps"]
     return [
         *_rows(model, phase, times, sizes, group, steps, {"stock": note}),
@@ -809,17 +856,23 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
     """The lean uint8 Flow-GRPO request with the blocks compiled, one request and ``groups`` in flight,
     vs the eager stock pipeline (timed first, before anything is compiled)."""
     return _grpo_against_stock(
-        model, lambda: _compiled(model), tag="compiled", phase="grpo_compiled",
+        model, {"compiled": lambda: _compiled(model)}, phase="grpo_compiled",
         note="stock eager timed before compiling, in the same process", group=group, groups=groups, reps=reps,
     )  # fmt: skip
 
 
-def grpo_fast(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+def grpo_fast(
+    model: BenchModel, *, group: int, groups: int, reps: int, fa4: bool = False
+) -> list[dict[str, Any]]:
     """The fast tier's Flow-GRPO throughput (issue #26: at least 2x stock eager): the lean uint8
-    request with ``--quantize fp8`` and regional compile, one request and ``groups`` in flight, vs the
-    stock eager pipeline timed first in the same process."""
+    request with ``--quantize fp8`` and regional compile (``fa4``: then also with FlashAttention-4),
+    one request and ``groups`` in flight, vs the stock eager pipeline timed first in the same process."""
+    _require_fp8(model)
+    options = {"fp8_compiled": lambda: _fp8_compiled(model)}
+    if fa4:
+        options["fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
     return _grpo_against_stock(
-        model, lambda: _fp8_compiled(model), tag="fp8_compiled", phase="grpo_fast",
+        model, options, phase="grpo_fast",
         note="stock eager timed first, in the same process", group=group, groups=groups, reps=reps,
     )  # fmt: skip
 
@@ -851,11 +904,38 @@ def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True)
     return _rows(model, "flux_compiled", times, sizes, 1, body["num_inference_steps"], note)
 
 
+def flux_fast(model: BenchModel, *, reps: int, fa4: bool = False) -> list[dict[str, Any]]:
+    """FLUX.1-dev batch-1 full rollout (log-probs, trajectory, env, image) with the fast tier
+    (``--quantize fp8`` and regional compile; ``fa4``: then also FlashAttention-4), vs the stock eager
+    pipeline timed first; issue #26 bounds ms/step at 110."""
+    _require_fp8(model)
+    body = _body(model, num_outputs_per_prompt=1)
+    full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True}
+    times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
+    variants = {"server_fp8_compiled": lambda: _fp8_compiled(model)}
+    if fa4:
+        variants["server_fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
+    sizes: dict[str, Any] = {}
+    note = {"stock": "stock eager timed first, in the same process"}
+    for name, option in variants.items():
+        try:
+            with option(), _graphs(model, False):
+                t2, s2 = _time_interleaved({name: _remote_fn(model, full)}, reps, model.device)
+        except Exception as exc:  # FA4 missing or refusing: say so, keep the other rows
+            failure = f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"flux_fast: {failure}")
+            note["stock"] += f"; {failure}"
+            continue
+        times.update(t2)
+        sizes.update(s2)
+    return _rows(model, "flux_fast", times, sizes, 1, body["num_inference_steps"], note)
+
+
 # ---------------------------------------------------------------------------------------------
 SD_PHASES = {
     "grpo", "grpo_iteration", "grpo_profile", "grpo_lanes", "batch1", "drift", "grpo_compiled", "grpo_fast",
 }  # fmt: skip
-FLUX_PHASES = {"flux", "flux_compiled"}
+FLUX_PHASES = {"flux", "flux_compiled", "flux_fast"}
 DEFAULT_PHASES = ("grpo", "grpo_iteration", "batch1", "drift", "flux")
 
 
@@ -972,8 +1052,11 @@ def run(args) -> dict[str, Any]:
         if "grpo_fast" in phases and phase("grpo fast tier", 180):
             try:
                 speed_rows.extend(
-                    grpo_fast(model, group=args.group, groups=args.iteration_groups, reps=args.reps)
-                )
+                    grpo_fast(
+                        model, group=args.group, groups=args.iteration_groups, reps=args.reps,
+                        fa4="fa4" in [b.lower() for b in backends],
+                    )
+                )  # fmt: skip
             except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
                 notes.append(f"grpo_fast: {exc}")
 
@@ -999,6 +1082,13 @@ def run(args) -> dict[str, Any]:
                 )  # fmt: skip
         if "flux_compiled" in phases and phase("flux compiled", 150):
             speed_rows.extend(flux_compiled(model, reps=args.reps))
+        if "flux_fast" in phases and phase("flux fast tier", 200):
+            try:
+                speed_rows.extend(
+                    flux_fast(model, reps=args.reps, fa4="fa4" in [b.lower() for b in backends])
+                )
+            except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
+                notes.append(f"flux_fast: {exc}")
 
     if phases & SD_PHASES:
         model = build(sd_name, device)
@@ -1036,8 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(DEFAULT_PHASES),
         help="comma-separated, run in this fixed order: grpo, grpo_iteration, grpo_profile, grpo_lanes, batch1, "
         "drift, "
-        "grpo_compiled "
-        f"(SD3.5), flux, flux_compiled (FLUX.1-dev); default {','.join(DEFAULT_PHASES)}",
+        "grpo_compiled, grpo_fast "
+        f"(SD3.5), flux, flux_compiled, flux_fast (FLUX.1-dev); default {','.join(DEFAULT_PHASES)}",
     )
     p.add_argument("--grpo-compiled", action="store_true", help="add grpo_compiled to --phases")
     p.add_argument("--no-flux", dest="flux", action="store_false", default=True, help="drop flux phases")

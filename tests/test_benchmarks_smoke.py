@@ -182,12 +182,17 @@ def test_speed_options_tiny(tmp_path):
 
 
 def test_speed_options_fast_tier_phases_say_why_they_cannot_run_on_a_cpu(tmp_path):
-    argv = ["--tiny", "--device", "cpu", "--phases", "drift,grpo_fast", "--fp8", "--out", str(tmp_path)]
+    argv = ["--tiny", "--device", "cpu", "--phases", "drift,grpo_fast,flux_fast", "--fp8",
+            "--backends", "_native_math,fa4", "--out", str(tmp_path)]  # fmt: skip
     assert speed_options.main(argv) == 0
     doc = _doc(tmp_path, "speed_options")
-    fp8 = {r["option"]: r for r in doc["drift"]}["quantize fp8"]
-    assert "needs a CUDA GPU" in fp8["note"] and "ms_per_rollout" not in fp8
-    assert any(n.startswith("grpo_fast: quantize=fp8 needs a CUDA GPU") for n in doc["notes"])
+    drift = {r["option"]: r for r in doc["drift"]}
+    for option in ("quantize fp8", "attention fa4"):
+        assert "needs a CUDA GPU" in drift[option]["note"] and "ms_per_rollout" not in drift[option]
+    assert "ms_per_rollout" in drift["attention _native_math"]
+    assert not [o for o in drift if "compile" in o]  # the tiny run does not compile
+    for phase in ("grpo_fast", "flux_fast"):
+        assert any(n.startswith(f"{phase}: quantize=fp8 needs a CUDA GPU") for n in doc["notes"])
     assert not [r for r in doc["speed"] if r["phase"].endswith("fast")]
 
 

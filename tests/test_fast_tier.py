@@ -154,9 +154,11 @@ def test_fp8_rule_keeps_embedders_norms_and_final_projection(tiny_model_path):
 
 # --------------------------------------------------------------------------- FA4 registration
 def _sdpa_as_fa4(calls: list):
-    """A stand-in for ``flash_attn.cute.flash_attn_func``: SDPA on (batch, seq, heads, dim) tensors."""
+    """A stand-in for ``flash_attn.cute.flash_attn_func``: SDPA on (batch, seq, heads, dim) tensors,
+    opaque to Dynamo as FA4's launcher is (a graph break, which ``fullgraph=True`` refuses)."""
 
     def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        torch._dynamo.graph_break()
         calls.append((tuple(q.shape), softmax_scale, causal))
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale, is_causal=causal
@@ -208,6 +210,26 @@ def test_fa4_is_registered_with_the_dispatcher_and_runs_the_model(tiny_model_pat
     torch.testing.assert_close(via_fa4, native)
     with pytest.raises(ValueError, match="no attention mask"):
         fast_tier._fa4_attention(*(torch.zeros(1, 2, 1, 8),) * 3, attn_mask=torch.ones(1, 2))
+
+
+def test_fa4_compiles_as_one_op_without_a_graph_break(monkeypatch):
+    """FA4's launcher is Python that Dynamo cannot follow; the custom op keeps a compiled block whole
+    (``fullgraph=True`` fails on any graph break) and gives the kernel's own output."""
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", _sdpa_as_fa4(calls))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 12, 3, 8, generator=gen) for _ in range(3))
+
+    def attend(q, k, v):
+        return fast_tier._fa4_attention(q * 2, k, v, scale=0.5) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    assert calls and calls[-1] == ((2, 12, 3, 8), 0.5, False)
+    torch.testing.assert_close(out, attend(q, k, v))
+    assert out.shape == (2, 12, 3, 8)
 
 
 # --------------------------------------------------------------------------- exactness contract

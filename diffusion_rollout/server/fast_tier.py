@@ -241,12 +241,33 @@ def _fa4_attention(
         raise ValueError("attention_backend=fa4 takes no attention mask, and this model passed one")
     if _parallel_config is not None:
         raise ValueError("attention_backend=fa4 does not support context parallelism")
+    if not return_lse:
+        # Through the custom op, so that a compiled block keeps the kernel as one opaque node
+        # instead of breaking its graph at FA4's Python launcher.
+        return torch.ops.diffusion_rollout.fa4_attention(query, key, value, scale, is_causal)
+    out = _flash_attn_func()(query, key, value, softmax_scale=scale, causal=is_causal, return_lse=True)
+    return out[0], out[1]
+
+
+def _flash_attn_func() -> Callable[..., Any]:
     from flash_attn.cute import flash_attn_func
 
-    out = flash_attn_func(query, key, value, softmax_scale=scale, causal=is_causal, return_lse=return_lse)
-    if isinstance(out, tuple):  # (out, lse)
-        return (out[0], out[1]) if return_lse else out[0]
-    return out
+    return flash_attn_func
+
+
+@torch.library.custom_op("diffusion_rollout::fa4_attention", mutates_args=())
+def fa4_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, is_causal: bool
+) -> torch.Tensor:
+    """FA4's forward on ``(batch, seq, heads, head_dim)`` tensors, as one op ``torch.compile`` does not
+    trace into (FA4's launcher compiles CuTe DSL kernels in Python, which Dynamo cannot follow)."""
+    out = _flash_attn_func()(query, key, value, softmax_scale=scale, causal=is_causal)
+    return (out[0] if isinstance(out, tuple) else out).contiguous()
+
+
+@fa4_attention_op.register_fake
+def _(query, key, value, scale, is_causal):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
 def _add_enum_member(enum_cls: Any, name: str, value: str) -> Any:
