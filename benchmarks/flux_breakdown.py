@@ -224,6 +224,29 @@ def kernel_breakdown(transformer, inputs, device: str, flops: tuple[float, float
     ]
 
 
+def _save(args, name: str, flops: tuple[float, float], rows: list[dict], breakdown: list[dict], final: bool):
+    """Write what has been measured so far (a device call that runs out of time keeps it)."""
+    for r in rows:
+        r.setdefault("note", "")
+    doc = document(
+        "flux_breakdown",
+        resolve_device(args.device),
+        {"model": name, "reps": args.reps, "compile_mode": args.compile_mode,
+         "tflop_per_forward": flops[0] / 1e12, "attention_tflop_per_forward": flops[1] / 1e12,
+         "complete": final},
+        [*rows, *breakdown],
+    )  # fmt: skip
+    doc["forward"], doc["compiled_kernels"] = rows, breakdown
+    doc["table"] = "\n\n".join(
+        [
+            print_table("One transformer forward (batch 1, one rollout step)", rows, COLUMNS),
+            print_table("Compiled forward's GPU kernels", breakdown, KERNEL_COLUMNS),
+        ]
+    )
+    write_json(args.out, f"flux_breakdown{'_' + args.compile_mode if args.compile_mode else ''}", doc)
+    return doc
+
+
 def run(args) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -231,7 +254,9 @@ def run(args) -> dict[str, Any]:
 
     device = resolve_device(args.device)
     model = build("tiny-flux" if args.tiny else "flux.1-dev", device)
+    name = model.name
     rows: list[dict[str, Any]] = []
+    breakdown: list[dict[str, Any]] = []
     try:
         transformer = model.stock.transformer
         inputs = captured_inputs(model)
@@ -244,19 +269,20 @@ def run(args) -> dict[str, Any]:
              ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
             if device.startswith("cuda") else [("math", SDPBackend.MATH)]
         )  # fmt: skip
-        for name, backend in kernels:
+        for kname, backend in kernels:
             try:
                 with sdpa_kernel([backend]):
                     rows.append(
                         {
-                            "variant": f"eager, sdpa {name}",
+                            "variant": f"eager, sdpa {kname}",
                             **time_forward(transformer, inputs, device, args.reps),
                         }
                     )
             except RuntimeError as exc:  # a kernel that does not take these inputs on this build
                 rows.append(
-                    {"variant": f"eager, sdpa {name}", "ms": None, "spread": None, "note": str(exc)[:100]}
+                    {"variant": f"eager, sdpa {kname}", "ms": None, "spread": None, "note": str(exc)[:100]}
                 )
+        _save(args, name, flops, rows, breakdown, final=False)
         # A bf16 copy for the FP8 variant with every linear of its size quantized (made before
         # compiling: a compiled block's call is bound to the block it was compiled from).
         spare = copy.deepcopy(transformer) if args.fp8_all else None
@@ -275,34 +301,18 @@ def run(args) -> dict[str, Any]:
                         **time_forward(transformer, inputs, device, args.reps),
                     }
                 )
+        _save(args, name, flops, rows, breakdown, final=False)
         if args.fa4 and not args.fp8:
             rows += fa4_rows(transformer, inputs, device, args.reps, label, reference)
         if args.fp8:
             rows += fp8_rows(transformer, inputs, device, args.reps, label, reference, fa4=args.fa4)
+            _save(args, name, flops, rows, breakdown, final=False)
         if spare is not None:
             rows += fp8_all_rows(spare, inputs, device, args, label, reference)
             del spare
-        for r in rows:
-            r.setdefault("note", "")
     finally:
         model.close()
-    doc = document(
-        "flux_breakdown",
-        device,
-        {"model": model.name, "reps": args.reps, "compile_mode": args.compile_mode,
-         "tflop_per_forward": flops[0] / 1e12,
-         "attention_tflop_per_forward": flops[1] / 1e12},
-        [*rows, *breakdown],
-    )  # fmt: skip
-    doc["forward"], doc["compiled_kernels"] = rows, breakdown
-    doc["table"] = "\n\n".join(
-        [
-            print_table("One transformer forward (batch 1, one rollout step)", rows, COLUMNS),
-            print_table("Compiled forward's GPU kernels", breakdown, KERNEL_COLUMNS),
-        ]
-    )
-    write_json(args.out, f"flux_breakdown{'_' + args.compile_mode if args.compile_mode else ''}", doc)
-    return doc
+    return _save(args, name, flops, rows, breakdown, final=True)
 
 
 def main(argv: list[str] | None = None) -> int:

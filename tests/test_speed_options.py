@@ -145,10 +145,28 @@ def test_eager_server_reports_exact(served):
 
 
 def test_non_exact_attention_backend_reports_inexact(fresh_server):
-    server = fresh_server("sd3", attention_backend="_native_math")
-    outs = server.generate(sd3_body(rollout=False, num_outputs_per_prompt=1))
+    server = fresh_server("flux", attention_backend="_native_math")
+    body = {"prompt": "a red square", "seed": 5, "num_outputs_per_prompt": 1, **call_defaults("flux")}
+    outs = server.generate({**body, "rollout": False})
     assert outs[0]["exact"] is False
     assert server.client.get("/server_info").json()["speed"]["exact"] is False
+
+
+def test_an_attention_backend_the_model_would_ignore_is_refused(tiny_model_path):
+    """SD3's attention processors call SDPA themselves; diffusers would skip them silently, and the
+    server would say ``exact: false`` while running the default kernel."""
+    from diffusers import DiffusionPipeline
+
+    from diffusion_rollout.server.loader import apply_speed_options
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path("sd3")))
+    with pytest.raises(ValueError) as exc:
+        apply_speed_options(pipe, attention_backend="_native_math")
+    assert str(exc.value) == (
+        "attention_backend=_native_math would change nothing on transformer (SD3Transformer2DModel): "
+        "its attention processors (JointAttnProcessor2_0) call PyTorch's SDPA directly, not diffusers' "
+        "attention dispatcher"
+    )
 
 
 def test_cuda_graphs_on_cpu_is_a_clear_startup_error():

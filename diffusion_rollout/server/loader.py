@@ -146,6 +146,24 @@ def prepare_pipeline(
     )
 
 
+def _require_dispatched_attention(name: str, model: torch.nn.Module, backend: str) -> None:
+    """Refuse an attention backend the model would ignore. diffusers' ``set_attention_backend`` sets
+    it only on processors that go through its attention dispatcher and silently skips the others
+    (SD3's ``JointAttnProcessor2_0`` calls PyTorch's SDPA itself): the server would then say
+    ``exact: false`` and run the default kernel."""
+    processors = {
+        type(m.processor).__name__: hasattr(m.processor, "_attention_backend")
+        for m in model.modules()
+        if getattr(m, "processor", None) is not None
+    }
+    if processors and not any(processors.values()):
+        raise ValueError(
+            f"attention_backend={backend} would change nothing on {name} ({type(model).__name__}): its "
+            f"attention processors ({', '.join(sorted(processors))}) call PyTorch's SDPA directly, not "
+            "diffusers' attention dispatcher"
+        )
+
+
 def denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
     """The pipeline's transformer modules, by component name."""
     found = {}
@@ -204,6 +222,7 @@ def apply_speed_options(
         if attention_backend:
             if not hasattr(model, "set_attention_backend"):
                 raise ValueError(f"{name} ({type(model).__name__}) has no set_attention_backend")
+            _require_dispatched_attention(name, model, attention_backend)
             model.set_attention_backend(attention_backend)
             logger.info("%s: attention backend %s", name, attention_backend)
         if quantize == fast_tier.FP8:
