@@ -24,7 +24,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from benchmarks import per_model, speed_options
+from benchmarks import (
+    model_builders_scale,  # noqa: F401  (registers wan2.2-ti2v-5b)
+    per_model,
+    speed_options,
+)
 from benchmarks.common import document, print_table, quiet_libraries, write_json
 
 TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
