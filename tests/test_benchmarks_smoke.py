@@ -318,6 +318,8 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
         "tiny-wan,tiny-hunyuanvideo15",
         "--reps",
         "1",
+        "--iteration-groups",
+        "2",
         "--out",
         str(tmp_path),
     ]
