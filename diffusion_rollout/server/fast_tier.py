@@ -16,7 +16,10 @@ its ODE gate are untouched. Either one makes every output ``exact: false`` (``se
   under the name ``fa4``. diffusers 0.42 knows only ``flash_4_hub``, which downloads a Hub kernel
   and cannot load offline. Needs CUDA, a Hopper or newer GPU (compute capability >= 9.0) and the
   package. Deterministic, but not bit-identical to SDPA. No attention mask (families that pass one
-  get an error naming it) and no context parallelism.
+  get an error naming it) and no context parallelism. Only for denoisers whose attention processors
+  go through diffusers' dispatcher: SD3/SD3.5's call SDPA themselves, and the loader refuses any
+  attention backend there (diffusers would skip them silently). Inside compiled blocks FA4 is one
+  custom op, ``diffusion_rollout::fa4_attention``, which Dynamo does not trace into.
 
 Which linears stay in bf16 (:data:`FP8_RULES`, :func:`fp8_plan`): a per-family rule keyed by the
 denoiser's class name.
@@ -35,7 +38,10 @@ denoiser's class name.
 **The thresholds are provisional**: only FLUX's came from a measurement (single layers); SD3's,
 Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by the per-family GPU
 measurement of issue #26. On the whole compiled FLUX.1-dev transformer at 1024² (H100) this rule
-took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux);
+took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
+512² (H100) the default rule helps only at large batches: a Flow-GRPO request of 16 ran 1.80x stock
+eager with FP8 and compile (benchmarks/RESULTS.md#grpo-fast; compile alone measured about 1.6x),
+while a rollout of 2 took 420 ms against compile's 270 (benchmarks/RESULTS.md#drift-fp8-compile-h100);
 ``benchmarks.flux_breakdown --fp8-all`` times the same model without the size threshold.
 """
 
