@@ -167,6 +167,8 @@ def test_an_attention_backend_the_model_would_ignore_is_refused(tiny_model_path)
         "its attention processors (JointAttnProcessor2_0) call PyTorch's SDPA directly, not diffusers' "
         "attention dispatcher"
     )
+    # The default named changes nothing anywhere, and stays accepted.
+    assert apply_speed_options(pipe, attention_backend="native").exact is True
 
 
 def test_cuda_graphs_on_cpu_is_a_clear_startup_error():

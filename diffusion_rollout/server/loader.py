@@ -150,7 +150,10 @@ def _require_dispatched_attention(name: str, model: torch.nn.Module, backend: st
     """Refuse an attention backend the model would ignore. diffusers' ``set_attention_backend`` sets
     it only on processors that go through its attention dispatcher and silently skips the others
     (SD3's ``JointAttnProcessor2_0`` calls PyTorch's SDPA itself): the server would then say
-    ``exact: false`` and run the default kernel."""
+    ``exact: false`` and run the default kernel. ``native``, the default named, changes nothing
+    anywhere and stays accepted."""
+    if backend.lower() == "native":
+        return
     processors = {
         type(m.processor).__name__: hasattr(m.processor, "_attention_backend")
         for m in model.modules()
