@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     p = per_model.parser(__doc__.splitlines()[0], TINY, "denoising steps (default: each builder's)")
     p.add_argument("--group", type=int, default=2, help="videos per request")
-    # 4, as the image families' iteration: with 2 (the H100 run at 33f829c) the last answer's transfer
-    # and decode cannot overlap any pipeline call, and is half of the outside-pipeline time.
+    # 4, as the image families' iteration: the last answer's transfer and decode overlaps no pipeline
+    # call, and with 2 in flight (the H100 run at 33f829c) it weighs twice as much.
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
     return run(p.parse_args(argv))
