@@ -47,7 +47,12 @@ of the first step's ratio::
 
 ``flux_fast`` is the same for the batch-1 FLUX.1-dev rollout (issue #26: <= 110 ms/step).
 ``fa4`` among ``--backends`` adds FlashAttention-4 to each: alone and compiled in the drift table,
-with FP8 and compile in the drift table, ``grpo_fast`` and ``flux_fast``::
+with FP8 and compile in the drift table, ``grpo_fast`` and ``flux_fast``. SD3.5's attention processors
+call SDPA themselves and refuse every backend, so FA4's drift rows come from FLUX: with ``--fp8`` the
+``flux`` phase's drift takes the backends, FP8 and compile too::
+
+    python -m benchmarks.speed_options --device cuda --phases flux,flux_fast --fp8 --backends fa4 \
+        --budget 560 --out $OUT
 
     python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 \
         --backends _native_cudnn,fa4 --budget 560 --out $OUT
@@ -1078,10 +1083,15 @@ def run(args) -> dict[str, Any]:
                     {"kind": "mag", "threshold": 0.06 if not tiny else 1.0},
                     {"kind": "taylorseer", "interval": 2, "warmup_steps": 2},
                 ]
+                # With --fp8 (a fast-tier run) FLUX's drift also takes the attention backends, FP8 and
+                # compile, alone and combined: FLUX's processors go through diffusers' dispatcher, so
+                # FA4's rows are measured here (SD3.5 refuses attention backends).
+                fast = bool(args.fp8)
                 drift_rows.extend(
                     drift(
-                        model, reps=1, backends=[], caches=flux_caches, with_compile=False,
-                        deadline=deadline, n=1,
+                        model, reps=1, backends=backends if fast else [], caches=flux_caches,
+                        with_compile=fast and with_compile, deadline=deadline, n=1,
+                        fp8=fast,
                     )
                 )  # fmt: skip
         if "flux_compiled" in phases and phase("flux compiled", 150):

@@ -184,15 +184,23 @@ def test_speed_options_tiny(tmp_path):
 
 
 def test_speed_options_fast_tier_phases_say_why_they_cannot_run_on_a_cpu(tmp_path):
-    argv = ["--tiny", "--device", "cpu", "--phases", "drift,grpo_fast,flux_fast", "--fp8",
+    argv = ["--tiny", "--device", "cpu", "--phases", "drift,grpo_fast,flux,flux_fast", "--fp8",
             "--backends", "_native_math,fa4", "--out", str(tmp_path)]  # fmt: skip
     assert speed_options.main(argv) == 0
     doc = _doc(tmp_path, "speed_options")
-    drift = {r["option"]: r for r in doc["drift"]}
+    drift = {r["option"]: r for r in doc["drift"] if r["model"] == "tiny-sd3"}
     for option in ("quantize fp8", "attention fa4"):
         assert "needs a CUDA GPU" in drift[option]["note"] and "ms_per_rollout" not in drift[option]
     # SD3's processors call SDPA themselves: a backend would change nothing, and is refused.
     assert "would change nothing" in drift["attention _native_math"]["note"]
+    # FLUX's go through diffusers' dispatcher: with --fp8 its drift takes the backends and FP8 too.
+    flux = {r["option"]: r for r in doc["drift"] if r["model"] == "tiny-flux"}
+    assert (
+        flux["attention _native_math"]["exact"] is False
+        and "ms_per_rollout" in flux["attention _native_math"]
+    )
+    for option in ("quantize fp8", "attention fa4"):
+        assert "needs a CUDA GPU" in flux[option]["note"]
     assert not [o for o in drift if "compile" in o]  # the tiny run does not compile
     for phase in ("grpo_fast", "flux_fast"):
         assert any(n.startswith(f"{phase}: quantize=fp8 needs a CUDA GPU") for n in doc["notes"])
