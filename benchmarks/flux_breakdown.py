@@ -160,20 +160,10 @@ def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: 
     from diffusion_rollout.server import fast_tier
     from diffusion_rollout.server.loader import repeated_blocks
 
-    key = type(transformer).__name__
-    saved = fast_tier.FP8_RULES.get(key)
-    fast_tier.FP8_RULES[key] = fast_tier.Fp8Rule(
-        0, note="every linear not kept by name (a benchmark variant)"
-    )
-    try:
+    with fast_tier.every_linear_fp8(transformer):
         for block in repeated_blocks(transformer):
             block.compile(mode=args.compile_mode)
         rows = fp8_rows(transformer, inputs, device, args.reps, label, reference, fa4=args.fa4)
-    finally:
-        if saved is None:
-            fast_tier.FP8_RULES.pop(key, None)
-        else:
-            fast_tier.FP8_RULES[key] = saved
     for r in rows:
         r["variant"] = r["variant"].replace("+ fp8", "+ fp8 (all by size)")
     return rows

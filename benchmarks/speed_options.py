@@ -45,7 +45,9 @@ of the first step's ratio::
 
     python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 --budget 560 --out $OUT
 
-``flux_fast`` is the same for the batch-1 FLUX.1-dev rollout (issue #26: <= 110 ms/step).
+``--fp8-all`` adds a ``grpo_fast`` variant with every linear not kept by name in FP8 (no size
+threshold: SD3.5's 1536x1536 attention projections too), to settle the provisional SD3 rule at the
+Flow-GRPO batch. ``flux_fast`` is the same for the batch-1 FLUX.1-dev rollout (issue #26: <= 110 ms/step).
 ``fa4`` among ``--backends`` adds FlashAttention-4 to each: alone and compiled in the drift table,
 with FP8 and compile in the drift table, ``grpo_fast`` and ``flux_fast``. SD3.5's attention processors
 call SDPA themselves and refuse every backend, so FA4's drift rows come from FLUX: with ``--fp8`` the
@@ -775,14 +777,14 @@ def _require_fp8(model: BenchModel) -> None:
 
 
 @contextlib.contextmanager
-def _fp8(model: BenchModel) -> Iterator[None]:
+def _fp8(model: BenchModel, every_linear: bool = False) -> Iterator[None]:
     """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``) on a copy of the denoiser swapped
     into the served pipeline for the server's next calls; the original bf16 module is put back after.
     The stock pipeline keeps the original throughout (it was timed, and replays run, on bf16)."""
     import copy
     import gc
 
-    from diffusion_rollout.server.fast_tier import quantize_fp8
+    from diffusion_rollout.server.fast_tier import every_linear_fp8, quantize_fp8
 
     _require_fp8(model)
     speed = model.server().engine.loaded.speed
@@ -792,7 +794,8 @@ def _fp8(model: BenchModel) -> Iterator[None]:
     # over the original module; deepcopy keeps that closure, and the copy would run the original's
     # bf16 weights (seen on an H100: "quantize fp8" rows bit-identical to eager).
     quantized.__dict__.pop("forward", None)
-    quantize_fp8(quantized)
+    with every_linear_fp8(quantized) if every_linear else contextlib.nullcontext():
+        quantize_fp8(quantized)
     model.pipe.transformer = quantized
     speed.quantize = "fp8"  # so the response's exact flag tells the truth
     try:
@@ -807,11 +810,12 @@ def _fp8(model: BenchModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fp8_compiled(model: BenchModel, fa4: bool = False) -> Iterator[None]:
-    """FP8, then (``fa4``) FlashAttention-4, then regional compile of the quantized copy: the
-    loader's order (the attention backend is read inside the compiled code)."""
+def _fp8_compiled(model: BenchModel, fa4: bool = False, every_linear: bool = False) -> Iterator[None]:
+    """FP8 (``every_linear``: without the family's size threshold), then (``fa4``) FlashAttention-4,
+    then regional compile of the quantized copy: the loader's order (the attention backend is read
+    inside the compiled code)."""
     attention = _attention_backend(model, "fa4") if fa4 else contextlib.nullcontext()
-    with _fp8(model), attention, _compiled(model):
+    with _fp8(model, every_linear), attention, _compiled(model):
         yield
 
 
@@ -871,7 +875,7 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
 
 
 def grpo_fast(
-    model: BenchModel, *, group: int, groups: int, reps: int, fa4: bool = False
+    model: BenchModel, *, group: int, groups: int, reps: int, fa4: bool = False, fp8_all: bool = False
 ) -> list[dict[str, Any]]:
     """The fast tier's Flow-GRPO throughput (issue #26: at least 2x stock eager): the lean uint8
     request with ``--quantize fp8`` and regional compile (``fa4``: then also with FlashAttention-4),
@@ -880,6 +884,8 @@ def grpo_fast(
     options = {"fp8_compiled": lambda: _fp8_compiled(model)}
     if fa4:
         options["fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
+    if fp8_all:
+        options["fp8_all_compiled"] = lambda: _fp8_compiled(model, every_linear=True)
     return _grpo_against_stock(
         model, options, phase="grpo_fast",
         note="stock eager timed first, in the same process", group=group, groups=groups, reps=reps,
@@ -1063,7 +1069,7 @@ def run(args) -> dict[str, Any]:
                 speed_rows.extend(
                     grpo_fast(
                         model, group=args.group, groups=args.iteration_groups, reps=args.reps,
-                        fa4="fa4" in [b.lower() for b in backends],
+                        fa4="fa4" in [b.lower() for b in backends], fp8_all=args.fp8_all,
                     )
                 )  # fmt: skip
             except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
@@ -1148,6 +1154,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fp8", action="store_true",
         help="drift: also the server's --quantize fp8, alone and with regional compile (last)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-all", action="store_true",
+        help="grpo_fast: also FP8 on every linear not kept by name (no size threshold), last",
     )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU: 470)")
     args = p.parse_args(argv)

@@ -47,9 +47,10 @@ while a rollout of 2 took 420 ms against compile's 270 (benchmarks/RESULTS.md#dr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,22 @@ DEFAULT_FP8_RULE = Fp8Rule(3072 * 3072 + 1)
 
 def fp8_rule_for(model: torch.nn.Module) -> Fp8Rule:
     return FP8_RULES.get(type(model).__name__, DEFAULT_FP8_RULE)
+
+
+@contextlib.contextmanager
+def every_linear_fp8(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: ``model``'s family rule without its size threshold (every linear not kept by name goes
+    FP8). What the benchmarks time to settle the provisional thresholds; the server never uses it."""
+    key = type(model).__name__
+    saved = FP8_RULES.get(key)
+    FP8_RULES[key] = Fp8Rule(0, note="every linear not kept by name (a benchmark variant)")
+    try:
+        yield
+    finally:
+        if saved is None:
+            FP8_RULES.pop(key, None)
+        else:
+            FP8_RULES[key] = saved
 
 
 def _kept_by_name(fqn: str, rule: Fp8Rule) -> bool:
