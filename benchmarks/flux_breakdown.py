@@ -94,19 +94,21 @@ def _sample(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.sample
 
 
-def fa4_unavailable(device: str) -> str | None:
-    from diffusion_rollout.server.fast_tier import unsupported_reason
-
-    return unsupported_reason(quantize=None, attention_backend="fa4", device=device)
-
-
 def fp8_rows(
-    transformer, inputs, device: str, reps: int, label: str, reference: torch.Tensor, fa4: bool = False
+    transformer,
+    inputs,
+    device: str,
+    reps: int,
+    label: str,
+    reference: torch.Tensor,
+    fa4: bool = False,
+    rule=None,
 ) -> list[dict]:
     """The server's ``--quantize fp8`` (``fast_tier.quantize_fp8``: torchao rowwise, its per-family
     keep-bf16 rule) on the compiled blocks, which recompile for the quantized weights; with each
-    row the output's relative L2 difference from the eager bf16 forward (same inputs). ``fa4``: also
-    with ``--attention-backend fa4`` (last; the transformer keeps it)."""
+    row the output's relative L2 difference from the eager bf16 forward (same inputs). ``rule``:
+    another ``fast_tier.Fp8Rule``. ``fa4``: also with ``--attention-backend fa4`` (last; the
+    transformer keeps it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
@@ -114,7 +116,7 @@ def fp8_rows(
     reason = unsupported_reason(quantize="fp8", attention_backend=None, device=device)
     if reason:
         return [{"variant": f"{label} + fp8", "ms": None, "spread": None, "note": f"skipped: {reason}"}]
-    report = quantize_fp8(transformer)
+    report = quantize_fp8(transformer, rule=rule)
     note = f"{report['fp8_linears']} linears FP8, {report['bf16_linears']} bf16"
     rows = []
     for name, backends in (("default sdpa", None), ("sdpa cudnn", [SDPBackend.CUDNN_ATTENTION])):
@@ -136,11 +138,11 @@ def fa4_rows(
 ) -> list[dict]:
     """``label`` with FlashAttention-4 (the server's ``--attention-backend fa4``); compiled blocks
     recompile for it (the backend is read inside the traced code). The transformer keeps FA4."""
-    reason = fa4_unavailable(device)
+    from diffusion_rollout.server.fast_tier import register_fa4, unsupported_reason
+
+    reason = unsupported_reason(quantize=None, attention_backend="fa4", device=device)
     if reason:
         return [{"variant": f"{label}, fa4", "ms": None, "spread": None, "note": f"skipped: {reason}"}]
-    from diffusion_rollout.server.fast_tier import register_fa4
-
     register_fa4()
     transformer.set_attention_backend("fa4")
     timing = time_forward(transformer, inputs, device, reps)
@@ -160,10 +162,11 @@ def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: 
     from diffusion_rollout.server import fast_tier
     from diffusion_rollout.server.loader import repeated_blocks
 
-    with fast_tier.every_linear_fp8(transformer):
-        for block in repeated_blocks(transformer):
-            block.compile(mode=args.compile_mode)
-        rows = fp8_rows(transformer, inputs, device, args.reps, label, reference, fa4=args.fa4)
+    for block in repeated_blocks(transformer):
+        block.compile(mode=args.compile_mode)
+    rows = fp8_rows(
+        transformer, inputs, device, args.reps, label, reference, fa4=args.fa4, rule=fast_tier.EVERY_LINEAR
+    )
     for r in rows:
         r["variant"] = r["variant"].replace("+ fp8", "+ fp8 (all by size)")
     return rows

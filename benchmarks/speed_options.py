@@ -98,6 +98,7 @@ from benchmarks.common import (
 from benchmarks.model_builders import BenchModel, build
 from benchmarks.ode_regression import compare, stock_reference
 from benchmarks.rollout_overhead import stock_runner
+from diffusion_rollout.server.fast_tier import is_fa4
 
 THROUGHPUT_COLUMNS = [
     ("model", "model", ""),
@@ -643,7 +644,7 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool, fp
     options.append((LANES_OPTION, contextlib.nullcontext, {}))
     if with_compile:
         options.append(("regional compile", lambda: _compiled(model), {}))
-    fa4 = any(b.lower() == "fa4" for b in backends)
+    fa4 = any(is_fa4(b) for b in backends)
     if fa4 and with_compile:
         options.append(("attention fa4 + regional compile", lambda: _fa4_compiled(model), {}))
     if fp8:
@@ -784,7 +785,7 @@ def _fp8(model: BenchModel, every_linear: bool = False) -> Iterator[None]:
     import copy
     import gc
 
-    from diffusion_rollout.server.fast_tier import every_linear_fp8, quantize_fp8
+    from diffusion_rollout.server.fast_tier import EVERY_LINEAR, quantize_fp8
 
     _require_fp8(model)
     speed = model.server().engine.loaded.speed
@@ -794,8 +795,7 @@ def _fp8(model: BenchModel, every_linear: bool = False) -> Iterator[None]:
     # over the original module; deepcopy keeps that closure, and the copy would run the original's
     # bf16 weights (seen on an H100: "quantize fp8" rows bit-identical to eager).
     quantized.__dict__.pop("forward", None)
-    with every_linear_fp8(quantized) if every_linear else contextlib.nullcontext():
-        quantize_fp8(quantized)
+    quantize_fp8(quantized, rule=EVERY_LINEAR if every_linear else None)
     model.pipe.transformer = quantized
     speed.quantize = "fp8"  # so the response's exact flag tells the truth
     try:
@@ -826,6 +826,26 @@ def _fa4_compiled(model: BenchModel) -> Iterator[None]:
         yield
 
 
+def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
+    """Time ``fns_for(tag)`` ({name: fn}, interleaved) under each of ``options`` ({tag: context
+    manager factory}) in turn, CUDA graphs off. An option this build lacks (FA4 missing, a refusal)
+    is skipped: (times, sizes, one line per failure)."""
+    times: dict[str, Any] = {}
+    sizes: dict[str, Any] = {}
+    failures: list[str] = []
+    for tag, option in options.items():
+        try:
+            with option(), _graphs(model, False):
+                t, sz = _time_interleaved(fns_for(tag), reps, model.device)
+        except Exception as exc:
+            failures.append(f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            log(f"{phase}: {failures[-1]}")
+            continue
+        times.update(t)
+        sizes.update(sz)
+    return times, sizes, failures
+
+
 def _grpo_against_stock(
     model: BenchModel, options, *, phase: str, note: str, group: int, groups: int, reps: int
 ) -> list[dict[str, Any]]:
@@ -837,30 +857,19 @@ def _grpo_against_stock(
     stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
-    sizes: dict[str, Any] = {}
-    it_sizes: dict[str, Any] = {}
-    for tag, option in options.items():
-        try:
-            with option(), _graphs(model, False):
-                t2, s2 = _time_interleaved(
-                    {f"server_lean_uint8_{tag}": _remote_fn(model, full)}, reps, model.device
-                )
-                it2, is2 = _time_interleaved(
-                    {f"server_lean_uint8_{tag}_{groups}_in_flight": served(False)}, reps, model.device
-                )
-        except Exception as exc:  # an option this build lacks: say so, keep the other rows
-            failure = f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log(f"{phase}: {failure}")
-            note = f"{note}; {failure}"
-            continue
-        times.update(t2)
-        it_times.update(it2)
-        sizes.update(s2)
-        it_sizes.update(is2)
+    served_times, sizes, failures = _time_options(
+        model, options, lambda tag: {
+            f"server_lean_uint8_{tag}": _remote_fn(model, full),
+            f"server_lean_uint8_{tag}_{groups}_in_flight": served(False),
+        }, reps, phase,
+    )  # fmt: skip
+    for name, ts in served_times.items():
+        (it_times if name.endswith("_in_flight") else times)[name] = ts
+    note = "; ".join([note, *failures])
     steps = body["num_inference_steps"]
     return [
         *_rows(model, phase, times, sizes, group, steps, {"stock": note}),
-        *_rows(model, f"grpo_iteration_{phase.removeprefix('grpo_')}", it_times, it_sizes, group * groups, steps,
+        *_rows(model, f"grpo_iteration_{phase.removeprefix('grpo_')}", it_times, sizes, group * groups, steps,
                {"stock": note}),
     ]  # fmt: skip
 
@@ -930,19 +939,11 @@ def flux_fast(model: BenchModel, *, reps: int, fa4: bool = False) -> list[dict[s
     variants = {"server_fp8_compiled": lambda: _fp8_compiled(model)}
     if fa4:
         variants["server_fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
-    sizes: dict[str, Any] = {}
-    note = {"stock": "stock eager timed first, in the same process"}
-    for name, option in variants.items():
-        try:
-            with option(), _graphs(model, False):
-                t2, s2 = _time_interleaved({name: _remote_fn(model, full)}, reps, model.device)
-        except Exception as exc:  # FA4 missing or refusing: say so, keep the other rows
-            failure = f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}"
-            log(f"flux_fast: {failure}")
-            note["stock"] += f"; {failure}"
-            continue
-        times.update(t2)
-        sizes.update(s2)
+    served, sizes, failures = _time_options(
+        model, variants, lambda name: {name: _remote_fn(model, full)}, reps, "flux_fast"
+    )
+    times.update(served)
+    note = {"stock": "; ".join(["stock eager timed first, in the same process", *failures])}
     return _rows(model, "flux_fast", times, sizes, 1, body["num_inference_steps"], note)
 
 
@@ -962,6 +963,7 @@ def run(args) -> dict[str, Any]:
     server_cfg = {"cuda_graphs": graphs, "max_batch_size": max(16, args.group)}
     deadline = Deadline(args.budget)
     backends = [b for b in args.backends.split(",") if b]
+    with_fa4 = any(is_fa4(b) for b in backends)
     speed_rows: list[dict[str, Any]] = []
     gate_rows: list[dict[str, Any]] = []
     drift_rows: list[dict[str, Any]] = []
@@ -1069,7 +1071,7 @@ def run(args) -> dict[str, Any]:
                 speed_rows.extend(
                     grpo_fast(
                         model, group=args.group, groups=args.iteration_groups, reps=args.reps,
-                        fa4="fa4" in [b.lower() for b in backends], fp8_all=args.fp8_all,
+                        fa4=with_fa4, fp8_all=args.fp8_all,
                     )
                 )  # fmt: skip
             except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
@@ -1104,9 +1106,7 @@ def run(args) -> dict[str, Any]:
             speed_rows.extend(flux_compiled(model, reps=args.reps))
         if "flux_fast" in phases and phase("flux fast tier", 200):
             try:
-                speed_rows.extend(
-                    flux_fast(model, reps=args.reps, fa4="fa4" in [b.lower() for b in backends])
-                )
+                speed_rows.extend(flux_fast(model, reps=args.reps, fa4=with_fa4))
             except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
                 notes.append(f"flux_fast: {exc}")
 

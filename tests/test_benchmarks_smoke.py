@@ -353,3 +353,33 @@ def test_video_grpo_default_models_are_all_buildable():
         "assert not missing, missing\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_grpo_against_stock_times_each_option_and_names_the_one_that_failed():
+    """The helper behind grpo_compiled and grpo_fast: an option that works gives both rows (one
+    request, and the requests in flight), one that raises is left out and named in stock's note."""
+    import contextlib
+
+    from benchmarks.model_builders import build
+
+    def refused():
+        raise RuntimeError("not on this build")
+
+    model = build("tiny-sd3", "cpu")
+    try:
+        rows = speed_options._grpo_against_stock(
+            model, {"plain": contextlib.nullcontext, "broken": refused}, phase="grpo_fast",
+            note="stock first", group=2, groups=2, reps=1,
+        )  # fmt: skip
+    finally:
+        model.close()
+    by = {(r["phase"], r["variant"]): r for r in rows}
+    assert set(by) == {
+        ("grpo_fast", "stock"), ("grpo_fast", "server_lean_uint8_plain"),
+        ("grpo_iteration_fast", "stock"), ("grpo_iteration_fast", "server_lean_uint8_plain_2_in_flight"),
+    }  # fmt: skip
+    assert by[("grpo_fast", "server_lean_uint8_plain")]["outputs"] == 2
+    assert by[("grpo_iteration_fast", "server_lean_uint8_plain_2_in_flight")]["outputs"] == 4
+    assert all(r["response_mb"] > 0 for r in rows if r["variant"] != "stock")
+    note = by[("grpo_fast", "stock")]["note"]
+    assert note.startswith("stock first; broken failed: RuntimeError: not on this build")

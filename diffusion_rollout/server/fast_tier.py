@@ -47,10 +47,9 @@ while a rollout of 2 took 420 ms against compile's 270 (benchmarks/RESULTS.md#dr
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,20 +146,9 @@ def fp8_rule_for(model: torch.nn.Module) -> Fp8Rule:
     return FP8_RULES.get(type(model).__name__, DEFAULT_FP8_RULE)
 
 
-@contextlib.contextmanager
-def every_linear_fp8(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: ``model``'s family rule without its size threshold (every linear not kept by name goes
-    FP8). What the benchmarks time to settle the provisional thresholds; the server never uses it."""
-    key = type(model).__name__
-    saved = FP8_RULES.get(key)
-    FP8_RULES[key] = Fp8Rule(0, note="every linear not kept by name (a benchmark variant)")
-    try:
-        yield
-    finally:
-        if saved is None:
-            FP8_RULES.pop(key, None)
-        else:
-            FP8_RULES[key] = saved
+# Every linear not kept by name goes FP8: what the benchmarks time to settle the provisional size
+# thresholds (``quantize_fp8(model, rule=EVERY_LINEAR)``); the server never uses it.
+EVERY_LINEAR = Fp8Rule(0, note="every linear not kept by name (a benchmark variant)")
 
 
 def _kept_by_name(fqn: str, rule: Fp8Rule) -> bool:
@@ -223,14 +211,17 @@ def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return holder[0].weight.data
 
 
-def quantize_fp8(model: torch.nn.Module, name: str = "transformer") -> dict[str, Any]:
-    """Quantize ``model``'s linears in place (torchao, rowwise); returns the report for /server_info.
-    Full weight updates into the model then re-quantize those linears (:func:`requantize_fp8`)."""
+def quantize_fp8(
+    model: torch.nn.Module, name: str = "transformer", rule: Fp8Rule | None = None
+) -> dict[str, Any]:
+    """Quantize ``model``'s linears in place (torchao, rowwise) by ``rule`` (default: its family's);
+    returns the report for /server_info. Full weight updates into the model then re-quantize those
+    linears (:func:`requantize_fp8`)."""
     from torchao.quantization import quantize_
 
     from diffusion_rollout.server.weights.updater import REQUANTIZE_ATTR
 
-    rule = fp8_rule_for(model)
+    rule = rule or fp8_rule_for(model)
     plan = fp8_plan(model, rule)
     quantize_(model, fp8_config(), filter_fn=fp8_filter(rule))
     setattr(model, REQUANTIZE_ATTR, requantize_fp8)
