@@ -40,7 +40,8 @@ Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by th
 measurement of issue #26. On the whole compiled FLUX.1-dev transformer at 1024² (H100) this rule
 took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
 512² (H100) the default rule helps only at large batches: a Flow-GRPO request of 16 ran 1.80x stock
-eager with FP8 and compile (benchmarks/RESULTS.md#grpo-fast; compile alone measured about 1.6x),
+eager with FP8 and compile (benchmarks/RESULTS.md#grpo-fast; compile alone on the same workload:
+1.645x on an H200, benchmarks/RESULTS.md#grpo-compiled, not re-measured on the H100),
 while a rollout of 2 took 420 ms against compile's 270 (benchmarks/RESULTS.md#drift-fp8-compile-h100);
 ``benchmarks.flux_breakdown --fp8-all`` times the same model without the size threshold.
 """
