@@ -9,7 +9,9 @@ families' (``speed_options``), side by side in one process, interleaved repeats,
   plain per-output float32 form, the lean form, and lean with uint8 videos, against the stock
   pipeline at batch ``--group`` (precomputed embeddings, videos left on the device);
 - ``grpo_iteration``: ``--iteration-groups`` such requests in flight (lean, uint8), on one lane and
-  on two (``--pipeline-lanes 2``), against the stock pipeline running the same batches back to back.
+  on two (``--pipeline-lanes 2``), against the stock pipeline running the same batches back to back;
+- with ``--profile``, that iteration once more for stock and the server under the CUDA profiler
+  (``grpo_profile``): GPU busy seconds against wall seconds and the largest idle gaps.
 
 Ratios are throughput against stock (videos per second; higher is faster). Writes
 ``video_grpo.json`` under ``--out`` after every model.
@@ -52,6 +54,8 @@ def run(args) -> int:
         model.server(max_batch_size=max(16, group))
         rows.extend(speed_options.grpo(model, group=group, reps=args.reps))
         rows.extend(speed_options.grpo_iteration(model, group=group, groups=groups, reps=args.reps))
+        if args.profile:
+            rows.extend(speed_options.grpo_profile(model, group=group, groups=groups))
 
     def save() -> dict[str, Any]:
         doc = document(
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     # call, and with 2 in flight (the H100 run at 33f829c) it weighs twice as much.
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
+    # Where the server's GPU idles that stock's does not: the iteration once more, under the profiler.
+    p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
     return run(p.parse_args(argv))
 
 
