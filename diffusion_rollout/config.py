@@ -82,6 +82,14 @@ class ServerConfig(BaseModel):
 
     # Batching and queueing
     max_batch_size: int = Field(16, ge=1, description="most samples run in one pipeline call")
+    max_batch_pixels: int = Field(
+        8 * 1024 * 1024,
+        ge=1,
+        description="most output pixels (width*height*frames, summed over samples) a pipeline call is "
+        "grown to by taking further queued requests in; one request is never split by it. A call "
+        "this large keeps the GPU busy on its own, and merging more would only hold every answer "
+        "back until the whole call ends (videos: one request per call)",
+    )
     batch_wait_ms: float = Field(2.0, ge=0, description="how long the worker waits to fill a batch")
     max_queue_depth: int = Field(256, ge=1, description="most requests waiting; more get 429")
     prompt_cache_size: int = Field(

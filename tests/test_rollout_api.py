@@ -258,6 +258,42 @@ def test_outputs_do_not_depend_on_batching(fresh_server):
             assert x["seed"] == y["seed"]
 
 
+def test_a_call_is_not_grown_past_max_batch_pixels(fresh_server):
+    """Queued requests that would take a call past ``max_batch_pixels`` run as calls of their own
+    (each answer then leaves when its call ends); one request over the cap is never split."""
+    px = BASE["width"] * BASE["height"]
+    srv = fresh_server("sd3", max_batch_size=16, max_batch_pixels=3 * px)
+    reqs = [
+        body(seed=100, num_outputs_per_prompt=2),  # 2 outputs: fits under the cap
+        body(seed=200),  # 1 more: exactly the cap, taken in
+        body(seed=300),  # one more would pass it: next call
+        body(seed=400, num_outputs_per_prompt=4),  # over the cap alone: a call of 4, not split
+    ]
+    worker = srv.engine.worker
+    before = worker.batches_run
+    results = generate_together(srv, reqs)
+    _wait_for(lambda: worker.batches_run >= before + 3 and not worker.busy)
+    assert worker.batches_run == before + 3
+    sizes = [[o["batch_size"] for o in outs] for outs in results]
+    assert sizes == [[3, 3], [3], [1], [4, 4, 4, 4]]
+    ids = [{o["batch_id"] for o in outs} for outs in results]
+    assert ids[0] == ids[1] and len({*ids[0], *ids[2], *ids[3]}) == 3
+
+
+@pytest.mark.parametrize("cap_videos,calls", [(1, 2), (2, 1)])
+def test_video_frames_count_toward_max_batch_pixels(fresh_server, cap_videos, calls):
+    """A video's frames count: two one-video requests merge only when the cap holds both videos."""
+    video = {"prompt": "a red cat", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2,
+             "max_sequence_length": 16}  # fmt: skip
+    srv = fresh_server("wan", max_batch_size=16, max_batch_pixels=cap_videos * 32 * 32 * 5)
+    worker = srv.engine.worker
+    before = worker.batches_run
+    results = generate_together(srv, [{**video, "seed": 1}, {**video, "seed": 2}])
+    _wait_for(lambda: worker.batches_run >= before + calls and not worker.busy)
+    assert worker.batches_run == before + calls
+    assert [outs[0]["batch_size"] for outs in results] == [3 - calls] * 2
+
+
 # --------------------------------------------------------------------------- wire formats
 def test_msgpack_and_json_decode_to_identical_tensors(served):
     srv = served("flux")

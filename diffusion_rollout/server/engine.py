@@ -119,6 +119,7 @@ class Engine:
             self._run_batch,
             max_queue_depth=config.max_queue_depth,
             max_batch_samples=config.max_batch_size,
+            max_batch_pixels=config.max_batch_pixels,
             batch_wait_s=config.batch_wait_ms / 1000.0,
             on_batch_error=self._after_batch_error,
             lanes=config.pipeline_lanes,
@@ -292,7 +293,13 @@ class Engine:
                     t0 + timeout, timeout,
                 )  # fmt: skip
                 self._check_ready()
-            job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
+            job = Job(
+                payload=plan,
+                batch_key=plan.key,
+                samples=len(plan.seeds),
+                pixels=plan.pixels,
+                request_id=params.request_id,
+            )
             fut = self.worker.submit(job)
             try:
                 remaining = max(0.0, t0 + timeout - time.monotonic())
@@ -378,7 +385,13 @@ class Engine:
         if params.min_weight_version is not None:
             self.version_gate.check(params.min_weight_version)
         plan = self.plan(params)
-        job = Job(payload=plan, batch_key=plan.key, samples=len(plan.seeds), request_id=params.request_id)
+        job = Job(
+            payload=plan,
+            batch_key=plan.key,
+            samples=len(plan.seeds),
+            pixels=plan.pixels,
+            request_id=params.request_id,
+        )
         return self.worker.submit(job).result(timeout)
 
     async def readiness_probe(self) -> None:

@@ -43,6 +43,8 @@ class Plan:
         self.schedule = schedule  # exact sigma_0..sigma_{T-1}, or None for the pipeline's own
         self.stock_sigmas = stock_sigmas  # sigmas for the pipeline to shift itself, or None
         self.images = images  # decoded input images (image-conditioned families)
+        # The output pixels the request adds to a call (frames counted): what max_batch_pixels caps.
+        self.pixels = len(seeds) * call.height * call.width * (call.num_frames or 1)
         # Requests share a pipeline call only with identical input images (the call takes one set).
         self.image_key = tuple(im.digest for im in images)
         p = params

@@ -8,8 +8,11 @@ Design decisions:
   and no lane starts a batch while it runs. A weight update therefore lands between batches, never
   under a running denoising loop, and a request queued after an update sees the new weights.
 - Generation jobs that share a batch key and sit next to each other at the head of the queue are
-  taken together (up to ``max_batch_samples``); an admin job is a barrier that batching never
-  crosses, so no batch mixes weight versions.
+  taken together (up to ``max_batch_samples`` samples and ``max_batch_pixels`` output pixels); an
+  admin job is a barrier that batching never crosses, so no batch mixes weight versions. The pixel
+  cap exists for video: 4 requests of 2 videos (Wan 2.1, 480x832x17) sent at once ran as one call
+  of 8 on an H200, so no answer left before the last video was decoded and the whole 276 MB went
+  out after the GPU had finished (0.975x the stock pipeline running the 4 batches back to back).
 - While paused, generation jobs wait in the queue but admin jobs still run (a trainer pauses,
   pushes weights, continues).
 - Jobs carry a ``concurrent.futures.Future``; a cancelled future (client gone, timeout) is dropped
@@ -47,6 +50,7 @@ class Job:
     payload: Any
     batch_key: Hashable | None
     samples: int = 1
+    pixels: int = 0  # output pixels (frames counted) the job adds to a call
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued_at: float = field(default_factory=time.monotonic)
     request_id: str = "-"
@@ -66,6 +70,7 @@ class Worker:
         *,
         max_queue_depth: int,
         max_batch_samples: int,
+        max_batch_pixels: int | None = None,
         batch_wait_s: float = 0.0,
         name: str = "rollout-worker",
         on_batch_error: Callable[[BaseException, list[Job]], None] | None = None,
@@ -77,6 +82,7 @@ class Worker:
         self._on_batch_error = on_batch_error
         self.max_queue_depth = max_queue_depth
         self.max_batch_samples = max_batch_samples
+        self.max_batch_pixels = max_batch_pixels
         self.batch_wait_s = batch_wait_s
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
@@ -215,15 +221,22 @@ class Worker:
             # (the same list object, so jobs added after the batch wait count too).
             self._running[lane] = batch
             self._extend_batch(batch)
-        if self.batch_wait_s > 0 and sum(j.samples for j in batch) < self.max_batch_samples:
+        if self.batch_wait_s > 0 and not self._full(batch):
             time.sleep(self.batch_wait_s)
             with self._cond:
                 self._extend_batch(batch)
         return batch
 
+    def _full(self, batch: list[Job]) -> bool:
+        return sum(j.samples for j in batch) >= self.max_batch_samples or (
+            self.max_batch_pixels is not None and sum(j.pixels for j in batch) >= self.max_batch_pixels
+        )
+
     def _extend_batch(self, batch: list[Job]) -> None:
         # Only contiguous compatible jobs: batching never reorders work across an admin job.
         total = sum(j.samples for j in batch)
+        pixels = sum(j.pixels for j in batch)
+        cap = self.max_batch_pixels
         while self._queue:
             nxt = self._queue[0]
             if nxt.future.cancelled():
@@ -234,10 +247,12 @@ class Worker:
                 nxt.is_admin
                 or nxt.batch_key != batch[0].batch_key
                 or total + nxt.samples > self.max_batch_samples
+                or (cap is not None and pixels + nxt.pixels > cap)
             ):
                 break
             batch.append(self._queue.popleft())
             total += nxt.samples
+            pixels += nxt.pixels
 
     def _drop_cancelled(self) -> None:
         if any(j.future.cancelled() for j in self._queue):
