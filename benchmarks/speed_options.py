@@ -323,7 +323,9 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
     return stock, served
 
 
-def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> list[dict[str, Any]]:
+def grpo_iteration(
+    model: BenchModel, *, group: int, groups: int, reps: int, equal_priority: bool = True
+) -> list[dict[str, Any]]:
     """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
     (``generate_many``), vs the stock pipeline running the same batches one after another.
 
@@ -331,17 +333,19 @@ def grpo_iteration(model: BenchModel, *, group: int, groups: int, reps: int) -> 
     transfer and client decode with the next batch's denoising, which one request at a time cannot.
     The ``2_lanes`` variant is the eager server with ``pipeline_lanes=2`` (two batches in flight on
     two CUDA streams, server/lanes.py); ``2_lanes_equal_priority`` the same with lane 0's stream at
-    the other lane's priority (what lane 0's higher priority is measured against).
+    the other lane's priority (what lane 0's higher priority is measured against; left out with
+    ``equal_priority=False``).
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {
         "stock": stock,
         f"server_lean_uint8_{groups}_in_flight": served(False),
         f"server_lean_uint8_2_lanes_{groups}_in_flight": served(False, lanes=2),
-        f"server_lean_uint8_2_lanes_equal_priority_{groups}_in_flight": served(
-            False, lanes=2, equal_priorities=True
-        ),
     }
+    if equal_priority:
+        fns[f"server_lean_uint8_2_lanes_equal_priority_{groups}_in_flight"] = served(
+            False, lanes=2, equal_priorities=True
+        )
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)

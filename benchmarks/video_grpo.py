@@ -9,7 +9,9 @@ families' (``speed_options``), side by side in one process, interleaved repeats,
   plain per-output float32 form, the lean form, and lean with uint8 videos, against the stock
   pipeline at batch ``--group`` (precomputed embeddings, videos left on the device);
 - ``grpo_iteration``: ``--iteration-groups`` such requests in flight (lean, uint8), on one lane and
-  on two (``--pipeline-lanes 2``), against the stock pipeline running the same batches back to back;
+  on two (``--pipeline-lanes 2``), against the stock pipeline running the same batches back to back
+  (each request is its own pipeline call: the server's ``max_batch_pixels`` keeps queued videos of
+  this size from merging, as a served model does);
 - with ``--profile``, that iteration once more for stock and the server under the CUDA profiler
   (``grpo_profile``): GPU busy seconds against wall seconds and the largest idle gaps.
 
@@ -33,6 +35,7 @@ from benchmarks import (
 )
 from benchmarks.common import document, print_table, quiet_libraries, write_json
 
+PHASES = ("grpo", "grpo_iteration")
 TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
 # Each builder's default size (Wan 2.1 1.3B: 480x832, 33 frames, as in the recipes). Whether all
 # four fit one 10-minute device call is not known yet: --models runs some of them.
@@ -41,6 +44,10 @@ DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
 
 def run(args) -> int:
     device, names, dtype = per_model.choice(args, TINY, DEFAULT)
+    phases = args.phases.split(",")
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"unknown phase(s) {', '.join(sorted(unknown))}; expected {', '.join(PHASES)}")
     rows: list[dict[str, Any]] = []
     failures: list[dict[str, str]] = []
 
@@ -52,8 +59,17 @@ def run(args) -> int:
         group = 1 if model.decodes_one_video_per_call else args.group
         groups = args.iteration_groups * args.group // group
         model.server(max_batch_size=max(16, group))
-        rows.extend(speed_options.grpo(model, group=group, reps=args.reps))
-        rows.extend(speed_options.grpo_iteration(model, group=group, groups=groups, reps=args.reps))
+        # Saved after each phase: a large model's phases can outlast what is left of a device call.
+        if "grpo" in phases:
+            rows.extend(speed_options.grpo(model, group=group, reps=args.reps))
+            save()
+        if "grpo_iteration" in phases:
+            rows.extend(
+                speed_options.grpo_iteration(
+                    model, group=group, groups=groups, reps=args.reps, equal_priority=False
+                )
+            )
+            save()
         if args.profile:
             rows.extend(speed_options.grpo_profile(model, group=group, groups=groups))
 
@@ -87,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # call, and with 2 in flight (the H100 run at 33f829c) it weighs twice as much.
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     # Where the server's GPU idles that stock's does not: the iteration once more, under the profiler.
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
     return run(p.parse_args(argv))

@@ -340,6 +340,23 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
         assert all(r["outputs"] == group and r["ratio"] > 0 for r in grpo.values())
         iteration = [r for r in rows if r["phase"] == "grpo_iteration"]
         assert {r["outputs"] for r in iteration} == {4} and any("2_lanes" in r["variant"] for r in iteration)
+        assert not any("equal_priority" in r["variant"] for r in iteration)  # an image-lane experiment
+
+
+def test_video_grpo_phases_and_profile(tmp_path):
+    """``--phases grpo_iteration --profile``: the iteration and its GPU-gap rows only."""
+    from benchmarks import video_grpo
+
+    argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
+            "--phases", "grpo_iteration", "--profile", "--out", str(tmp_path)]  # fmt: skip
+    assert video_grpo.main(argv) == 0
+    rows = _doc(tmp_path, "video_grpo")["results"]
+    assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
+    profile = [r for r in rows if r["phase"] == "grpo_profile"]
+    assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]
+    assert all(r["gpu_busy_s"] > 0 and r["wall_s"] > 0 for r in profile)  # CPU: operators for kernels
+    with pytest.raises(SystemExit, match="unknown phase"):
+        video_grpo.main(["--device", "cpu", "--models", "tiny-wan", "--phases", "grpo,nope"])
 
 
 def test_video_grpo_default_models_are_all_buildable():
