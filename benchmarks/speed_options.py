@@ -932,10 +932,13 @@ def flux_compiled(model: BenchModel, *, reps: int, cudnn_attention: bool = True)
     return _rows(model, "flux_compiled", times, sizes, 1, body["num_inference_steps"], note)
 
 
-def flux_fast(model: BenchModel, *, reps: int, fa4: bool = False) -> list[dict[str, Any]]:
+def flux_fast(
+    model: BenchModel, *, reps: int, fa4: bool = False, fp8_all: bool = False
+) -> list[dict[str, Any]]:
     """FLUX.1-dev batch-1 full rollout (log-probs, trajectory, env, image) with the fast tier
     (``--quantize fp8`` and regional compile; ``fa4``: then also FlashAttention-4), vs the stock eager
-    pipeline timed first; issue #26 bounds ms/step at 110."""
+    pipeline timed first; issue #26 bounds ms/step at 110. ``fp8_all``: also every linear not kept by
+    name in FP8 (``fast_tier.EVERY_LINEAR``)."""
     _require_fp8(model)
     body = _body(model, num_outputs_per_prompt=1)
     full = {**body, **SDE_ROLLOUT_ENV, "lean_response": True}
@@ -943,6 +946,8 @@ def flux_fast(model: BenchModel, *, reps: int, fa4: bool = False) -> list[dict[s
     variants = {"server_fp8_compiled": lambda: _fp8_compiled(model)}
     if fa4:
         variants["server_fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
+    if fp8_all:
+        variants["server_fp8_all_compiled"] = lambda: _fp8_compiled(model, every_linear=True)
     served, sizes, failures = _time_options(
         model, variants, lambda name: {name: _remote_fn(model, full)}, reps, "flux_fast"
     )
@@ -1110,7 +1115,7 @@ def run(args) -> dict[str, Any]:
             speed_rows.extend(flux_compiled(model, reps=args.reps))
         if "flux_fast" in phases and phase("flux fast tier", 200):
             try:
-                speed_rows.extend(flux_fast(model, reps=args.reps, fa4=with_fa4))
+                speed_rows.extend(flux_fast(model, reps=args.reps, fa4=with_fa4, fp8_all=args.fp8_all))
             except RuntimeError as exc:  # the fast tier cannot run here (CPU, old GPU, no torchao)
                 notes.append(f"flux_fast: {exc}")
 
