@@ -123,7 +123,8 @@ def test_fp8_rule_keeps_embedders_norms_and_final_projection(tiny_model_path):
     from diffusers import DiffusionPipeline
 
     model = DiffusionPipeline.from_pretrained(str(tiny_model_path("flux"))).transformer
-    # The tiny model's linears are all below FLUX's threshold.
+    # The tiny model's linears are all below FLUX's threshold (3072x3072, FLUX.1-dev's smallest).
+    assert fast_tier.fp8_rule_for(model).min_weight_elements == 3072 * 3072
     plan = fast_tier.fp8_plan(model)
     assert plan["fp8"] == [] and "transformer_blocks.0.ff.net.0.proj" in plan["bf16_size"]
     assert fast_tier.fp8_rule_for(model) is fast_tier.FP8_RULES["FluxTransformer2DModel"]
@@ -356,3 +357,18 @@ def test_a_failing_re_quantization_puts_every_weight_back(fresh_server):
     for n, p in tr.named_parameters():
         assert p is objects[n], n  # the replaced parameters are the original objects again
         assert torch.equal(p.detach().as_subclass(torch.Tensor), before[n]), n
+
+
+def test_flux1_dev_rule_quantizes_every_linear_not_kept_by_name():
+    """The FLUX rule measured on the whole model (H200): on FLUX.1-dev's own config (built on the meta
+    device, no weights) it quantizes the 3072x3072 attention projections too: 418 FP8, 86 bf16 by name."""
+    from diffusers import FluxTransformer2DModel
+
+    from benchmarks.model_builders import FLUX1_DEV_TRANSFORMER
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER)
+    plan = fast_tier.fp8_plan(model)
+    assert {k: len(v) for k, v in plan.items()} == {"fp8": 418, "bf16_name": 86, "bf16_size": 0}
+    assert plan == fast_tier.fp8_plan(model, fast_tier.EVERY_LINEAR)
+    assert "transformer_blocks.0.attn.to_q" in plan["fp8"]

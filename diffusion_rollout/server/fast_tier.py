@@ -31,14 +31,18 @@ denoiser's class name.
    ``modulation``: AdaLN ``norm1.linear``, Qwen's ``img_mod``). These see one row per sample or few
    tokens, where FP8's dynamic scaling costs more than it saves, or they set the output scale.
 2. By size: a linear is quantized only if ``in_features * out_features >= min_weight_elements`` of
-   its family and both dimensions are multiples of 16 (``torch._scaled_mm``). FLUX's threshold keeps
-   its 3072x3072 attention projections in bf16: compiled FP8 made that shape slower on an H100
-   (issue #26), while the 3072x12288 MLP shapes ran 1.3-1.6x faster.
+   its family and both dimensions are multiples of 16 (``torch._scaled_mm``).
 
-**The thresholds are provisional**: only FLUX's came from a measurement (single layers); SD3's,
-Qwen-Image's, Wan's and the default are guesses by analogy, to be replaced by the per-family GPU
-measurement of issue #26. On the whole compiled FLUX.1-dev transformer at 1024² (H100) this rule
-took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
+**FLUX's threshold is measured on the whole model**; SD3's, Qwen-Image's, Wan's and the default are
+still guesses by analogy, to be replaced by the same measurement per family. FLUX's first threshold
+kept the 3072x3072 attention projections in bf16, because compiled FP8 made that shape slower as a
+single layer on an H100. Inside the whole compiled FLUX.1-dev transformer at 1024² (H200) the
+opposite held: with those projections in FP8 too (418 linears FP8, the 86 kept by name bf16) one
+forward took 98.8 ms against 108.0 (benchmarks/RESULTS.md#fast-fp8-flux-all), and a whole served
+rollout 103.4 ms per step against 112.6, stock eager 175.1 (benchmarks/RESULTS.md#fast-flux-step),
+at an output difference from eager bf16 of 0.058 relative L2 against 0.048. The threshold is now
+3072x3072, which on FLUX.1-dev is every linear not kept by name. Earlier, on an H100, the first
+rule took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
 512² (H100) the default rule helps only at large batches: a Flow-GRPO request of 16 ran 1.80x stock
 eager with FP8 and compile (benchmarks/RESULTS.md#grpo-fast; compile alone on the same workload:
 1.645x on an H200, benchmarks/RESULTS.md#grpo-compiled, not re-measured on the H100),
@@ -132,8 +136,10 @@ class Fp8Rule:
 
 # Keyed by the denoiser's class name; others get DEFAULT_FP8_RULE.
 FP8_RULES: dict[str, Fp8Rule] = {
+    # On FLUX.1-dev every linear not kept by name (its smallest are 3072x3072): the whole compiled
+    # model ran faster so than with the attention projections in bf16 (module doc).
     "FluxTransformer2DModel": Fp8Rule(
-        3072 * 3072 + 1, note="provisional: per-layer H100 timings in issue #26 (3072x3072 slower in FP8)"
+        3072 * 3072, note="measured: whole compiled FLUX.1-dev at 1024², H200 (RESULTS fast-flux-step)"
     ),
     # SD3.5-medium is 1536 wide: its 1536x1536 attention projections stay bf16, the MLPs go FP8.
     "SD3Transformer2DModel": Fp8Rule(1536 * 1536 + 1),
