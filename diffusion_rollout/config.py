@@ -331,7 +331,7 @@ class ServerConfig(BaseModel):
     def limits(self) -> dict[str, object]:
         """The limits reported by ``/server_info``."""
         names = [
-            "max_batch_size", "max_queue_depth", "max_steps", "max_pixels", "max_frames",
+            "max_batch_size", "max_batch_pixels", "max_queue_depth", "max_steps", "max_pixels", "max_frames",
             "max_outputs_per_request", "max_body_bytes", "max_upload_bytes", "request_timeout_s",
             "max_trajectory_bytes", "max_prompt_chars", "max_prompt_tokens",
             "max_image_bytes", "max_image_pixels",

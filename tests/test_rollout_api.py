@@ -292,6 +292,7 @@ def test_video_frames_count_toward_max_batch_pixels(fresh_server, cap_videos, ca
     _wait_for(lambda: worker.batches_run >= before + calls and not worker.busy)
     assert worker.batches_run == before + calls
     assert [outs[0]["batch_size"] for outs in results] == [3 - calls] * 2
+    assert srv.client.get("/server_info").json()["limits"]["max_batch_pixels"] == cap_videos * 32 * 32 * 5
 
 
 # --------------------------------------------------------------------------- wire formats
