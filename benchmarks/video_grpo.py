@@ -37,8 +37,10 @@ from benchmarks.common import document, print_table, quiet_libraries, write_json
 
 PHASES = ("grpo", "grpo_iteration")
 TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
-# Each builder's default size (Wan 2.1 1.3B: 480x832, 33 frames, as in the recipes). Whether all
-# four fit one 10-minute device call is not known yet: --models runs some of them.
+# Each builder's default size. They do not all fit one 10-minute device call: on an H200, Wan 2.1
+# and LTX-2 with --phases grpo_iteration --profile took 6.5 minutes together, HunyuanVideo 1.5's
+# iteration of 2 one-video requests (--group 1 --iteration-groups 2 --reps 1) about 3, and Wan 2.2
+# TI2V-5B at 1280x704x81 did not finish its first phase in 5 (--frames makes it shorter).
 DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
 
 
@@ -54,6 +56,8 @@ def run(args) -> int:
     def measure(model) -> None:
         if args.steps:
             model.defaults["num_inference_steps"] = args.steps
+        if args.frames:  # e.g. TI2V-5B's 81 frames at 1280x704 do not fit one device call
+            model.defaults["num_frames"] = args.frames
         # HunyuanVideo 1.5's stock pipeline decodes one video per call (its VAE's attention mask):
         # its requests hold one video each, and the iteration keeps more of them in flight.
         group = 1 if model.decodes_one_video_per_call else args.group
@@ -78,7 +82,7 @@ def run(args) -> int:
             "video_grpo",
             device,
             {"models": names, "group": args.group, "iteration_groups": args.iteration_groups,
-             "reps": args.reps, "steps": args.steps},
+             "reps": args.reps, "steps": args.steps, "frames": args.frames, "phases": phases},
             rows,
             ok=not failures,
             notes=per_model.failure_notes(failures),
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     # call, and with 2 in flight (the H100 run at 33f829c) it weighs twice as much.
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--frames", type=int, default=None, help="frames per video (default: each builder's)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     # Where the server's GPU idles that stock's does not: the iteration once more, under the profiler.
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")

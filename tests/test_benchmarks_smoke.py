@@ -348,9 +348,11 @@ def test_video_grpo_phases_and_profile(tmp_path):
     from benchmarks import video_grpo
 
     argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
-            "--phases", "grpo_iteration", "--profile", "--out", str(tmp_path)]  # fmt: skip
+            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--out", str(tmp_path)]  # fmt: skip
     assert video_grpo.main(argv) == 0
-    rows = _doc(tmp_path, "video_grpo")["results"]
+    doc = _doc(tmp_path, "video_grpo")
+    assert doc["settings"]["frames"] == 9 and doc["settings"]["phases"] == ["grpo_iteration"]
+    rows = doc["results"]
     assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
     profile = [r for r in rows if r["phase"] == "grpo_profile"]
     assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]

@@ -293,14 +293,7 @@ class Engine:
                     t0 + timeout, timeout,
                 )  # fmt: skip
                 self._check_ready()
-            job = Job(
-                payload=plan,
-                batch_key=plan.key,
-                samples=len(plan.seeds),
-                pixels=plan.pixels,
-                request_id=params.request_id,
-            )
-            fut = self.worker.submit(job)
+            fut = self.worker.submit(plan.job(params.request_id))
             try:
                 remaining = max(0.0, t0 + timeout - time.monotonic())
                 return await asyncio.wait_for(asyncio.wrap_future(fut), remaining)
@@ -385,14 +378,7 @@ class Engine:
         if params.min_weight_version is not None:
             self.version_gate.check(params.min_weight_version)
         plan = self.plan(params)
-        job = Job(
-            payload=plan,
-            batch_key=plan.key,
-            samples=len(plan.seeds),
-            pixels=plan.pixels,
-            request_id=params.request_id,
-        )
-        return self.worker.submit(job).result(timeout)
+        return self.worker.submit(plan.job(params.request_id)).result(timeout)
 
     async def readiness_probe(self) -> None:
         """A one-step, latent-only generation at a small size (``/health_generate``)."""

@@ -23,6 +23,7 @@ from diffusion_rollout.server.images import ConditionImage, image_limits, load_i
 from diffusion_rollout.server.params import GenerateParams
 from diffusion_rollout.server.prompt_limits import check_prompt_limits
 from diffusion_rollout.server.speed import check_feature_cache
+from diffusion_rollout.server.worker import Job
 
 
 class Plan:
@@ -59,6 +60,12 @@ class Plan:
             p.rollout and p.return_denoising_env,
             p.feature_cache,
             self.image_key,
+        )
+
+    def job(self, request_id: str) -> Job:
+        """The worker's unit of work for this plan: its batch key, samples and pixels (batching)."""
+        return Job(
+            payload=self, batch_key=self.key, samples=len(self.seeds), pixels=self.pixels, request_id=request_id
         )
 
 
