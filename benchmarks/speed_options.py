@@ -888,7 +888,13 @@ def grpo_compiled(model: BenchModel, *, group: int, groups: int, reps: int) -> l
 
 
 def grpo_fast(
-    model: BenchModel, *, group: int, groups: int, reps: int, fa4: bool = False, fp8_all: bool = False,
+    model: BenchModel,
+    *,
+    group: int,
+    groups: int,
+    reps: int,
+    fa4: bool = False,
+    fp8_all: bool = False,
     family_rule: bool = True,
 ) -> list[dict[str, Any]]:
     """The fast tier's Flow-GRPO throughput (issue #26: at least 2x stock eager): the lean uint8

@@ -402,3 +402,18 @@ def test_grpo_against_stock_times_each_option_and_names_the_one_that_failed():
     assert all(r["response_mb"] > 0 for r in rows if r["variant"] != "stock")
     note = by[("grpo_fast", "stock")]["note"]
     assert note.startswith("stock first; broken failed: RuntimeError: not on this build")
+
+
+def test_grpo_fast_every_linear_alone_leaves_out_the_family_rule(monkeypatch):
+    """``--fp8-all-only``: the every-linear FP8 variant is the only option timed against stock (one
+    compile fits a device call); by default the family rule's variant comes first."""
+    from benchmarks import speed_options
+
+    seen = []
+    monkeypatch.setattr(speed_options, "_require_fp8", lambda model: None)
+    monkeypatch.setattr(
+        speed_options, "_grpo_against_stock", lambda model, options, **kw: seen.append(list(options))
+    )
+    speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True, family_rule=False)
+    speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True)
+    assert seen == [["fp8_all_compiled"], ["fp8_compiled", "fp8_all_compiled"]]

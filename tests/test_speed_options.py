@@ -264,16 +264,3 @@ def test_block_caches_on_flux(served, cache):
     cached = server.generate({**base, "feature_cache": cache})[0]
     assert cached["exact"] is False
     assert not torch.equal(eager, cached["generated_output"])
-
-
-def test_grpo_fast_every_linear_alone_leaves_out_the_family_rule(monkeypatch):
-    """``--fp8-all-only``: the every-linear FP8 variant is the only option timed against stock (one
-    compile fits a device call); by default the family rule's variant comes first."""
-    from benchmarks import speed_options
-
-    seen = []
-    monkeypatch.setattr(speed_options, "_require_fp8", lambda model: None)
-    monkeypatch.setattr(speed_options, "_grpo_against_stock", lambda model, options, **kw: seen.append(list(options)))
-    speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True, family_rule=False)
-    speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True)
-    assert seen == [["fp8_all_compiled"], ["fp8_compiled", "fp8_all_compiled"]]

@@ -65,7 +65,11 @@ class Plan:
     def job(self, request_id: str) -> Job:
         """The worker's unit of work for this plan: its batch key, samples and pixels (batching)."""
         return Job(
-            payload=self, batch_key=self.key, samples=len(self.seeds), pixels=self.pixels, request_id=request_id
+            payload=self,
+            batch_key=self.key,
+            samples=len(self.seeds),
+            pixels=self.pixels,
+            request_id=request_id,
         )
 
 
