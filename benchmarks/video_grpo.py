@@ -37,10 +37,11 @@ from benchmarks.common import document, print_table, quiet_libraries, write_json
 
 PHASES = ("grpo", "grpo_iteration")
 TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
-# Each builder's default size. They do not all fit one 10-minute device call: on an H200, Wan 2.1
-# and LTX-2 with --phases grpo_iteration --profile took 6.5 minutes together, HunyuanVideo 1.5's
-# iteration of 2 one-video requests (--group 1 --iteration-groups 2 --reps 1) about 3, and Wan 2.2
-# TI2V-5B at 1280x704x81 did not finish its first phase in 5 (--frames makes it shorter).
+# Each builder's default size. They do not all fit one 10-minute device call. On an H200, with
+# --phases grpo_iteration: Wan 2.1 with --profile took 3.3 minutes, LTX-2 about 3 (its --profile did
+# not finish in what the call had left), HunyuanVideo 1.5's 2 one-video requests (--group 1
+# --iteration-groups 2 --reps 1) about 3; Wan 2.2 TI2V-5B at 1280x704x81 did not finish its first
+# phase in 5 (--frames makes it shorter).
 DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
 
 

@@ -356,7 +356,7 @@ def test_video_grpo_phases_and_profile(tmp_path):
     assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
     profile = [r for r in rows if r["phase"] == "grpo_profile"]
     assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]
-    assert all(r["wall_s"] > 0 and r["gpu_busy_s"] >= 0 for r in profile)
+    assert profile[0]["kernels_and_copies"] > 0 and all(r["wall_s"] > 0 for r in profile)  # stock: operators on CPU
     with pytest.raises(SystemExit, match="unknown phase"):
         video_grpo.main(["--device", "cpu", "--models", "tiny-wan", "--phases", "grpo,nope"])
 

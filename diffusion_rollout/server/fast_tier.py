@@ -38,8 +38,8 @@ still guesses by analogy, to be replaced by the same measurement per family. FLU
 kept the 3072x3072 attention projections in bf16, because compiled FP8 made that shape slower as a
 single layer on an H100. Inside the whole compiled FLUX.1-dev transformer at 1024² (H200) the
 opposite held: with those projections in FP8 too (418 linears FP8, the 86 kept by name bf16) one
-forward took 98.8 ms against 108.0 (benchmarks/RESULTS.md#fast-fp8-flux-all), and a whole served
-rollout 103.4 ms per step against 112.6, stock eager 175.1 (benchmarks/RESULTS.md#fast-flux-step),
+forward took 98.8 ms against 108.0 (benchmarks/RESULTS.md#fast-fp8-flux-all), and a whole rollout
+through the benchmark's in-process server 103.4 ms per step against 112.6, stock eager 175.1 (benchmarks/RESULTS.md#fast-flux-step),
 at an output difference from eager bf16 of 0.058 relative L2 against 0.048. The threshold is now
 3072x3072, which on FLUX.1-dev is every linear not kept by name. Earlier, on an H100, the first
 rule took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
@@ -137,7 +137,7 @@ class Fp8Rule:
 # Keyed by the denoiser's class name; others get DEFAULT_FP8_RULE.
 FP8_RULES: dict[str, Fp8Rule] = {
     # On FLUX.1-dev every linear not kept by name (its smallest are 3072x3072): the whole compiled
-    # model ran faster so than with the attention projections in bf16 (module doc).
+    # model ran faster that way than with the attention projections in bf16 (module doc).
     "FluxTransformer2DModel": Fp8Rule(
         3072 * 3072, note="measured: whole compiled FLUX.1-dev at 1024², H200 (RESULTS fast-flux-step)"
     ),
