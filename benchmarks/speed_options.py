@@ -324,7 +324,13 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
 
 
 def grpo_iteration(
-    model: BenchModel, *, group: int, groups: int, reps: int, equal_priority: bool = True
+    model: BenchModel,
+    *,
+    group: int,
+    groups: int,
+    reps: int,
+    equal_priority: bool = True,
+    whole_messages: bool = False,
 ) -> list[dict[str, Any]]:
     """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
     (``generate_many``), vs the stock pipeline running the same batches one after another.
@@ -334,7 +340,9 @@ def grpo_iteration(
     The ``2_lanes`` variant is the eager server with ``pipeline_lanes=2`` (two batches in flight on
     two CUDA streams, server/lanes.py); ``2_lanes_equal_priority`` the same with lane 0's stream at
     the other lane's priority (what lane 0's higher priority is measured against; left out with
-    ``equal_priority=False``).
+    ``equal_priority=False``). ``whole_messages`` adds the one-lane server sending each answer buffer
+    as one body message, as before ``BuffersResponse.SEND_CHUNK`` sliced them (what slicing buys
+    under uvicorn's h11).
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {
@@ -346,11 +354,28 @@ def grpo_iteration(
         fns[f"server_lean_uint8_2_lanes_equal_priority_{groups}_in_flight"] = served(
             False, lanes=2, equal_priorities=True
         )
+    if whole_messages:
+        fns[f"server_lean_uint8_whole_messages_{groups}_in_flight"] = _whole_messages(served(False))
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)
     steps = _body(model)["num_inference_steps"]
     return _rows(model, "grpo_iteration", times, sizes, group * groups, steps)
+
+
+def _whole_messages(fn):
+    """``fn`` with the in-process server sending every answer buffer as one body message."""
+    from diffusion_rollout.entrypoints import buffers_response
+
+    def whole():
+        sliced = buffers_response.SEND_CHUNK
+        buffers_response.SEND_CHUNK = 1 << 62
+        try:
+            return fn()
+        finally:
+            buffers_response.SEND_CHUNK = sliced
+
+    return whole
 
 
 def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: int = 2):

@@ -71,7 +71,12 @@ def run(args) -> int:
         if "grpo_iteration" in phases:
             rows.extend(
                 speed_options.grpo_iteration(
-                    model, group=group, groups=groups, reps=args.reps, equal_priority=False
+                    model,
+                    group=group,
+                    groups=groups,
+                    reps=args.reps,
+                    equal_priority=False,
+                    whole_messages=args.whole_messages,
                 )
             )
             save()
@@ -111,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=None, help="frames per video (default: each builder's)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     # Where the server's GPU idles that stock's does not: the iteration once more, under the profiler.
+    p.add_argument(
+        "--whole-messages",
+        action="store_true",
+        help="grpo_iteration: also the one-lane server sending each answer buffer whole (no slices)",
+    )
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
     return run(p.parse_args(argv))
 

@@ -344,16 +344,21 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
 
 
 def test_video_grpo_phases_and_profile(tmp_path):
-    """``--phases grpo_iteration --profile``: the iteration and its GPU-gap rows only."""
+    """``--phases grpo_iteration --profile --whole-messages``: the iteration (with the unsliced
+    answer's variant) and its GPU-gap rows only."""
     from benchmarks import video_grpo
+    from diffusion_rollout.entrypoints import buffers_response
 
     argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
-            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--out", str(tmp_path)]  # fmt: skip
+            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--whole-messages",
+            "--out", str(tmp_path)]  # fmt: skip
     assert video_grpo.main(argv) == 0
+    assert buffers_response.SEND_CHUNK == 1 << 20  # the variant put the slice size back
     doc = _doc(tmp_path, "video_grpo")
     assert doc["settings"]["frames"] == 9 and doc["settings"]["phases"] == ["grpo_iteration"]
     rows = doc["results"]
     assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
+    assert any(r["variant"] == "server_lean_uint8_whole_messages_2_in_flight" for r in rows)
     profile = [r for r in rows if r["phase"] == "grpo_profile"]
     assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]
     assert profile[0]["kernels_and_copies"] > 0 and all(r["wall_s"] > 0 for r in profile)  # stock: operators on CPU

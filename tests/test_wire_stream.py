@@ -226,6 +226,36 @@ def test_wire_response_sends_the_tensor_memory_under_one_content_length():
     assert np.frombuffer(view, dtype=np.uint8).ctypes.data == big.data_ptr()  # not a copy
 
 
+def test_a_large_tensor_goes_out_in_slices_of_its_own_memory():
+    """Body messages are at most SEND_CHUNK bytes (one h11 join each holds the GIL that long), every
+    slice of the big tensor a view of its memory, and the bytes are the previous encoder's."""
+    from starlette.requests import Request
+
+    from diffusion_rollout.entrypoints.buffers_response import SEND_CHUNK
+    from diffusion_rollout.entrypoints.routers.common import wire_response
+
+    big = torch.randn(SEND_CHUNK // 4 * 3 + 1234)  # 3 slices and a tail
+    obj = [{"x": big, "seed": 1}]
+    sent: list[dict] = []
+
+    async def go() -> None:
+        request = Request({"type": "http", "method": "POST", "headers": [(b"accept", wire.MSGPACK.encode())]})
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        await (await wire_response(request, obj))({"type": "http", "method": "POST"}, None, send)
+
+    asyncio.run(go())
+    bodies = [m["body"] for m in sent[1:]]
+    assert max(len(b) for b in bodies) == SEND_CHUNK
+    assert b"".join(bodies) == previous_encode(obj)
+    views = [b for b in bodies if isinstance(b, memoryview)]
+    assert len(views) == 4 and sum(len(v) for v in views) == big.numel() * 4
+    starts = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
+    assert starts == [big.data_ptr() + i * SEND_CHUNK for i in range(4)]  # views, not copies
+
+
 # ---------------------------------------------------------------------------- the client's buffer
 class Answer(httpx.SyncByteStream):
     def __init__(self, pieces: list[bytes]) -> None:
@@ -315,7 +345,12 @@ def test_clients_get_the_engines_tensors_through_the_app(served, recorded):
     assert_outputs_are_the_engines(outputs, recorded[-1])
 
 
-def test_a_real_socket_answer_has_a_content_length_and_fills_the_preallocated_buffer(fresh_server, recorded):
+@pytest.mark.parametrize("send_chunk", [None, 4096], ids=["whole", "sliced"])
+def test_a_real_socket_answer_has_a_content_length_and_fills_the_preallocated_buffer(
+    fresh_server, recorded, monkeypatch, send_chunk
+):
+    if send_chunk is not None:  # the tiny answer then goes out in many slices, through uvicorn's h11
+        monkeypatch.setattr("diffusion_rollout.entrypoints.buffers_response.SEND_CHUNK", send_chunk)
     server = fresh_server("sd3")  # private: uvicorn's shutdown puts the engine into its drain
     request = {"prompt": "a red square", **rollout_fields(output_dtype="uint8"), "lean_response": True}
     with live_server(server) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
