@@ -361,7 +361,9 @@ def test_video_grpo_phases_and_profile(tmp_path):
     assert any(r["variant"] == "server_lean_uint8_whole_messages_2_in_flight" for r in rows)
     profile = [r for r in rows if r["phase"] == "grpo_profile"]
     assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]
-    assert profile[0]["kernels_and_copies"] > 0 and all(r["wall_s"] > 0 for r in profile)  # stock: operators on CPU
+    assert profile[0]["kernels_and_copies"] > 0 and all(
+        r["wall_s"] > 0 for r in profile
+    )  # stock: operators on CPU
     with pytest.raises(SystemExit, match="unknown phase"):
         video_grpo.main(["--device", "cpu", "--models", "tiny-wan", "--phases", "grpo,nope"])
 
