@@ -372,3 +372,41 @@ def test_flux1_dev_rule_quantizes_every_linear_not_kept_by_name():
     assert {k: len(v) for k, v in plan.items()} == {"fp8": 418, "bf16_name": 86, "bf16_size": 0}
     assert plan == fast_tier.fp8_plan(model, fast_tier.EVERY_LINEAR)
     assert "transformer_blocks.0.attn.to_q" in plan["fp8"]
+
+
+def test_sd35_medium_rule_quantizes_every_linear_not_kept_by_name():
+    """SD3's rule measured at the Flow-GRPO batch (H100, RESULTS grpo-fast-all): on SD3.5-medium's
+    config (meta device) the 1536x1536 attention projections are FP8 too, as in EVERY_LINEAR."""
+    from diffusers import SD3Transformer2DModel
+
+    from benchmarks.model_builders import SD35_MEDIUM_TRANSFORMER
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER)
+    plan = fast_tier.fp8_plan(model)
+    assert plan == fast_tier.fp8_plan(model, fast_tier.EVERY_LINEAR) and plan["bf16_size"] == []
+    assert "transformer_blocks.0.attn.to_q" in plan["fp8"] and "transformer_blocks.0.ff.net.2" in plan["fp8"]
+
+
+@pytest.mark.parametrize("rows", [1, 32, 127, 128, 300])
+def test_fp8_linears_pad_inputs_of_few_rows(rows, monkeypatch):
+    """cuBLASLt has no rowwise FP8 kernel for few rows and a long reduction (the readiness probe's 32
+    rows failed on an H100): inputs under FP8_MIN_ROWS rows reach the matmul padded to it, the output
+    keeps the real rows only and equals the plain linear's; larger inputs pass unchanged."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 16))
+    x = torch.randn(1, rows, 64)
+    plain = model(x)
+    fast_tier.pad_small_inputs(model, ["0"])  # the first linear only, as a plan would name it
+    seen: list[tuple[int, ...]] = []
+    linear = torch.nn.functional.linear
+
+    def recording(inp, weight, bias=None):
+        seen.append(tuple(inp.shape))
+        return linear(inp, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording)
+    out = model(x)
+    assert seen[0] == ((fast_tier.FP8_MIN_ROWS, 64) if rows < fast_tier.FP8_MIN_ROWS else (1, rows, 64))
+    assert out.shape == plain.shape == (1, rows, 16)
+    torch.testing.assert_close(out, plain)
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]

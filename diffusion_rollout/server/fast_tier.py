@@ -33,8 +33,8 @@ denoiser's class name.
 2. By size: a linear is quantized only if ``in_features * out_features >= min_weight_elements`` of
    its family and both dimensions are multiples of 16 (``torch._scaled_mm``).
 
-**FLUX's threshold is measured on the whole model**; SD3's, Qwen-Image's, Wan's and the default are
-still guesses by analogy, to be replaced by the same measurement per family. FLUX's first threshold
+**FLUX's and SD3's thresholds are measured on the whole model**; Qwen-Image's, Wan's and the
+default are still guesses by analogy, to be replaced by the same measurement per family. FLUX's first threshold
 kept the 3072x3072 attention projections in bf16, because compiled FP8 made that shape slower as a
 single layer on an H100. Inside the whole compiled FLUX.1-dev transformer at 1024² (H200) the
 opposite held: with those projections in FP8 too (418 linears FP8, the 86 kept by name bf16) one
@@ -43,11 +43,16 @@ through the benchmark's in-process server 103.4 ms per step against 112.6, stock
 at an output difference from eager bf16 of 0.058 relative L2 against 0.048. The threshold is now
 3072x3072, which on FLUX.1-dev is every linear not kept by name. Earlier, on an H100, the first
 rule took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
-512² (H100) the default rule helps only at large batches: a Flow-GRPO request of 16 ran 1.80x stock
-eager with FP8 and compile (benchmarks/RESULTS.md#grpo-fast; compile alone on the same workload:
-1.645x on an H200, benchmarks/RESULTS.md#grpo-compiled, not re-measured on the H100),
-while a rollout of 2 took 420 ms against compile's 270 (benchmarks/RESULTS.md#drift-fp8-compile-h100);
-``benchmarks.flux_breakdown --fp8-all`` times the same model without the size threshold.
+512² (H100) the first rule (1536x1536 attention projections bf16) ran a Flow-GRPO request of 16 at
+1.80x stock eager with compile (benchmarks/RESULTS.md#grpo-fast; compile alone on the same workload:
+1.645x on an H200, benchmarks/RESULTS.md#grpo-compiled, not re-measured on the H100); with every linear
+not kept by name in FP8, 1.99x, and 2.07x with 4 requests in flight (benchmarks/RESULTS.md#grpo-fast-all),
+so SD3's threshold is now 1536x1536. At small batches FP8 does not pay: a rollout of 2 took 420 ms
+against compile's 270 (first rule, benchmarks/RESULTS.md#drift-fp8-compile-h100).
+``benchmarks.flux_breakdown --fp8-all`` times FLUX without the size threshold.
+
+Inputs of few rows (:data:`FP8_MIN_ROWS`): cuBLASLt refused rowwise FP8 for the SD3.5 MLP's long
+reduction at 64 rows or fewer (the readiness probe), so every FP8 linear pads such inputs.
 """
 
 from __future__ import annotations
@@ -141,8 +146,12 @@ FP8_RULES: dict[str, Fp8Rule] = {
     "FluxTransformer2DModel": Fp8Rule(
         3072 * 3072, note="measured: whole compiled FLUX.1-dev at 1024², H200 (RESULTS fast-flux-step)"
     ),
-    # SD3.5-medium is 1536 wide: its 1536x1536 attention projections stay bf16, the MLPs go FP8.
-    "SD3Transformer2DModel": Fp8Rule(1536 * 1536 + 1),
+    # SD3.5-medium is 1536 wide: every linear not kept by name, the 1536x1536 attention projections
+    # too. The Flow-GRPO request of 16 ran 1.986x stock eager that way (4 in flight: 2.070x) against
+    # 1.804x (1.861x) with those projections in bf16, same H100 machine kind.
+    "SD3Transformer2DModel": Fp8Rule(
+        1536 * 1536, note="measured: Flow-GRPO on SD3.5-medium at 512², H100 (RESULTS grpo-fast-all)"
+    ),
     "QwenImageTransformer2DModel": Fp8Rule(3072 * 3072 + 1),
     "WanTransformer3DModel": Fp8Rule(3072 * 3072 + 1),
 }
@@ -203,6 +212,37 @@ def fp8_config() -> Any:
     return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
 
 
+# cuBLASLt (torch 2.11+cu130, H100) has no rowwise-scaled FP8 kernel for a matrix of few rows and
+# a long reduction: the SD3.5 MLP's 6144 -> 1536 projection failed with CUBLAS_STATUS_NOT_SUPPORTED at
+# 1 to 64 rows and ran at 128, 333, 666, 1024 and 1332, eager and compiled (1536 -> 1536 ran at every
+# count). The readiness probe's 64x64 image is 32 rows. An FP8 linear therefore pads its input to at
+# least this many rows (zeros; the scales are per row, so the real rows are unchanged) and drops the
+# extra rows of the output. Larger inputs are untouched.
+FP8_MIN_ROWS = 128
+
+
+def _padded_forward(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``linear``'s forward with inputs of fewer than :data:`FP8_MIN_ROWS` rows padded to that."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows >= FP8_MIN_ROWS:
+            return torch.nn.functional.linear(x, linear.weight, linear.bias)
+        flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, FP8_MIN_ROWS - rows))
+        out = torch.nn.functional.linear(flat, linear.weight, linear.bias)[:rows]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def pad_small_inputs(model: torch.nn.Module, names: list[str]) -> None:
+    """Give each FP8 linear of ``names`` the padded forward (an instance attribute: the module, its
+    parameters and its path stay as they are, for weight updates and LoRA layers that wrap it)."""
+    for fqn in names:
+        linear = model.get_submodule(fqn)
+        linear.forward = _padded_forward(linear)
+
+
 def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """A weight update's new ``values`` for a linear quantized by :func:`quantize_fp8`, quantized
     the same way (a fresh linear of the same shape through torchao's ``quantize_``) on ``held``'s
@@ -231,6 +271,7 @@ def quantize_fp8(
     rule = rule or fp8_rule_for(model)
     plan = fp8_plan(model, rule)
     quantize_(model, fp8_config(), filter_fn=fp8_filter(rule))
+    pad_small_inputs(model, plan["fp8"])
     setattr(model, REQUANTIZE_ATTR, requantize_fp8)
     logger.info(
         "%s: FP8 (torchao, rowwise) on %d linears; %d kept bf16 by name (embedders, norms, final "
