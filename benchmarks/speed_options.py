@@ -75,7 +75,7 @@ import contextlib
 import functools
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -704,7 +704,10 @@ def drift(
     deadline: Deadline,
     n: int = 2,
     fp8: bool = False,
+    only: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
+    """The drift table: each option's rollout against the eager server's (always first, the
+    reference). ``only``: just these options (by name) beside eager, to split a long run over calls."""
     srv = model.server()
     body = _body(model, num_outputs_per_prompt=n, seed=5, **SDE_ROLLOUT_ENV, lean_response=True)
     body["return_generated_output"] = False
@@ -716,7 +719,13 @@ def drift(
     rows: list[dict[str, Any]] = []
     ref = ref_ode = None
     eager_ms = None
-    for name, ctx, extra in _option_contexts(model, backends, caches, with_compile, fp8):
+    options = _option_contexts(model, backends, caches, with_compile, fp8)
+    if only is not None:
+        unknown = sorted(set(only) - {name for name, _, _ in options})
+        if unknown:
+            raise ValueError(f"--drift-options: {unknown} not among {[name for name, _, _ in options]}")
+        options = [o for o in options if o[0] == "eager" or o[0] in only]
+    for name, ctx, extra in options:
         estimate = 120.0 if "compile" in name else 15.0
         if not deadline.allows(estimate):
             rows.append({"model": model.name, "option": name, "note": "skipped: time budget"})
@@ -1101,7 +1110,7 @@ def run(args) -> dict[str, Any]:
             drift_rows.extend(
                 drift(
                     model, reps=2, backends=backends, caches=sd_caches, with_compile=compile_here,
-                    deadline=deadline, fp8=args.fp8,
+                    deadline=deadline, fp8=args.fp8, only=args.drift_options,
                 )
             )  # fmt: skip
         # Last on this model: compiling takes minutes and the other phases must not wait for it.
@@ -1126,9 +1135,10 @@ def run(args) -> dict[str, Any]:
         if not tiny:
             model.defaults["num_inference_steps"] = 28
         if "flux" in phases and phase("flux", 90):
-            rows, gates = batch1(model, reps=args.reps, phase="flux", n_gate=1)
-            speed_rows.extend(rows)
-            gate_rows.extend(gates)
+            if args.drift_options is None:  # a split drift run (--drift-options) times only its rows
+                rows, gates = batch1(model, reps=args.reps, phase="flux", n_gate=1)
+                speed_rows.extend(rows)
+                gate_rows.extend(gates)
             if phase("flux drift", 40):
                 flux_caches = [
                     {"kind": "first_block", "threshold": 0.05 if not tiny else 0.5},
@@ -1143,7 +1153,7 @@ def run(args) -> dict[str, Any]:
                     drift(
                         model, reps=1, backends=backends if fast else [], caches=flux_caches,
                         with_compile=fast and with_compile, deadline=deadline, n=1,
-                        fp8=fast,
+                        fp8=fast, only=args.drift_options,
                     )
                 )  # fmt: skip
         if "flux_compiled" in phases and phase("flux compiled", 150):
@@ -1207,8 +1217,15 @@ def main(argv: list[str] | None = None) -> int:
         "--fp8-all-only", action="store_true",
         help="grpo_fast: only the every-linear FP8 variant against stock (one compile)",
     )  # fmt: skip
+    p.add_argument(
+        "--drift-options", default=None,
+        help="drift: only these options beside eager, comma-separated names as in the table "
+        "(e.g. 'attention fa4,quantize fp8 + attention fa4 + regional compile'); flux: no batch-1 rows",
+    )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU: 470)")
     args = p.parse_args(argv)
+    if args.drift_options is not None:
+        args.drift_options = [x.strip() for x in args.drift_options.split(",") if x.strip()]
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = sorted(set(args.phases) - SD_PHASES - FLUX_PHASES)
     if unknown:

@@ -207,6 +207,19 @@ def test_speed_options_fast_tier_phases_say_why_they_cannot_run_on_a_cpu(tmp_pat
     assert not [r for r in doc["speed"] if r["phase"].endswith("fast")]
 
 
+def test_speed_options_drift_options_split_a_run(tmp_path):
+    """``--drift-options``: eager (the reference) and the named options only, no FLUX batch-1 rows;
+    a name the run does not have is an error naming the choices."""
+    argv = ["--tiny", "--device", "cpu", "--phases", "flux", "--fp8", "--backends", "_native_math",
+            "--drift-options", "attention _native_math", "--out", str(tmp_path)]  # fmt: skip
+    assert speed_options.main(argv) == 0
+    doc = _doc(tmp_path, "speed_options")
+    assert [r["option"] for r in doc["drift"]] == ["eager", "attention _native_math"]
+    assert doc["speed"] == [] and doc["drift"][1]["latent_max_abs_diff"] >= 0
+    with pytest.raises(ValueError, match="not among"):
+        speed_options.main([*argv[:-4], "--drift-options", "attention fa4", "--out", str(tmp_path)])
+
+
 def test_speed_options_profile_phase_tiny(tmp_path):
     # On the CPU the profiler sees the operators of the calling thread: the stock pipeline's, not the
     # server worker's; the GPU run reads kernels of every stream. The shape of the rows is the check.
