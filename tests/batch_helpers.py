@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 
 def generate_together(srv, reqs: Sequence[dict], *, queue_timeout: float = 30.0) -> list:
-    """Pause ``srv``'s worker, send each request from its own thread, wait until all are queued (at
-    most ``queue_timeout``), resume: the worker finds them queued together. Returns each request's
+    """Pause ``srv``'s worker, send each request from its own thread, each once the one before is
+    queued (at most ``queue_timeout`` in all), resume: the worker finds them queued together, in order. Returns each request's
     outputs, in order (None for a request that did not return within 60 s)."""
     worker = srv.engine.worker
     results: list = [None] * len(reqs)
@@ -20,11 +20,14 @@ def generate_together(srv, reqs: Sequence[dict], *, queue_timeout: float = 30.0)
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reqs))]
     worker.pause()
     try:
-        for t in threads:
-            t.start()
         deadline = time.monotonic() + queue_timeout
-        while worker.depth < len(reqs) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        base = worker.depth
+        for i, t in enumerate(threads):
+            t.start()
+            # One at a time, so the queue holds them in the order given (tests that check how
+            # queued requests are grouped into calls depend on it).
+            while worker.depth < base + i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
     finally:  # a failure while queueing must not leave the worker (and the teardown) hanging
         worker.resume()
     for t in threads:
