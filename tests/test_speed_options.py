@@ -264,3 +264,16 @@ def test_block_caches_on_flux(served, cache):
     cached = server.generate({**base, "feature_cache": cache})[0]
     assert cached["exact"] is False
     assert not torch.equal(eager, cached["generated_output"])
+
+
+def test_the_readiness_probe_of_a_compiled_server_runs_eagerly(fresh_server):
+    """The probe's small image would compile the blocks for a shape no request uses (minutes with
+    FP8 on an H100): it runs under ``force_eager``, and the first real request is what compiles."""
+    from torch._dynamo.utils import counters
+
+    server = fresh_server("sd3", compile=True)
+    before = counters["stats"]["unique_graphs"]
+    assert server.client.get("/health_generate").status_code == 200
+    assert counters["stats"]["unique_graphs"] == before  # nothing compiled for the probe
+    out = server.generate({"prompt": "a red square", "seed": 1, **call_defaults("sd3")})
+    assert counters["stats"]["unique_graphs"] > before and out[0]["exact"] is False

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import time
@@ -278,14 +279,16 @@ class Engine:
         return get_weight_manager(self)
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, params: GenerateParams) -> list[SampleResult]:
+    async def generate(self, params: GenerateParams, *, probe: bool = False) -> list[SampleResult]:
         """Validate, queue, wait (at most ``request_timeout_s``). Cancelling the awaiting task drops
-        queued work."""
+        queued work. ``probe``: the readiness probe (``Plan.as_probe``)."""
         t0 = time.monotonic()
         outcome = "ok"
         try:
             self._check_ready()
             plan = self.plan(params)
+            if probe:
+                plan.as_probe()
             timeout = self.config.request_timeout_s
             if params.min_weight_version is not None:
                 await self.version_gate.admit(
@@ -398,7 +401,7 @@ class Engine:
             params.num_frames = 1
         if self.adapter.image_inputs:  # image-conditioned families need their input image
             params.image_data = [probe_image_png(side)]
-        await self.generate(params)
+        await self.generate(params, probe=True)
 
     def _check_ready(self) -> None:
         if self.status == "loading":
@@ -545,6 +548,8 @@ class Engine:
                     rollout_context(state),
                     feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
                     speed.graphs_for_call(cache),
+                    # Process-wide, but the worker runs one call at a time when compiled (no lanes).
+                    torch.compiler.set_stance("force_eager") if first.eager else contextlib.nullcontext(),
                 ):
                     if watch:
                         with recorder.attach(a.transformers()):

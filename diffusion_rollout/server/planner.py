@@ -62,6 +62,16 @@ class Plan:
             self.image_key,
         )
 
+    eager = False  # run with compilation off (the readiness probe on a compiled server)
+
+    def as_probe(self) -> Plan:
+        """The readiness probe's plan: run eagerly even on a compiled server (its small image would
+        otherwise compile the blocks once more for a shape no request uses; with FP8 that took
+        minutes on an H100), and never batched with a request."""
+        self.eager = True
+        self.key = (*self.key, "probe")
+        return self
+
     def job(self, request_id: str) -> Job:
         """The worker's unit of work for this plan: its batch key, samples and pixels (batching)."""
         return Job(
