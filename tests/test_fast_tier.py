@@ -11,6 +11,7 @@ The GPU side (a served model with each option): ``tests/test_fast_tier_gpu.py``.
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -410,3 +411,11 @@ def test_fp8_linears_pad_inputs_of_few_rows(rows, monkeypatch):
     assert out.shape == plain.shape == (1, rows, 16)
     torch.testing.assert_close(out, plain)
     assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    monkeypatch.undo()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # Dynamo traces the bound forward
+    torch.testing.assert_close(compiled(x), plain)
+    twin = copy.deepcopy(model)  # the padded forward follows the copy's own weights
+    with torch.no_grad():
+        twin[0].weight.zero_()
+        twin[0].bias.zero_()
+    torch.testing.assert_close(twin(x), twin[1](torch.zeros(1, rows, 48)))

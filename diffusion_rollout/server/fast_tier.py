@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -221,26 +222,23 @@ def fp8_config() -> Any:
 FP8_MIN_ROWS = 128
 
 
-def _padded_forward(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``linear``'s forward with inputs of fewer than :data:`FP8_MIN_ROWS` rows padded to that."""
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows >= FP8_MIN_ROWS:
-            return torch.nn.functional.linear(x, linear.weight, linear.bias)
-        flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, FP8_MIN_ROWS - rows))
-        out = torch.nn.functional.linear(flat, linear.weight, linear.bias)[:rows]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    return forward
+def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A linear's forward with inputs of fewer than :data:`FP8_MIN_ROWS` rows padded to that."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= FP8_MIN_ROWS:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, FP8_MIN_ROWS - rows))
+    out = torch.nn.functional.linear(flat, self.weight, self.bias)[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pad_small_inputs(model: torch.nn.Module, names: list[str]) -> None:
-    """Give each FP8 linear of ``names`` the padded forward (an instance attribute: the module, its
-    parameters and its path stay as they are, for weight updates and LoRA layers that wrap it)."""
+    """Give each FP8 linear of ``names`` the padded forward, bound to it as an instance attribute:
+    the module, its parameters and its path stay as they are (weight updates, LoRA layers that wrap
+    it), and a deep copy of the model rebinds it to the copied linear."""
     for fqn in names:
         linear = model.get_submodule(fqn)
-        linear.forward = _padded_forward(linear)
+        linear.forward = types.MethodType(_padded_forward, linear)
 
 
 def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
