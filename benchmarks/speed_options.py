@@ -59,6 +59,14 @@ call SDPA themselves and refuse every backend, so FA4's drift rows come from FLU
     python -m benchmarks.speed_options --device cuda --phases drift,grpo_fast --fp8 \
         --backends _native_cudnn,fa4 --budget 560 --out $OUT
 
+``--drift-options`` keeps only the named drift options beside eager (the reference), and then the
+``flux`` phase times no batch-1 rows: a FLUX fast-tier drift run split over device calls (on an H100
+the four FA4 and FP8 rows took 419 s with the GPU tests)::
+
+    python -m benchmarks.speed_options --device cuda --phases flux --fp8 --backends fa4 --drift-options \
+        "attention fa4,attention fa4 + regional compile,quantize fp8 + regional compile,quantize fp8 + attention fa4 + regional compile" \
+        --budget 430 --out $OUT
+
 ``--no-flux`` drops the FLUX phases::
 
     python -m benchmarks.speed_options --device cuda --phases grpo_iteration,grpo_compiled,flux_compiled \
