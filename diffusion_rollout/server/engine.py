@@ -548,8 +548,10 @@ class Engine:
                     rollout_context(state),
                     feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
                     speed.graphs_for_call(cache),
-                    # Process-wide, but the worker runs one call at a time when compiled (no lanes).
-                    torch.compiler.set_stance("force_eager") if first.eager else contextlib.nullcontext(),
+                    # Process-wide, but a compiled server runs one call at a time (no lanes).
+                    torch.compiler.set_stance("force_eager")
+                    if first.eager and speed.compile
+                    else contextlib.nullcontext(),
                 ):
                     if watch:
                         with recorder.attach(a.transformers()):
