@@ -44,6 +44,7 @@ class Plan:
         self.schedule = schedule  # exact sigma_0..sigma_{T-1}, or None for the pipeline's own
         self.stock_sigmas = stock_sigmas  # sigmas for the pipeline to shift itself, or None
         self.images = images  # decoded input images (image-conditioned families)
+        self.eager = False  # run with compilation off (the readiness probe on a compiled server)
         # The output pixels the request adds to a call (frames counted): what max_batch_pixels caps.
         self.pixels = len(seeds) * call.height * call.width * (call.num_frames or 1)
         # Requests share a pipeline call only with identical input images (the call takes one set).
@@ -61,8 +62,6 @@ class Plan:
             p.feature_cache,
             self.image_key,
         )
-
-    eager = False  # run with compilation off (the readiness probe on a compiled server)
 
     def as_probe(self) -> Plan:
         """The readiness probe's plan: run eagerly even on a compiled server (its small image would
