@@ -314,6 +314,7 @@ class LoopbackServer:
             time.sleep(0.01)
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(1200.0))
         self._remote: RemoteClients | None = None
+        self._remote_fresh: RemoteClients | None = None
 
     def new_client(self):
         import httpx
@@ -344,20 +345,34 @@ class LoopbackServer:
             raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:2000]}")
         return r.json()
 
-    def remote(self) -> RemoteClients:
-        """HTTP clients in another process (started on first use), as a trainer would be."""
+    def remote(self, fresh_memory: bool = False) -> RemoteClients:
+        """HTTP clients in another process (started on first use), as a trainer would be;
+        ``fresh_memory``: a second such process decoding as the clients did before the receive pool
+        (``post_rollout``), for side-by-side rows."""
+        if fresh_memory:
+            if self._remote_fresh is None:
+                self._remote_fresh = RemoteClients(
+                    self.url, env={FRESH_MEMORY_ENV: "1", "DIFFUSION_ROLLOUT_RECEIVE_POOL_MB": "0"}
+                )
+            return self._remote_fresh
         if self._remote is None:
             self._remote = RemoteClients(self.url)
         return self._remote
 
     def close(self) -> None:
-        if self._remote is not None:
-            self._remote.close()
-            self._remote = None
+        for remote in (self._remote, self._remote_fresh):
+            if remote is not None:
+                remote.close()
+        self._remote = self._remote_fresh = None
         with contextlib.suppress(Exception):
             self.client.close()
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+# Set in a RemoteClients process: answers are read into fresh memory and decoded by msgpack.unpackb
+# into new tensors, as the clients did before client/receive.py's pool (the side-by-side baseline).
+FRESH_MEMORY_ENV = "DIFFUSION_ROLLOUT_BENCH_FRESH_MEMORY"
 
 
 class RemoteClients:
@@ -373,8 +388,8 @@ class RemoteClients:
     response is decoded.
     """
 
-    def __init__(self, url: str) -> None:
-        env = dict(os.environ)
+    def __init__(self, url: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.common", "--clients-for", url],
@@ -418,14 +433,16 @@ def post_rollout(client, body: dict[str, Any]) -> tuple[Any, int]:
     """``POST /rollout/generate`` read as the project's clients read it (the msgpack body into one
     buffer of its Content-Length, ``client/receive.py``), then decoded; (decoded body, bytes)."""
     from diffusion_rollout import wire
-    from diffusion_rollout.client.receive import read_body
+    from diffusion_rollout.client.receive import decode_answer, read_body
 
     with client.stream("POST", "/rollout/generate", json=body, headers={"Accept": wire.MSGPACK}) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:2000]}")
         data = read_body(r)
-    return wire.decode(data, r.headers["content-type"]), len(data)
+    if os.environ.get(FRESH_MEMORY_ENV):  # as before the pool: unpackb's bytes, then new tensors
+        return wire.decode(data, r.headers["content-type"]), len(data)
+    return decode_answer(data, r.headers["content-type"]), len(data)
 
 
 def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dict[str, Any]:

@@ -314,9 +314,9 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
             run()
         return None, None
 
-    def served(graphs: bool, lanes: int = 1, equal_priorities: bool = False):
+    def served(graphs: bool, lanes: int = 1, equal_priorities: bool = False, fresh_memory: bool = False):
         # Lanes run on a second server over the same pipeline, eager (the graphs are turned off).
-        remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote()
+        remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote(fresh_memory)
 
         def fn():
             with (
@@ -339,6 +339,7 @@ def grpo_iteration(
     reps: int,
     equal_priority: bool = True,
     whole_messages: bool = False,
+    fresh_memory: bool = False,
 ) -> list[dict[str, Any]]:
     """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
     (``generate_many``), vs the stock pipeline running the same batches one after another.
@@ -350,7 +351,9 @@ def grpo_iteration(
     the other lane's priority (what lane 0's higher priority is measured against; left out with
     ``equal_priority=False``). ``whole_messages`` adds the one-lane server sending each answer buffer
     as one body message, as before ``BuffersResponse.SEND_CHUNK`` sliced them (what slicing buys
-    under uvicorn's h11).
+    under uvicorn's h11). ``fresh_memory`` adds the one-lane server read by a trainer process that
+    decodes as the clients did before the receive pool (``client/receive.py``): every answer read and
+    decoded into fresh memory.
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {
@@ -364,6 +367,11 @@ def grpo_iteration(
         )
     if whole_messages:
         fns[f"server_lean_uint8_whole_messages_{groups}_in_flight"] = _whole_messages(served(False))
+    if fresh_memory:
+        fns[f"server_lean_uint8_fresh_memory_{groups}_in_flight"] = served(False, fresh_memory=True)
+        fns[f"server_lean_uint8_2_lanes_fresh_memory_{groups}_in_flight"] = served(
+            False, lanes=2, fresh_memory=True
+        )
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)
@@ -516,7 +524,11 @@ def _gpu_gaps(fn, device: str) -> dict[str, Any]:
         fn()
         sync(device)
         wall = time.perf_counter() - t0
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == kind)
+    events = [e for e in prof.events() if e.device_type == kind]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
     busy, gaps, cur = 0.0, [], None
     for start, end in spans:
         if cur is None:
@@ -531,8 +543,16 @@ def _gpu_gaps(fn, device: str) -> dict[str, Any]:
     if cur is not None:
         busy += cur[1] - cur[0]
     gaps.sort(reverse=True)
+    # The profiler's clock starts with the profile (just before t0): what the GPU did not cover at
+    # the start (host work before the first kernel) and at the end (the last answer's copies,
+    # transfer and decode, which nothing later can hide).
+    lead = spans[0][0] / 1e6 if spans else None
+    tail = wall - max(end for _, end in spans) / 1e6 if spans else None
     return {
         "wall_s": wall,
+        "before_first_kernel_s": lead,
+        "after_last_kernel_s": tail,
+        "seconds_by_kernel": by_name,
         "gpu_busy_s": busy / 1e6,
         "gpu_idle_within_s": sum(g for g, _ in gaps) / 1e6,
         "gaps_over_1ms": sum(1 for g, _ in gaps if g > 1000),
@@ -551,6 +571,12 @@ def grpo_profile(model: BenchModel, *, group: int, groups: int) -> list[dict[str
         rows.append(
             {"model": model.name, "phase": "grpo_profile", "variant": name, **_gpu_gaps(fn, model.device)}
         )
+    # Where the server's GPU does other work than the stock pipeline's: the kernels whose summed
+    # time differs most (server minus stock, seconds), in the server's row.
+    base, mine = (r.pop("seconds_by_kernel") for r in rows)
+    diff = {k: mine.get(k, 0.0) - base.get(k, 0.0) for k in set(base) | set(mine)}
+    top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:15]
+    rows[1]["kernel_s_vs_stock"] = [(name[:120], round(d, 4)) for name, d in top]
     return rows
 
 

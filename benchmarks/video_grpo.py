@@ -77,6 +77,7 @@ def run(args) -> int:
                     reps=args.reps,
                     equal_priority=False,
                     whole_messages=args.whole_messages,
+                    fresh_memory=args.fresh_memory,
                 )
             )
             save()
@@ -120,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         "--whole-messages",
         action="store_true",
         help="grpo_iteration: also the one-lane server sending each answer buffer whole (no slices)",
+    )
+    p.add_argument(
+        "--fresh-memory",
+        action="store_true",
+        help="grpo_iteration: also one and two lanes read by a trainer decoding into fresh memory, as "
+        "the clients did before the receive pool",
     )
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
     return run(p.parse_args(argv))

@@ -31,12 +31,14 @@ import base64
 import binascii
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
+from diffusion_rollout import msgpack_views
 from diffusion_rollout.safetensors_layout import HeaderError, SafetensorsBody, parse_header
 
 MSGPACK = "application/msgpack"
@@ -182,22 +184,27 @@ def _file_bytes(env: dict[str, Any]) -> bytes | bytearray:
             return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise WireFormatError(f"tensor envelope data is not base64 ({exc})") from None
-    if isinstance(data, memoryview):
-        return data.tobytes()
+    if isinstance(data, memoryview):  # msgpack_views: a view of the answer body, not copied here
+        return data.cast("B")
     if not isinstance(data, (bytes, bytearray)):
         raise WireFormatError(f"tensor envelope data is {type(data).__name__}, not bytes")
     return data
 
 
-def envelope_to_tensor(env: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_envelope`; ``data`` may be bytes or base64 text.
+def envelope_to_tensor(
+    env: dict[str, Any], alloc: Callable[[int], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_envelope`; ``data`` may be bytes, a memoryview or base64 text.
 
-    The tensor owns new memory holding one copy of the file's data; a file that is not exactly one
-    well-formed tensor agreeing with the envelope is a :class:`WireFormatError`.
+    The tensor owns new memory holding one copy of the file's data (``alloc(n)``'s n uint8 bytes when
+    given, else ``torch.empty``); a file that is not exactly one well-formed tensor agreeing with the
+    envelope is a :class:`WireFormatError`.
     """
     data = _file_bytes(env)
+    # json reads the header from bytes; a view's header is copied alone (its tensor data is not).
+    head = data if not isinstance(data, memoryview) else data[: 8 + _header_length(data)].tobytes()
     try:
-        entries, _, start = parse_header(data, len(data))
+        entries, _, start = parse_header(head, len(data))
     except HeaderError as exc:
         raise WireFormatError(f"tensor envelope data is not a safetensors file: {exc}") from None
     if list(entries) != ["t"]:
@@ -213,7 +220,7 @@ def envelope_to_tensor(env: dict[str, Any]) -> torch.Tensor:
         raise WireFormatError(
             f"tensor envelope says {env.get('shape')} {env.get('dtype')}, its data holds {shape} {dtype}"
         )
-    flat = torch.empty(end, dtype=torch.uint8)
+    flat = alloc(end) if alloc is not None else torch.empty(end, dtype=torch.uint8)
     if end:
         # numpy reads the immutable ``bytes`` without the warning torch.frombuffer gives for it.
         flat.numpy()[:] = np.frombuffer(data, dtype=np.uint8, count=end, offset=start)
@@ -223,6 +230,26 @@ def envelope_to_tensor(env: dict[str, Any]) -> torch.Tensor:
         return flat.view(dtype).reshape(shape)
     except (RuntimeError, TypeError, OverflowError):  # a zero-sized shape beyond int64 strides
         raise WireFormatError(f"tensor shape {shape[:8]} is not a valid torch shape") from None
+
+
+def _header_length(data: memoryview) -> int:
+    """The safetensors header length a view announces (0 when too short; ``parse_header`` says why),
+    capped at what the view holds."""
+    if len(data) < 8:
+        return 0
+    return min(struct.unpack_from("<Q", data)[0], len(data) - 8)
+
+
+def _own_bins(obj: Any) -> Any:
+    """Any ``bin`` left outside a tensor envelope as ``bytes`` (as ``msgpack.unpackb`` gives it), so
+    nothing decoded keeps a view of the body."""
+    if isinstance(obj, memoryview):
+        return obj.tobytes()
+    if isinstance(obj, dict):
+        return {k: _own_bins(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_own_bins(v) for v in obj]
+    return obj
 
 
 def _from_envelope(obj: dict[str, Any]) -> Any:
@@ -238,13 +265,30 @@ def from_wire(obj: Any) -> Any:
     return obj
 
 
-def decode(body: bytes | bytearray | memoryview, media_type: str = MSGPACK) -> Any:
-    """Parse msgpack or JSON bytes (any buffer) and turn tensor envelopes into tensors."""
+def decode(
+    body: bytes | bytearray | memoryview,
+    media_type: str = MSGPACK,
+    *,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> Any:
+    """Parse msgpack or JSON bytes (any buffer) and turn tensor envelopes into tensors.
+
+    With ``alloc`` (the client's answers: ``client/receive.py``) msgpack is read by
+    ``msgpack_views``, which leaves tensor data in ``body``, and each tensor is copied once, into
+    ``alloc(n)``; without it, ``msgpack.unpackb`` copies each into a ``bytes`` first.
+    """
     is_json = media_type.startswith(JSON)
     try:
         if is_json:
             text = body if isinstance(body, (bytes, bytearray)) else bytes(body)
             return json.loads(text, object_hook=_from_envelope)
+        if alloc is not None:
+            return _own_bins(
+                msgpack_views.unpack(
+                    body,
+                    object_hook=lambda o: envelope_to_tensor(o, alloc) if o.get(TENSOR_KEY) is True else o,
+                )
+            )
         return msgpack.unpackb(body, raw=False, object_hook=_from_envelope)
     except WireFormatError:
         raise

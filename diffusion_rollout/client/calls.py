@@ -30,6 +30,7 @@ import httpx
 
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client.exceptions import RolloutConnectionError
+from diffusion_rollout.client.receive import decode_answer
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
@@ -155,7 +156,7 @@ def _outputs(decoded: Any, settings: ReplaySettings) -> list[RolloutOutput]:
 def _wire_outputs(body, media_type: str, settings: ReplaySettings) -> list[RolloutOutput]:
     """The outputs of a ``/rollout/generate`` answer body (any buffer)."""
     try:
-        decoded = wire.decode(body, media_type)
+        decoded = decode_answer(body, media_type)
     except wire.WireFormatError as exc:
         raise RolloutConnectionError(f"malformed /rollout/generate answer: {exc}") from None
     return _outputs(decoded, settings)

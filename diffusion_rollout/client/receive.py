@@ -6,8 +6,18 @@ fresh pages are slow). Here the buffer is allocated once from the ``Content-Leng
 is copied straight into it; :func:`diffusion_rollout.wire.decode` takes that buffer as it is. Used
 by both clients and by the benchmarks' trainer process, so the three cannot drift apart.
 
-- The buffer comes from ``numpy.empty``, not ``bytearray(n)``, which zero-fills: the memory is only
+- A new buffer comes from ``numpy.empty``, not ``bytearray(n)``, which zero-fills: the memory is only
   touched as data arrives, so a server announcing a huge length and sending little costs nothing.
+- **Recycled buffers** (issue #27). Fresh memory is slow to fill the first time: every 4 KiB page
+  faults in, zeroed by the kernel. On the H200 host a video answer's last bytes arrived about 2 ms
+  per MB after the GPU had finished, against stock's nothing, while the GPU work was the same; on the
+  2-core CPU VM filling fresh memory took 0.8 ms per MB against 0.1 for memory already touched. So
+  a buffer of at least :data:`POOL_MIN_BYTES` is handed out through :class:`ReceivePool`: when the
+  last array made from it is gone (the trainer dropped the iteration's results), its memory goes
+  back to the pool, and the next answer of the same length is read into it, already faulted in.
+  A buffer is never reused while anything made from it is alive. The pool keeps at most
+  ``DIFFUSION_ROLLOUT_RECEIVE_POOL_MB`` (default 1024) of idle buffers, oldest dropped first; 0
+  turns it off.
 - A body longer or shorter than announced is a :class:`RolloutConnectionError` here, even if the
   HTTP layer let it through.
 - Without a ``Content-Length``, with a ``Content-Encoding`` (the raw reads would then be
@@ -16,12 +26,111 @@ by both clients and by the benchmarks' trainer process, so the three cannot drif
 
 from __future__ import annotations
 
+import collections
+import os
+import threading
+from typing import Any
+
 import httpx
 import numpy as np
+import torch
 
+from diffusion_rollout import wire
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 
-__all__ = ["aread_body", "read_body"]
+__all__ = ["POOL_MIN_BYTES", "ReceivePool", "aread_body", "decode_answer", "host_bytes", "read_body"]
+
+POOL_MIN_BYTES = 1 << 20  # smaller answers come from the allocator's own warm memory
+
+
+class _Owner:
+    """Holds one pooled buffer for the arrays made from it (their ``base``, through
+    ``__array_interface__``); once the last of them is gone, gives the buffer back to its pool."""
+
+    def __init__(self, array: np.ndarray, pool: ReceivePool) -> None:
+        self._array = array
+        self._pool = pool
+        self.__array_interface__ = {
+            "shape": array.shape,
+            "typestr": "|u1",
+            "data": (array.ctypes.data, False),
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        self._pool.give_back(self._array)
+
+
+class ReceivePool:
+    """Receive buffers already faulted in, reused for answers of the same length (module doc)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._idle: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again (tests, diagnostics)
+
+    @classmethod
+    def from_env(cls) -> ReceivePool:
+        raw = os.environ.get("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB", "1024").strip()
+        try:
+            mb = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"DIFFUSION_ROLLOUT_RECEIVE_POOL_MB must be a number of MB, got {raw!r}"
+            ) from None
+        return cls(max(0, int(mb * 2**20)))
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def take(self, length: int) -> np.ndarray:
+        """A writable uint8 array of ``length`` bytes: a recycled one when the pool holds one."""
+        if length < POOL_MIN_BYTES or length > self.capacity_bytes:
+            return np.empty(length, dtype=np.uint8)
+        array = None
+        with self._lock:
+            for key, idle in self._idle.items():
+                if idle.nbytes == length:
+                    array = self._idle.pop(key)
+                    self._idle_bytes -= length
+                    self.reused += 1
+                    break
+        if array is None:
+            array = np.empty(length, dtype=np.uint8)
+        return np.asarray(_Owner(array, self))
+
+    def give_back(self, array: np.ndarray) -> None:
+        with self._lock:
+            if array.nbytes > self.capacity_bytes:
+                return
+            while self._idle and self._idle_bytes + array.nbytes > self.capacity_bytes:
+                _, old = self._idle.popitem(last=False)  # the longest idle goes first
+                self._idle_bytes -= old.nbytes
+            self._idle[id(array)] = array
+            self._idle_bytes += array.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
+
+
+POOL = ReceivePool.from_env()
+
+
+def host_bytes(length: int) -> torch.Tensor:
+    """``length`` uint8 bytes for a decoded tensor: from the pool (so a tensor the trainer has dropped
+    lends its memory, already faulted in, to the next answer's tensor of the same size)."""
+    return torch.from_numpy(POOL.take(length))
+
+
+def decode_answer(body: bytes | memoryview, media_type: str) -> Any:
+    """A rollout answer's body decoded as both clients and the benchmarks' trainer decode it: tensor
+    data read in place from ``body`` and copied once, into :func:`host_bytes` (``wire.decode``)."""
+    return wire.decode(body, media_type, alloc=host_bytes)
 
 
 def _announced_length(resp: httpx.Response) -> int | None:
@@ -41,7 +150,7 @@ class _Filler:
     def __init__(self, resp: httpx.Response, length: int) -> None:
         self.url = str(resp.request.url)
         try:
-            self.view = memoryview(np.empty(length, dtype=np.uint8))
+            self.view = memoryview(POOL.take(length))
         except (MemoryError, ValueError, OverflowError):  # more than this host could ever hold
             raise self._error(f"an answer of {length} bytes does not fit in memory") from None
         self.filled = 0
