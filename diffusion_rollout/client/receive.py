@@ -86,9 +86,13 @@ class ReceivePool:
     def idle_bytes(self) -> int:
         return self._idle_bytes
 
+    def pools(self, length: int) -> bool:
+        """Whether a buffer of ``length`` bytes goes through the pool."""
+        return POOL_MIN_BYTES <= length <= self.capacity_bytes
+
     def take(self, length: int) -> np.ndarray:
         """A writable uint8 array of ``length`` bytes: a recycled one when the pool holds one."""
-        if length < POOL_MIN_BYTES or length > self.capacity_bytes:
+        if not self.pools(length):
             return np.empty(length, dtype=np.uint8)
         array = None
         with self._lock:
@@ -123,7 +127,10 @@ POOL = ReceivePool.from_env()
 
 def host_bytes(length: int) -> torch.Tensor:
     """``length`` uint8 bytes for a decoded tensor: from the pool (so a tensor the trainer has dropped
-    lends its memory, already faulted in, to the next answer's tensor of the same size)."""
+    lends its memory, already faulted in, to the next answer's tensor of the same size). A tensor
+    too small or too large for the pool gets ordinary ``torch.empty`` memory."""
+    if not POOL.pools(length):
+        return torch.empty(length, dtype=torch.uint8)
     return torch.from_numpy(POOL.take(length))
 
 
