@@ -11,8 +11,11 @@ the other outputs. Random values: the codec does not look at them.
   ``safetensors.torch.load``s every tensor. Kept here, plainly written, as the baseline (the tests
   check the current codec against it byte for byte).
 - ``current``: ``wire.encode_chunks`` (packed pieces and views of the tensors' memory), sent by the
-  router's own ``wire_response`` under a Content-Length; the client reads into one buffer of that
-  length (``client/receive.py``) and decodes with one copy per tensor.
+  router's own ``wire_response`` under a Content-Length; the client reads into one pooled buffer of
+  that length (``client/receive.py``) and decodes in place (``msgpack_views``) with one copy per
+  tensor into pooled memory. The decode phase adds ``unpackb``: the decode before the pool
+  (``msgpack.unpackb`` copies every tensor into a new ``bytes``, then into a new tensor). Each call
+  drops what it decoded, as a trainer drops an iteration's results, so the pool hands it out again.
 
 Phases, each interleaved (previous, current, then current, previous...) after a warm-up, median of
 the repeats and spread = (max - min) / median: ``encode`` and ``decode`` in this process, and
@@ -54,6 +57,7 @@ from benchmarks.common import (
     write_json,
 )
 from diffusion_rollout import lean, wire
+from diffusion_rollout.client.receive import decode_answer
 
 SHAPES = {  # SD3.5-medium, 512x512, 10 steps, groups of 16
     "outputs": 16,
@@ -261,7 +265,12 @@ def rows_for(phase: str, times: dict[str, list[float]]) -> list[dict[str, Any]]:
 def run(shapes: dict[str, int], repeats: int, out_dir=None) -> dict[str, Any]:
     answer = flow_grpo_answer(shapes)
     body = previous_encode(answer)
-    exact = b"".join(wire.encode_chunks(answer)[0]) == body and same(wire.decode(body), previous_decode(body))
+    expected = previous_decode(body)
+    exact = (
+        b"".join(wire.encode_chunks(answer)[0]) == body
+        and same(wire.decode(body), expected)
+        and same(decode_answer(memoryview(body), wire.MSGPACK), expected)
+    )
     log(f"wire_codec: {len(body) / 1e6:.1f} MB answer, current bytes and tensors equal previous: {exact}")
     rows = rows_for(
         "encode",
@@ -270,10 +279,16 @@ def run(shapes: dict[str, int], repeats: int, out_dir=None) -> dict[str, Any]:
             repeats,
         ),
     )
+    view = memoryview(body)
     rows += rows_for(
         "decode",
         interleaved(
-            {"previous": lambda: previous_decode(body), "current": lambda: wire.decode(body)}, repeats
+            {
+                "previous": lambda: previous_decode(body),
+                "unpackb": lambda: wire.decode(body),
+                "current": lambda: decode_answer(view, wire.MSGPACK),
+            },
+            repeats,
         ),
     )
 

@@ -5,6 +5,7 @@ socket decode to the engine's tensors."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -141,3 +142,22 @@ def test_decoded_tensors_own_pooled_memory_apart_from_the_body(monkeypatch):
     del out
     gc.collect()
     assert pool.idle_bytes == 2 * MB  # x's memory is back; "small" never came from the pool
+
+
+def test_a_buffer_dropped_while_its_thread_holds_the_pool_lock_is_filed_later():
+    # __del__ can run inside take() (a collection started by an allocation there): give_back must
+    # not wait for the lock its own thread holds.
+    pool = ReceivePool(64 * MB)
+    held = [pool.take(2 * MB)]
+
+    def drop_under_the_lock() -> None:
+        with pool._lock:
+            held.clear()
+            gc.collect()
+
+    worker = threading.Thread(target=drop_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive()  # no deadlock
+    assert pool.idle_bytes == 2 * MB  # filed by the next holder of the lock
+    assert address(pool.take(2 * MB)) is not None and pool.reused == 1

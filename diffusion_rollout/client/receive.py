@@ -62,12 +62,19 @@ class _Owner:
 
 
 class ReceivePool:
-    """Receive buffers already faulted in, reused for answers of the same length (module doc)."""
+    """Receive buffers already faulted in, reused for answers of the same length (module doc).
+
+    A buffer comes back from ``_Owner.__del__``, which runs in whatever thread drops the last array,
+    possibly while that same thread is inside :meth:`take` (a garbage collection started by an
+    allocation there). So :meth:`give_back` never waits for the lock: when it cannot take it at
+    once, it leaves the buffer on a queue that the next holder of the lock files.
+    """
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._idle: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self._idle_bytes = 0
+        self._returned: collections.deque[np.ndarray] = collections.deque()
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again (tests, diagnostics)
 
@@ -84,7 +91,9 @@ class ReceivePool:
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        with self._lock:
+            self._file_returned()
+            return self._idle_bytes
 
     def pools(self, length: int) -> bool:
         """Whether a buffer of ``length`` bytes goes through the pool."""
@@ -96,28 +105,40 @@ class ReceivePool:
             return np.empty(length, dtype=np.uint8)
         array = None
         with self._lock:
-            for key, idle in self._idle.items():
-                if idle.nbytes == length:
-                    array = self._idle.pop(key)
-                    self._idle_bytes -= length
-                    self.reused += 1
-                    break
+            self._file_returned()
+            key = next((k for k, idle in self._idle.items() if idle.nbytes == length), None)
+            if key is not None:
+                array = self._idle.pop(key)
+                self._idle_bytes -= length
+                self.reused += 1
         if array is None:
             array = np.empty(length, dtype=np.uint8)
         return np.asarray(_Owner(array, self))
 
     def give_back(self, array: np.ndarray) -> None:
-        with self._lock:
+        """Take ``array`` back (any thread; never blocks)."""
+        self._returned.append(array)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
+
+    def _file_returned(self) -> None:
+        """Move the returned buffers into the idle ones, the longest idle dropped past the cap (lock held)."""
+        while self._returned:
+            array = self._returned.popleft()
             if array.nbytes > self.capacity_bytes:
-                return
+                continue
             while self._idle and self._idle_bytes + array.nbytes > self.capacity_bytes:
-                _, old = self._idle.popitem(last=False)  # the longest idle goes first
+                _, old = self._idle.popitem(last=False)
                 self._idle_bytes -= old.nbytes
             self._idle[id(array)] = array
             self._idle_bytes += array.nbytes
 
     def clear(self) -> None:
         with self._lock:
+            self._returned.clear()
             self._idle.clear()
             self._idle_bytes = 0
 
