@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from diffusion_rollout import msgpack_views
-from diffusion_rollout.safetensors_layout import HeaderError, SafetensorsBody, parse_header
+from diffusion_rollout.safetensors_layout import MAX_HEADER_BYTES, HeaderError, SafetensorsBody, parse_header
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -234,10 +234,11 @@ def envelope_to_tensor(
 
 def _header_length(data: memoryview) -> int:
     """The safetensors header length a view announces (0 when too short; ``parse_header`` says why),
-    capped at what the view holds."""
+    capped at what the view holds and one past the largest header allowed (so a hostile length
+    copies no more than that before ``parse_header`` refuses it)."""
     if len(data) < 8:
         return 0
-    return min(struct.unpack_from("<Q", data)[0], len(data) - 8)
+    return min(struct.unpack_from("<Q", data)[0], len(data) - 8, MAX_HEADER_BYTES + 1)
 
 
 def _own_bins(obj: Any) -> Any:

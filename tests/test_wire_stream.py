@@ -20,7 +20,7 @@ from safetensors.torch import save as st_save
 from benchmarks.wire_codec import previous_decode, previous_encode
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client import AsyncRolloutClient, RolloutClient, RolloutConnectionError
-from diffusion_rollout.client.receive import read_body
+from diffusion_rollout.client.receive import decode_answer, read_body
 from diffusion_rollout.safetensors_layout import SAFETENSORS_DTYPE
 from tests.reliability_helpers import live_server
 
@@ -182,10 +182,15 @@ MALFORMED = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("client", [False, True], ids=["unpackb", "client_in_place"])
 @pytest.mark.parametrize(("body", "message"), MALFORMED)
-def test_malformed_bodies_are_rejected_with_a_clear_error(body, message):
+def test_malformed_bodies_are_rejected_with_a_clear_error(body, message, client):
+    # The client's decode (msgpack_views, tensor data read in place) refuses the same bodies alike.
     with pytest.raises(wire.WireFormatError, match=message):
-        wire.decode(body)
+        if client:
+            decode_answer(memoryview(body), wire.MSGPACK)
+        else:
+            wire.decode(body)
 
 
 def test_malformed_json_envelopes_are_rejected():
