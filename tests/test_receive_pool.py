@@ -93,7 +93,7 @@ def test_the_cap_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB", "1.5")
     assert ReceivePool.from_env().capacity_bytes == int(1.5 * MB)
     monkeypatch.delenv("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB")
-    assert ReceivePool.from_env().capacity_bytes == 1024 * MB
+    assert ReceivePool.from_env().capacity_bytes == 2048 * MB
     monkeypatch.setenv("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB", "lots")
     with pytest.raises(ValueError, match="DIFFUSION_ROLLOUT_RECEIVE_POOL_MB"):
         ReceivePool.from_env()

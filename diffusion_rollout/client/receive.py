@@ -16,8 +16,9 @@ by both clients and by the benchmarks' trainer process, so the three cannot drif
   last array made from it is gone (the trainer dropped the iteration's results), its memory goes
   back to the pool, and the next answer of the same length is read into it, already faulted in.
   A buffer is never reused while anything made from it is alive. The pool keeps at most
-  ``DIFFUSION_ROLLOUT_RECEIVE_POOL_MB`` (default 1024) of idle buffers, oldest dropped first; 0
-  turns it off.
+  ``DIFFUSION_ROLLOUT_RECEIVE_POOL_MB`` (default 2048) of idle buffers, oldest dropped first; 0
+  turns it off. The default holds an iteration of about 1 GB of answers: each answer's body
+  buffer and its tensors' memory, for instance four answers of two 1280x704x33 videos each.
 - A body longer or shorter than announced is a :class:`RolloutConnectionError` here, even if the
   HTTP layer let it through.
 - Without a ``Content-Length``, with a ``Content-Encoding`` (the raw reads would then be
@@ -80,7 +81,7 @@ class ReceivePool:
 
     @classmethod
     def from_env(cls) -> ReceivePool:
-        raw = os.environ.get("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB", "1024").strip()
+        raw = os.environ.get("DIFFUSION_ROLLOUT_RECEIVE_POOL_MB", "2048").strip()
         try:
             mb = float(raw)
         except ValueError:
