@@ -359,13 +359,14 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
 
 
 def test_video_grpo_phases_and_profile(tmp_path):
-    """``--phases grpo_iteration --profile --whole-messages``: the iteration (with the unsliced
-    answer's variant) and its GPU-gap rows only."""
+    """``--phases grpo_iteration --profile --whole-messages --fresh-memory``: the iteration (with the
+    unsliced answer's variant and the trainer decoding into fresh memory, one and two lanes) and its
+    GPU-gap rows only."""
     from benchmarks import video_grpo
     from diffusion_rollout.entrypoints import buffers_response
 
     argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
-            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--whole-messages",
+            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--whole-messages", "--fresh-memory",
             "--out", str(tmp_path)]  # fmt: skip
     assert video_grpo.main(argv) == 0
     assert buffers_response.SEND_CHUNK == 1 << 20  # the variant put the slice size back
@@ -373,12 +374,18 @@ def test_video_grpo_phases_and_profile(tmp_path):
     assert doc["settings"]["frames"] == 9 and doc["settings"]["phases"] == ["grpo_iteration"]
     rows = doc["results"]
     assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
-    assert any(r["variant"] == "server_lean_uint8_whole_messages_2_in_flight" for r in rows)
+    variants = {r["variant"] for r in rows if r["phase"] == "grpo_iteration"}
+    assert {"server_lean_uint8_whole_messages_2_in_flight", "server_lean_uint8_fresh_memory_2_in_flight",
+            "server_lean_uint8_2_lanes_fresh_memory_2_in_flight"} <= variants  # fmt: skip
+    fresh = next(r for r in rows if r["variant"] == "server_lean_uint8_fresh_memory_2_in_flight")
+    assert fresh["ratio"] > 0 and fresh["response_mb"] > 0  # a real answer, read by the other process
     profile = [r for r in rows if r["phase"] == "grpo_profile"]
     assert [r["variant"] for r in profile] == ["stock", "server_lean_uint8_2_in_flight"]
     assert profile[0]["kernels_and_copies"] > 0 and all(
         r["wall_s"] > 0 for r in profile
     )  # stock: operators on CPU
+    assert profile[0]["after_last_kernel_s"] is not None and "seconds_by_kernel" not in profile[0]
+    assert profile[1]["kernel_s_vs_stock"]  # stock's operators, none of which the server's thread shows
     with pytest.raises(SystemExit, match="unknown phase"):
         video_grpo.main(["--device", "cpu", "--models", "tiny-wan", "--phases", "grpo,nope"])
 

@@ -160,4 +160,5 @@ def test_a_buffer_dropped_while_its_thread_holds_the_pool_lock_is_filed_later():
     worker.join(timeout=10)
     assert not worker.is_alive()  # no deadlock
     assert pool.idle_bytes == 2 * MB  # filed by the next holder of the lock
-    assert address(pool.take(2 * MB)) is not None and pool.reused == 1
+    again = pool.take(2 * MB)
+    assert pool.reused == 1 and pool.idle_bytes == 0 and again.nbytes == 2 * MB
