@@ -313,8 +313,7 @@ class LoopbackServer:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.01)
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(1200.0))
-        self._remote: RemoteClients | None = None
-        self._remote_fresh: RemoteClients | None = None
+        self._remotes: dict[str, RemoteClients] = {}
 
     def new_client(self):
         import httpx
@@ -345,25 +344,18 @@ class LoopbackServer:
             raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:2000]}")
         return r.json()
 
-    def remote(self, fresh_memory: bool = False) -> RemoteClients:
-        """HTTP clients in another process (started on first use), as a trainer would be;
-        ``fresh_memory``: a second such process decoding as the clients did before the receive pool
-        (``post_rollout``), for side-by-side rows."""
-        if fresh_memory:
-            if self._remote_fresh is None:
-                self._remote_fresh = RemoteClients(
-                    self.url, env={FRESH_MEMORY_ENV: "1", "DIFFUSION_ROLLOUT_RECEIVE_POOL_MB": "0"}
-                )
-            return self._remote_fresh
-        if self._remote is None:
-            self._remote = RemoteClients(self.url)
-        return self._remote
+    def remote(self, trainer: str = "default") -> RemoteClients:
+        """HTTP clients in another process (started on first use), as a trainer would be; another
+        ``trainer`` of :data:`TRAINERS` is a second such process reading answers otherwise, for
+        side-by-side rows."""
+        if trainer not in self._remotes:
+            self._remotes[trainer] = RemoteClients(self.url, env=TRAINERS[trainer])
+        return self._remotes[trainer]
 
     def close(self) -> None:
-        for remote in (self._remote, self._remote_fresh):
-            if remote is not None:
-                remote.close()
-        self._remote = self._remote_fresh = None
+        for remote in self._remotes.values():
+            remote.close()
+        self._remotes.clear()
         with contextlib.suppress(Exception):
             self.client.close()
         self._server.should_exit = True
@@ -373,6 +365,18 @@ class LoopbackServer:
 # Set in a RemoteClients process: answers are read into fresh memory and decoded by msgpack.unpackb
 # into new tensors, as the clients did before client/receive.py's pool (the side-by-side baseline).
 FRESH_MEMORY_ENV = "DIFFUSION_ROLLOUT_BENCH_FRESH_MEMORY"
+# The trainer processes of side-by-side rows, by the environment they differ in: the default client;
+# answers by the socket only (no same-host files, client/segments.py); and, as before the receive
+# pool (and before the files), answers read and decoded into fresh memory.
+TRAINERS: dict[str, dict[str, str]] = {
+    "default": {},
+    "socket": {"DIFFUSION_ROLLOUT_SAME_HOST_ANSWERS": "0"},
+    "fresh_memory": {
+        FRESH_MEMORY_ENV: "1",
+        "DIFFUSION_ROLLOUT_RECEIVE_POOL_MB": "0",
+        "DIFFUSION_ROLLOUT_SAME_HOST_ANSWERS": "0",
+    },
+}
 
 
 class RemoteClients:
@@ -434,15 +438,18 @@ def post_rollout(client, body: dict[str, Any]) -> tuple[Any, int]:
     buffer of its Content-Length, ``client/receive.py``), then decoded; (decoded body, bytes)."""
     from diffusion_rollout import wire
     from diffusion_rollout.client.receive import decode_answer, read_body
+    from diffusion_rollout.client.segments import SEGMENTS
 
-    with client.stream("POST", "/rollout/generate", json=body, headers={"Accept": wire.MSGPACK}) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:2000]}")
-        data = read_body(r)
-    if os.environ.get(FRESH_MEMORY_ENV):  # as before the pool: unpackb's bytes, then new tensors
-        return wire.decode(data, r.headers["content-type"]), len(data)
-    return decode_answer(data, r.headers["content-type"]), len(data)
+    with SEGMENTS.lease(str(client.base_url)) as answer:
+        headers = {"Accept": wire.MSGPACK, **answer.headers}
+        with client.stream("POST", "/rollout/generate", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"/rollout/generate answered {r.status_code}: {r.text[:2000]}")
+            data = answer.body(r.headers, read_body(r))
+        if os.environ.get(FRESH_MEMORY_ENV):  # as before the pool: unpackb's bytes, then new tensors
+            return wire.decode(data, r.headers["content-type"]), len(data)
+        return decode_answer(data, r.headers["content-type"]), len(data)
 
 
 def _send_concurrently(clients: list, bodies: list[dict[str, Any]], send) -> dict[str, Any]:

@@ -314,9 +314,9 @@ def _iteration_fns(model: BenchModel, *, group: int, groups: int):
             run()
         return None, None
 
-    def served(graphs: bool, lanes: int = 1, equal_priorities: bool = False, fresh_memory: bool = False):
+    def served(graphs: bool, lanes: int = 1, equal_priorities: bool = False, trainer: str = "default"):
         # Lanes run on a second server over the same pipeline, eager (the graphs are turned off).
-        remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote(fresh_memory)
+        remote = (model.lanes_server(lanes) if lanes > 1 else model.server()).remote(trainer)
 
         def fn():
             with (
@@ -340,6 +340,7 @@ def grpo_iteration(
     equal_priority: bool = True,
     whole_messages: bool = False,
     fresh_memory: bool = False,
+    socket_answers: bool = False,
 ) -> list[dict[str, Any]]:
     """A Flow-GRPO iteration as a trainer sends it: ``groups`` requests of ``group`` outputs at once
     (``generate_many``), vs the stock pipeline running the same batches one after another.
@@ -353,7 +354,9 @@ def grpo_iteration(
     as one body message, as before ``BuffersResponse.SEND_CHUNK`` sliced them (what slicing buys
     under uvicorn's h11). ``fresh_memory`` adds the one-lane server read by a trainer process that
     decodes as the clients did before the receive pool (``client/receive.py``): every answer read and
-    decoded into fresh memory.
+    decoded into fresh memory. ``socket_answers`` adds one and two lanes read by a trainer process
+    that takes every answer through the socket, as before same-host answers (``client/segments.py``;
+    the default trainer on this host has them written into its shared-memory files).
     """
     stock, served = _iteration_fns(model, group=group, groups=groups)
     fns = {
@@ -367,11 +370,12 @@ def grpo_iteration(
         )
     if whole_messages:
         fns[f"server_lean_uint8_whole_messages_{groups}_in_flight"] = _whole_messages(served(False))
-    if fresh_memory:
-        fns[f"server_lean_uint8_fresh_memory_{groups}_in_flight"] = served(False, fresh_memory=True)
-        fns[f"server_lean_uint8_2_lanes_fresh_memory_{groups}_in_flight"] = served(
-            False, lanes=2, fresh_memory=True
-        )
+    for wanted, trainer in ((socket_answers, "socket"), (fresh_memory, "fresh_memory")):
+        if wanted:
+            fns[f"server_lean_uint8_{trainer}_{groups}_in_flight"] = served(False, trainer=trainer)
+            fns[f"server_lean_uint8_2_lanes_{trainer}_{groups}_in_flight"] = served(
+                False, lanes=2, trainer=trainer
+            )
     if _has_graphs(model):
         fns[f"server_lean_uint8_cuda_graphs_{groups}_in_flight"] = served(True)
     times, sizes = _time_interleaved(fns, reps, model.device)

@@ -78,6 +78,7 @@ def run(args) -> int:
                     equal_priority=False,
                     whole_messages=args.whole_messages,
                     fresh_memory=args.fresh_memory,
+                    socket_answers=args.socket_answers,
                 )
             )
             save()
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="grpo_iteration: also one and two lanes read by a trainer decoding into fresh memory, as "
         "the clients did before the receive pool",
+    )
+    p.add_argument(
+        "--socket-answers",
+        action="store_true",
+        help="grpo_iteration: also one and two lanes read by a trainer taking every answer through the "
+        "socket, as before same-host answers",
     )
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
     return run(p.parse_args(argv))

@@ -65,6 +65,11 @@ class ServerConfig(BaseModel):
     ipc_timeout_s: float = Field(
         10.0, gt=0, le=600, description="bound on each socket step of fetching a shared CPU tensor"
     )
+    same_host_answers: bool = Field(
+        True,
+        description="write a rollout answer into the shared-memory file a client on this host names "
+        "(x-rollout-answer-segment) instead of sending it through the socket (answer_segments.py)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
     upload_port: int | None = Field(
         None,

@@ -359,15 +359,15 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
 
 
 def test_video_grpo_phases_and_profile(tmp_path):
-    """``--phases grpo_iteration --profile --whole-messages --fresh-memory``: the iteration (with the
-    unsliced answer's variant and the trainer decoding into fresh memory, one and two lanes) and its
-    GPU-gap rows only."""
+    """``--phases grpo_iteration --profile --whole-messages --fresh-memory --socket-answers``: the
+    iteration (with the unsliced answer's variant, and the trainers decoding into fresh memory and
+    reading by the socket, one and two lanes each) and its GPU-gap rows only."""
     from benchmarks import video_grpo
     from diffusion_rollout.entrypoints import buffers_response
 
     argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
             "--phases", "grpo_iteration", "--profile", "--frames", "9", "--whole-messages", "--fresh-memory",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--socket-answers", "--out", str(tmp_path)]  # fmt: skip
     assert video_grpo.main(argv) == 0
     assert buffers_response.SEND_CHUNK == 1 << 20  # the variant put the slice size back
     doc = _doc(tmp_path, "video_grpo")
@@ -376,7 +376,8 @@ def test_video_grpo_phases_and_profile(tmp_path):
     assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
     variants = {r["variant"] for r in rows if r["phase"] == "grpo_iteration"}
     assert {"server_lean_uint8_whole_messages_2_in_flight", "server_lean_uint8_fresh_memory_2_in_flight",
-            "server_lean_uint8_2_lanes_fresh_memory_2_in_flight"} <= variants  # fmt: skip
+            "server_lean_uint8_2_lanes_fresh_memory_2_in_flight", "server_lean_uint8_socket_2_in_flight",
+            "server_lean_uint8_2_lanes_socket_2_in_flight"} <= variants  # fmt: skip
     fresh = next(r for r in rows if r["variant"] == "server_lean_uint8_fresh_memory_2_in_flight")
     assert fresh["ratio"] > 0 and fresh["response_mb"] > 0  # a real answer, read by the other process
     profile = [r for r in rows if r["phase"] == "grpo_profile"]

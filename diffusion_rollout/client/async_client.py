@@ -53,6 +53,7 @@ from diffusion_rollout.client.calls import (
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.receive import aread_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+from diffusion_rollout.client.segments import SEGMENTS
 from diffusion_rollout.client.stream import AsyncRolloutStream
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
@@ -188,16 +189,19 @@ class AsyncRolloutClient(_ClientBase):
         """``POST /rollout/generate``; keyword arguments as :meth:`RolloutClient.generate`."""
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)
-        resp = await self._send(call, url, stream=True)
-        try:
-            body = await aread_body(resp)
-        except httpx.TransportError as exc:
-            raise self._transport_error(exc, url) from exc
-        finally:
-            await resp.aclose()
-        media = resp.headers.get("content-type", wire.MSGPACK)
-        # Decoding a large trajectory is CPU work: keep it off the event loop.
-        return await asyncio.to_thread(_wire_outputs, body, media, settings)
+        with SEGMENTS.lease(url) as answer:  # same-host answers: client/segments.py
+            call.headers.update(answer.headers)
+            resp = await self._send(call, url, stream=True)
+            try:
+                body = await aread_body(resp)
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, url) from exc
+            finally:
+                await resp.aclose()
+            body = answer.body(resp.headers, body)
+            media = resp.headers.get("content-type", wire.MSGPACK)
+            # Decoding a large trajectory is CPU work: keep it off the event loop.
+            return await asyncio.to_thread(_wire_outputs, body, media, settings)
 
     async def generate_many(
         self,

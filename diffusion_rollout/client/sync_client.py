@@ -54,6 +54,7 @@ from diffusion_rollout.client.calls import (
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.receive import read_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
+from diffusion_rollout.client.segments import SEGMENTS
 from diffusion_rollout.client.stream import RolloutStream
 from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
 from diffusion_rollout.safetensors_layout import SafetensorsBody
@@ -252,14 +253,17 @@ class RolloutClient(_ClientBase):
     ) -> list[RolloutOutput]:
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)
-        resp = self._send(call, url, stream=True)
-        try:
-            body = read_body(resp)
-        except httpx.TransportError as exc:
-            raise self._transport_error(exc, url) from exc
-        finally:
-            resp.close()
-        return _wire_outputs(body, resp.headers.get("content-type", wire.MSGPACK), settings)
+        with SEGMENTS.lease(url) as answer:  # same-host answers: client/segments.py
+            call.headers.update(answer.headers)
+            resp = self._send(call, url, stream=True)
+            try:
+                body = read_body(resp)
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, url) from exc
+            finally:
+                resp.close()
+            body = answer.body(resp.headers, body)
+            return _wire_outputs(body, resp.headers.get("content-type", wire.MSGPACK), settings)
 
     def generate_many(
         self,

@@ -27,6 +27,7 @@ from diffusion_rollout.entrypoints.http_errors import install_error_handlers
 from diffusion_rollout.entrypoints.msgpack_body import MsgpackBodyMiddleware
 from diffusion_rollout.entrypoints.request_context import RequestContextMiddleware
 from diffusion_rollout.entrypoints.routers import ROUTERS
+from diffusion_rollout.entrypoints.segment_answer import SegmentWriter
 from diffusion_rollout.entrypoints.upload_listener import UploadListener
 from diffusion_rollout.server.engine import Engine
 from diffusion_rollout.server.engine_api import RolloutEngine
@@ -108,6 +109,7 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     app.state.config = config
     app.state.engine = engine
     app.state.upload_listener = None
+    app.state.segment_writer = SegmentWriter() if config.same_host_answers else None
     # Why the background load failed (one line), and what to do then: ``serve`` stops the process.
     app.state.load_error = None
     app.state.on_load_failure = None

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from diffusion_rollout import wire
+from diffusion_rollout import answer_segments, wire
 from diffusion_rollout.entrypoints.buffers_response import BuffersResponse
 from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
 from diffusion_rollout.server.engine_api import RolloutEngine, WeightOps
@@ -25,19 +25,39 @@ def get_weights(request: Request) -> WeightOps:
     return get_engine(request).weights()
 
 
-async def wire_response(request: Request, payload: Any) -> Response:
+async def wire_response(request: Request, payload: Any, *, segments: bool = False) -> Response:
     """msgpack (default) or JSON per the Accept header, encoded off the event loop.
 
     msgpack goes out as the encoder's buffers (views of the payload's host tensors, which the
     response keeps alive and which nothing changes once a result is made: result_copy.py) under a
-    Content-Length, without joining them into one copy of the body.
+    Content-Length, without joining them into one copy of the body. With ``segments`` (rollout
+    answers) a caller on this host may have it written into its shared-memory file instead
+    (``answer_segments``).
     """
     media = wire.choose_media_type(request.headers.get("accept"))
     if media == wire.MSGPACK:
         buffers, length = await asyncio.to_thread(wire.encode_chunks, payload)
-        return BuffersResponse(buffers, length, media_type=media)
+        name = request.headers.get(answer_segments.HEADER) if segments else None
+        if name is None:
+            return BuffersResponse(buffers, length, media_type=media)
+        declined = await _into_segment(request, name, buffers, length)
+        if declined is None:
+            written = {
+                answer_segments.HEADER: answer_segments.WRITTEN,
+                answer_segments.LENGTH_HEADER: str(length),
+            }
+            return Response(b"", media_type=media, headers=written)
+        headers = {answer_segments.HEADER: answer_segments.DECLINED + declined}
+        return BuffersResponse(buffers, length, media_type=media, headers=headers)
     body = await asyncio.to_thread(wire.encode, payload, media)
     return Response(content=body, media_type=media)
+
+
+async def _into_segment(request: Request, name: str, buffers, length: int) -> str | None:
+    writer = getattr(request.app.state, "segment_writer", None)
+    if writer is None:
+        return "same-host answers are off on this server"
+    return await asyncio.to_thread(writer.write, name, buffers, length)
 
 
 def bearer_token(authorization: str | None) -> str | None:

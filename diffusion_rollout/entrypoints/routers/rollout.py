@@ -70,4 +70,4 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
         outputs = [{**o, "ignored_fields": ignored} for o in outputs]
     if body.lean_response:  # shared conditioning once, referenced by the other outputs (lean.py)
         outputs = lean.to_lean(outputs)
-    return await wire_response(request, outputs)
+    return await wire_response(request, outputs, segments=True)
