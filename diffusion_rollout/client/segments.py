@@ -75,7 +75,9 @@ class _Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         self._remove = weakref.finalize(self, _remove, path, os.getpid())
         try:
-            os.ftruncate(fd, capacity)
+            # Reserved, not just sized: a write into a sparse file on a full tmpfs (a container's
+            # 64 MB /dev/shm) is a SIGBUS in whichever process writes; this fails cleanly instead.
+            os.posix_fallocate(fd, 0, capacity)
             self._map = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
         except OSError:
             self._remove()
