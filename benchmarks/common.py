@@ -523,6 +523,15 @@ def _clients_main(url: str) -> int:
             reply(_send_concurrently(pool[:k], bodies, send))
         except Exception as exc:
             reply({"error": f"{type(exc).__name__}: {exc}"})
+    from diffusion_rollout.client.segments import SEGMENTS
+
+    # How this trainer's answers came (the log of a run says which rows read files).
+    why_not = SEGMENTS.status(url)
+    print(
+        f"trainer process ({SEGMENTS.mode=}): {SEGMENTS.written} answers read from same-host files"
+        + (f"; the server declined them: {why_not}" if why_not else ""),
+        file=sys.stderr,
+    )
     return 0
 
 
