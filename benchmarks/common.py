@@ -526,7 +526,7 @@ def _clients_main(url: str) -> int:
     from diffusion_rollout.client.segments import SEGMENTS
 
     # How this trainer's answers came (the log of a run says which rows read files).
-    why_not = SEGMENTS.status(url)
+    why_not = SEGMENTS.status(str(pool[0].base_url)) if pool else None
     print(
         f"trainer process ({SEGMENTS.mode=}): {SEGMENTS.written} answers read from same-host files"
         + (f"; the server declined them: {why_not}" if why_not else ""),
