@@ -162,3 +162,15 @@ def test_a_buffer_dropped_while_its_thread_holds_the_pool_lock_is_filed_later():
     assert pool.idle_bytes == 2 * MB  # filed by the next holder of the lock
     again = pool.take(2 * MB)
     assert pool.reused == 1 and pool.idle_bytes == 0 and again.nbytes == 2 * MB
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_a_large_tensor_decodes_exactly_from_a_writable_or_readonly_body(writable):
+    # Above wire.PARALLEL_COPY_BYTES a writable body is copied by torch's threads, a read-only
+    # one (bytes) by numpy: the same bytes either way.
+    x = torch.randn(3 * MB // 2)  # 6 MB of float32
+    assert x.nbytes > wire.PARALLEL_COPY_BYTES
+    encoded = wire.encode({"x": x})
+    body = memoryview(bytearray(encoded)) if writable else encoded
+    out = receive.decode_answer(body, wire.MSGPACK)
+    assert torch.equal(out["x"], x)

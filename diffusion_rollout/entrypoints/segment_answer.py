@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from diffusion_rollout import wire
 from diffusion_rollout.answer_segments import SEGMENT_DIR, valid_name
 
 __all__ = ["SegmentWriter"]
@@ -54,7 +55,7 @@ class SegmentWriter:
         pos = 0
         for buffer in buffers:
             part = np.frombuffer(buffer, dtype=np.uint8)
-            dest[pos : pos + part.size] = part
+            wire.copy_into(dest[pos : pos + part.size], part)
             pos += part.size
         if pos != length:  # the encoder's own count disagrees: a bug, never a half answer
             raise RuntimeError(f"answer buffers hold {pos} bytes, announced {length}")
