@@ -259,3 +259,26 @@ def test_files_of_killed_processes_are_removed_and_a_forked_child_leaves_the_par
         os._exit(0)
     os.waitpid(child, 0)
     assert own_files() == files
+
+
+def test_a_json_client_offers_no_file_and_a_full_shm_falls_back_to_the_socket(
+    fresh_server, pool, monkeypatch
+):
+    server = fresh_server("sd3")
+    with live_server(server) as (url, _):
+        as_json = RolloutClient(url, wire_format="json")
+        for _ in range(2):
+            as_json.generate("a red square", **rollout_fields())
+        assert pool.written == 0 and pool.status(url) is None and not own_files()
+        as_json.close()
+
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        client = RolloutClient(url)
+        for _ in range(2):
+            outputs = client.generate("a red square", **rollout_fields())
+        assert len(outputs) == 2 and pool.written == 0 and not own_files()
+        assert "No space left on device" in pool.status(url)  # said once, then no file is tried
+        client.close()

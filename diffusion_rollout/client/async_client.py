@@ -189,7 +189,8 @@ class AsyncRolloutClient(_ClientBase):
         """``POST /rollout/generate``; keyword arguments as :meth:`RolloutClient.generate`."""
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)
-        with SEGMENTS.lease(url) as answer:  # same-host answers: client/segments.py
+        # Same-host answers (client/segments.py): the server may write a msgpack answer into a file.
+        with SEGMENTS.lease(url, wanted=self.wire_format == "msgpack") as answer:
             call.headers.update(answer.headers)
             resp = await self._send(call, url, stream=True)
             try:

@@ -162,9 +162,10 @@ class AnswerSegments:
         return self.mode == "1" or _is_loopback(url)
 
     @contextlib.contextmanager
-    def lease(self, url: str) -> Iterator[Lease]:
-        """A file for one request to ``url`` (or none), kept until the block ends: decode inside it."""
-        segment = self._take(url)
+    def lease(self, url: str, wanted: bool = True) -> Iterator[Lease]:
+        """A file for one request to ``url`` (or none; always none unless ``wanted``: a JSON answer
+        never goes into a file), kept until the block ends: decode inside it."""
+        segment = self._take(url) if wanted else None
         lease = Lease(self, url, segment)
         try:
             yield lease
@@ -192,9 +193,13 @@ class AnswerSegments:
         try:
             return _Segment(self.directory, name, capacity)
         except OSError as exc:  # /dev/shm full or not writable: the socket still works
-            logger.warning(
-                "same-host answers: cannot make a %d-byte file in %s (%s)", capacity, self.directory, exc
-            )
+            with self._lock:
+                first = url not in self._off
+                self._off[url] = f"cannot make a {capacity}-byte file in {self.directory}: {exc.strerror}"
+            if first:
+                logger.warning(
+                    "same-host answers: %s; answers from %s come by the socket", self._off[url], url
+                )
             return None
 
     def _give_back(self, segment: _Segment) -> None:

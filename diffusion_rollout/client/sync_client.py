@@ -253,7 +253,8 @@ class RolloutClient(_ClientBase):
     ) -> list[RolloutOutput]:
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)
-        with SEGMENTS.lease(url) as answer:  # same-host answers: client/segments.py
+        # Same-host answers (client/segments.py): the server may write a msgpack answer into a file.
+        with SEGMENTS.lease(url, wanted=self.wire_format == "msgpack") as answer:
             call.headers.update(answer.headers)
             resp = self._send(call, url, stream=True)
             try:
