@@ -175,6 +175,19 @@ def test_the_server_lets_go_of_a_file_the_client_removed(tmp_path):
     assert writer.write(names[1], [b"12345"], 5) == "segment too small for 5 bytes"
 
 
+def test_a_file_that_cannot_be_reserved_is_declined_not_written(tmp_path, monkeypatch):
+    # A sparse file on a full tmpfs: writing through the mapping would be a SIGBUS in the server.
+    name = f"{answer_segments.PREFIX}sparse"
+    with open(tmp_path / name, "wb") as f:
+        f.truncate(64)
+    monkeypatch.setattr(
+        os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    )
+    writer = SegmentWriter(str(tmp_path))
+    assert writer.write(name, [b"abc"], 3) == "segment cannot be mapped (No space left on device)"
+    assert writer.kept() == 0 and (tmp_path / name).read_bytes() == bytes(64)
+
+
 def test_a_declining_server_is_not_offered_files_again_and_a_small_file_grows(fresh_server, pool):
     server = fresh_server("sd3")
     with live_server(server) as (url, _):

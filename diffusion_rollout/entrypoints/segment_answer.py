@@ -79,9 +79,12 @@ class SegmentWriter:
                 return "segment not a file of the server's user"
             if st.st_size < length:
                 return f"segment too small for {length} bytes"
+            # The client reserves its files; a sparse one (made otherwise) on a full tmpfs would
+            # make this process's write a SIGBUS, so reserve it here too (quick when it already is).
+            os.posix_fallocate(fd, 0, st.st_size)
             mapping = _Mapping(fd, st)
         except OSError as exc:
-            return f"segment cannot be mapped ({exc.strerror})"
+            return f"segment cannot be mapped ({exc.strerror or exc})"
         finally:
             os.close(fd)
         with self._lock:
