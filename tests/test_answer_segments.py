@@ -180,9 +180,11 @@ def test_a_file_that_cannot_be_reserved_is_declined_not_written(tmp_path, monkey
     name = f"{answer_segments.PREFIX}sparse"
     with open(tmp_path / name, "wb") as f:
         f.truncate(64)
-    monkeypatch.setattr(
-        os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
-    )
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
     writer = SegmentWriter(str(tmp_path))
     assert writer.write(name, [b"abc"], 3) == "segment cannot be mapped (No space left on device)"
     assert writer.kept() == 0 and (tmp_path / name).read_bytes() == bytes(64)
