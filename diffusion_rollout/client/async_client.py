@@ -190,7 +190,7 @@ class AsyncRolloutClient(_ClientBase):
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)
         # Same-host answers (client/segments.py): the server may write a msgpack answer into a file.
-        with SEGMENTS.lease(url, wanted=self.wire_format == "msgpack") as answer:
+        async with SEGMENTS.alease(url, wanted=self.wire_format == "msgpack") as answer:
             call.headers.update(answer.headers)
             resp = await self._send(call, url, stream=True)
             try:

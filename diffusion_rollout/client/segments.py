@@ -23,6 +23,7 @@ of this process instead of crossing TCP loopback: on an H200 host the loopback t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import ipaddress
@@ -33,7 +34,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -165,7 +166,18 @@ class AnswerSegments:
     def lease(self, url: str, wanted: bool = True) -> Iterator[Lease]:
         """A file for one request to ``url`` (or none; always none unless ``wanted``: a JSON answer
         never goes into a file), kept until the block ends: decode inside it."""
-        segment = self._take(url) if wanted else None
+        with self._holding(url, self._take(url) if wanted else None) as lease:
+            yield lease
+
+    @contextlib.asynccontextmanager
+    async def alease(self, url: str, wanted: bool = True) -> AsyncIterator[Lease]:
+        """:meth:`lease` for asyncio: a new file is made and faulted in off the event loop."""
+        segment = await asyncio.to_thread(self._take, url) if wanted else None
+        with self._holding(url, segment) as lease:
+            yield lease
+
+    @contextlib.contextmanager
+    def _holding(self, url: str, segment: _Segment | None) -> Iterator[Lease]:
         lease = Lease(self, url, segment)
         try:
             yield lease
