@@ -145,6 +145,8 @@ class ReceivePool:
 
 
 POOL = ReceivePool.from_env()
+# A lock another thread held at a fork stays held in the child: give the child a fresh one.
+os.register_at_fork(after_in_child=lambda: setattr(POOL, "_lock", threading.Lock()))
 
 
 def host_bytes(length: int) -> torch.Tensor:

@@ -284,4 +284,12 @@ def _sweep(directory: str) -> None:
 
 
 SEGMENTS = AnswerSegments.from_env()
-os.register_at_fork(after_in_child=lambda: SEGMENTS._reset())  # a child must not share the parent's files
+
+
+def _after_fork() -> None:
+    # A child must not share the parent's files, nor inherit a lock another thread held at the fork.
+    SEGMENTS._lock = threading.Lock()
+    SEGMENTS._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork)
