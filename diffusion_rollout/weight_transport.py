@@ -86,19 +86,19 @@ def join_group(
     timeout_s: float = 300.0,
 ):
     """Create (and join) a process group independent of the default group; returns the group."""
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # The store directly, not through ``rendezvous("tcp://...")``: under torchrun that reuses the
+    # launcher's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's own on
+    # rank 0, and a trainer rank launched by torchrun would then wait for a store nobody serves.
+    store = TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
         world_size,

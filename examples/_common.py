@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _ranks import Ranks
 
 from diffusion_rollout.client import DitTrajectory, ReplaySettings, RolloutOutput
 
@@ -87,9 +88,30 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         help="how to start the server when no --url is given (thread: CPU only)",
     )
     g.add_argument(
-        "--server-gpu", type=int, default=None, help="GPU of a server started here (default 0 on CUDA)"
+        "--server-gpu",
+        "--server-gpus",
+        dest="server_gpu",
+        type=gpu_list,
+        default=None,
+        help="GPU(s) of a server started here (default 0 on CUDA); several (0,1) start a pool of "
+        "that many Ray replicas behind one endpoint (`serve --replicas`)",
     )
-    g.add_argument("--trainer-gpu", type=int, default=None, help="GPU of the trainer (default 0 on CUDA)")
+    g.add_argument(
+        "--trainer-gpu",
+        "--trainer-gpus",
+        dest="trainer_gpu",
+        type=gpu_list,
+        default=None,
+        help="GPU of the trainer, or of each torchrun rank on this host in local-rank order "
+        "(default: the local rank's number)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="rollout replicas of a server started here (default: one per --server-gpus; on a CPU, "
+        "replicas > 1 start a Ray pool of CPU replicas)",
+    )
     g.add_argument(
         "--cpu", action="store_true", help="run the trainer (and a server started here) on the CPU"
     )
@@ -133,11 +155,33 @@ def image_size(args: argparse.Namespace) -> tuple[int, int]:
     return (args.width or args.size, args.height or args.size)
 
 
-def trainer_device(args: argparse.Namespace) -> torch.device:
+def gpu_list(text: str) -> list[int]:
+    """``"2"`` or ``"0,1"``: GPU numbers."""
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a GPU number or a comma-separated list of them: {text!r}"
+        ) from None
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"GPU numbers must be distinct and >= 0: {text!r}")
+    return gpus
+
+
+def trainer_device(args: argparse.Namespace, ranks: Ranks | None = None) -> torch.device:
+    """This rank's device: ``--trainer-gpus[local_rank]`` (default the local rank's GPU) on CUDA."""
+    ranks = ranks or Ranks()
     if args.cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", args.trainer_gpu or 0)
-    torch.cuda.set_device(device)  # so that generator_device "cuda" means the trainer's GPU in-process
+        device = torch.device("cpu")
+    else:
+        gpus = args.trainer_gpu or [ranks.local_rank]
+        if ranks.local_rank >= len(gpus):
+            raise SystemExit(
+                f"--trainer-gpus names {len(gpus)} GPU(s) but this host runs local rank {ranks.local_rank}"
+            )
+        device = torch.device("cuda", gpus[ranks.local_rank])
+        torch.cuda.set_device(device)  # so that generator_device "cuda" means the trainer's GPU in-process
+    ranks.use_device(device)
     return device
 
 
@@ -184,36 +228,64 @@ def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: 
 
 @contextlib.contextmanager
 def _subprocess_server(
-    model_path: Path, port: int, admin_key: str, max_batch_size: int, gpu: int | None, dtype: str, extra: str
-) -> Iterator[None]:
-    device = "cpu" if gpu is None else "cuda"
+    model_path: Path, port: int, admin_key: str, max_batch_size: int, gpus: list[int] | None,
+    replicas: int | None, dtype: str, extra: str,
+) -> Iterator[None]:  # fmt: skip
+    device = "cpu" if gpus is None else "cuda"
     if dtype == "auto":
-        dtype = "float32" if gpu is None else "bfloat16"
+        dtype = "float32" if gpus is None else "bfloat16"
     cmd = [
         sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(model_path),
         "--device", device, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
         "--max-batch-size", str(max_batch_size), "--log-level", "warning", "--shutdown-grace-s", "5",
-        *extra.split(),
+        *(["--replicas", str(replicas)] if replicas and replicas > 1 else []), *extra.split(),
     ]  # fmt: skip
     # The key travels in the environment, not on the command line (where `ps` would show it).
     env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key}
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    proc = subprocess.Popen(cmd, env=env)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # the server is no trainer rank (torch.distributed reads these)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    # A session of its own: stopping the server stops its Ray replicas with it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         yield
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
 
 @contextlib.contextmanager
-def rollout_server(args: argparse.Namespace, *, family: str = "sd3") -> Iterator[Server]:
-    """The server of ``--url``, or one started here on ``--model`` (no server with ``--layout in-process``)."""
+def rollout_server(
+    args: argparse.Namespace, *, family: str = "sd3", ranks: Ranks | None = None
+) -> Iterator[Server]:
+    """The server of ``--url``, or one started here on ``--model`` (no server with ``--layout in-process``).
+
+    Under torchrun only rank 0 starts it (and a tiny model, without ``--model``); the other ranks get
+    its URL, key and model folder from rank 0 and leave only once every rank is done with it.
+    """
+    ranks = ranks or Ranks()
+    if ranks.is_main:
+        with _start_rollout_server(args, family) as server:
+            ranks.broadcast(server)
+            try:
+                yield server
+            finally:
+                ranks.barrier()  # nobody is talking to it any more
+        return
+    server = ranks.broadcast(None)
+    try:
+        yield server
+    finally:
+        ranks.barrier()
+
+
+@contextlib.contextmanager
+def _start_rollout_server(args: argparse.Namespace, family: str) -> Iterator[Server]:
     if args.url:
         if not args.model:
             raise SystemExit("--model is required with --url: the trainer loads the same weights")
@@ -234,14 +306,17 @@ def rollout_server(args: argparse.Namespace, *, family: str = "sd3") -> Iterator
             return
         port, admin_key = free_port(), secrets.token_hex(16)
         on_gpu = torch.cuda.is_available() and not args.cpu
+        gpus = (args.server_gpu or [0]) if on_gpu else None
+        replicas = args.replicas or (len(gpus) if gpus else 1)
         if args.server == "thread":
-            if on_gpu or args.dtype == "bfloat16":
-                raise SystemExit("--server thread runs in float32 on the CPU only: use --server subprocess")
+            if on_gpu or args.dtype == "bfloat16" or replicas > 1:
+                raise SystemExit(
+                    "--server thread is one float32 CPU server: use --server subprocess for a GPU or replicas"
+                )
             start = _thread_server(model_path, port, admin_key, args.group_size)
         else:
-            gpu = (args.server_gpu or 0) if on_gpu else None
             start = _subprocess_server(
-                model_path, port, admin_key, args.group_size, gpu, args.dtype, args.server_args
+                model_path, port, admin_key, args.group_size, gpus, replicas, args.dtype, args.server_args
             )
         with start:
             yield Server(f"http://127.0.0.1:{port}", admin_key, model_path)
@@ -488,9 +563,14 @@ def server_peak_gb(outputs: Sequence[RolloutOutput]) -> float | None:
 # ---------------------------------------------------------------------------------------------- records
 def iteration_record(
     iteration: int, version: Any, rewards: torch.Tensor, outputs: Sequence[RolloutOutput], phases: Phases,
-    started: float, **fields: Any,
+    started: float, *, images: int | None = None, server_peak: float | None = None, quiet: bool = False,
+    **fields: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One iteration's JSON record: rewards, the recipe's ``fields``, seconds per phase, memory, rate."""
+    """One iteration's JSON record: rewards, the recipe's ``fields``, seconds per phase, memory, rate.
+
+    ``images`` and ``server_peak`` (GB) default to those of ``outputs``; a rank of several passes the
+    whole iteration's (every rank's). ``quiet``: no progress line (ranks other than 0).
+    """
     record = {
         "iteration": iteration,
         "weight_version": version,
@@ -498,13 +578,15 @@ def iteration_record(
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         **fields,
-        "images": len(outputs),
+        "images": len(outputs) if images is None else images,
         **phases.record(),
-        "server_peak_gb": server_peak_gb(outputs),
+        "server_peak_gb": server_peak_gb(outputs) if server_peak is None else server_peak,
     }
     record["iteration_s"] = round(time.perf_counter() - started, 4)
-    record["images_per_second"] = round(len(outputs) / record["iteration_s"], 4)
-    print(json.dumps({k: v for k, v in record.items() if k not in ("rewards", "spans")}), flush=True)
+    record["images_per_second"] = round(record["images"] / record["iteration_s"], 4)
+    if not quiet:
+        skip = ("rewards", "spans", "advantages", "rank_seconds")
+        print(json.dumps({k: v for k, v in record.items() if k not in skip}), flush=True)
     return record
 
 

@@ -66,6 +66,7 @@ from _common import (
     iteration_record,
     load_trainer_transformer,
     rollout_server,
+    server_peak_gb,
     summarize,
     trainer_device,
     trainer_dtype,
@@ -73,6 +74,8 @@ from _common import (
     wait_ready,
     write_run,
 )
+from _full import FullFinetune
+from _ranks import Ranks
 from rewards import load_reward
 
 from diffusion_rollout.client import (
@@ -123,13 +126,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tis-cap", type=float, default=2.0, help="truncated importance weight cap (stale batches)"
     )
     g.add_argument(
+        "--full-finetune",
+        action="store_true",
+        help="train every weight of the denoiser instead of a LoRA: sharded with FSDP2 over the "
+        "torchrun ranks (float32 master, served-dtype compute), full weights synced to every replica "
+        "after each step (not with --layout in-process, --kl-beta or --checkpoint)",
+    )
+    g.add_argument(
+        "--weight-sync",
+        choices=["auto", "broadcast", "http"],
+        default="auto",
+        help="--full-finetune: broadcast (NCCL group with the replicas, servers on this host) or http "
+        "(push_weights, any host); auto: broadcast for a server subprocess started here, else http",
+    )
+    g.add_argument(
         "--recompute-old-log-probs",
         action="store_true",
         help="treat every batch as off-policy: the clipped ratio is taken against the trainer's own "
         "recomputed log-probs and weighted by the truncated importance weight to the server's; for "
         "rollouts from an inexact server (the fast tier: --server-args='--quantize fp8 --compile')",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.full_finetune:
+        for bad, why in ((args.layout == "in-process", "--layout in-process"), (args.kl_beta > 0, "--kl-beta"),
+                         (args.checkpoint, "--checkpoint")):  # fmt: skip
+            if bad:
+                p.error(f"--full-finetune does not support {why} yet")
+    return args
 
 
 def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
@@ -143,22 +166,36 @@ def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
 
 
 def train_iteration(
-    transformer, optimizer, params, groups, advantages, args, staleness=None
+    transformer, optimizer, params, groups, advantages, args, staleness=None, ranks: Ranks | None = None
 ) -> dict[str, Any]:
     """``staleness`` (``--async-depth``; None: synchronous) is recorded with the first-step ratio
     statistics; > 0: the rollouts came from older weights (``--async-depth``); the loss is then
     the clipped ratio against the trainer's own policy, weighted by the truncated importance weight
-    to the server's (behaviour) log-probs."""
+    to the server's (behaviour) log-probs.
+
+    Under torchrun each rank replays its own ``groups``; every loss term is divided by the number of
+    terms of the whole iteration and the gradients are summed over the ranks (the LoRA's in one
+    all-reduce, FSDP2's in its reduce-scatter), so the step is the 1-rank step. The statistics are
+    those of every rank's replays (the same on every rank)."""
+    ranks = ranks or Ranks()
     batches = [ReplayBatch(group) for group in groups]
     # Other trainers built on this function (ray_colocated.py) have no such flag.
     tis = bool(staleness or getattr(args, "recompute_old_log_probs", False))
-    n_terms = sum(len(b.trainable_steps()) for b in batches)
+    local_terms = sum(len(b.trainable_steps()) for b in batches)
+    n_terms = ranks.sum(local_terms)
+    sharded = hasattr(transformer, "set_requires_gradient_sync")  # FSDP2 (--full-finetune)
+    # FSDP2 averages the gradients over the ranks (gloo has no pre-scaled sum): scale up to a sum.
+    divisor = n_terms / ranks.world if sharded else n_terms
     first_dev, ratios, clip_fracs, losses, kls, first = 0.0, [], [], [], [], []
     proximal: dict[tuple[int, int], torch.Tensor] = {}
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
+        done = 0
         for batch, adv in zip(batches, advantages, strict=True):
             for t in batch.trainable_steps():
+                done += 1
+                if sharded:  # reduce-scatter the gradients once per pass, with its last backward
+                    transformer.set_requires_gradient_sync(done == local_terms)
                 step = replay_step(transformer, batch, t)
                 if tis:
                     if epoch == 0:  # the trainer's policy before this update, per (batch, step)
@@ -182,19 +219,31 @@ def train_iteration(
                     kl = gaussian_kl(step.mean, ref.mean, step.std).mean()
                     loss = loss + args.kl_beta * kl
                     kls.append(float(kl.detach()))
-                (loss / n_terms).backward()  # one step's graph at a time
+                (loss / divisor).backward()  # one step's graph at a time
                 if epoch == 0:
                     first_dev = max(first_dev, float((step.ratio.detach() - 1).abs().max()))
-                    first.append((staleness, step.ratio.detach()))
+                    first.append((staleness, step.ratio.detach().float().cpu()))
                 ratios.append(step.ratio.detach().float().cpu())
                 clip_fracs.append(stats["clip_frac"])
                 losses.append(float(loss.detach()))
+        if not sharded:
+            ranks.all_reduce_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-    r = torch.cat(ratios)
+    # Every rank's replays, in rank order (one rank: its own).
+    parts = ranks.gather(
+        {"first_dev": first_dev, "ratios": torch.cat(ratios), "clip_fracs": clip_fracs, "losses": losses,
+         "kls": kls, "first": first}
+    )  # fmt: skip
+    r = torch.cat([q["ratios"] for q in parts])
+    clip_fracs = [c for q in parts for c in q["clip_fracs"]]
+    losses = [x for q in parts for x in q["losses"]]
+    kls = [x for q in parts for x in q["kls"]]
+    first = [f for q in parts for f in q["first"]]
     by_staleness = ratio_stats_by_staleness(first) if staleness is not None else None
     return {
-        "first_ratio_max_dev": first_dev,
+        "first_ratio_max_dev": max(q["first_dev"] for q in parts),
+        **({"first_ratio_max_dev_per_rank": [q["first_dev"] for q in parts]} if ranks.active else {}),
         "ratio_mean": float(r.mean()),
         "ratio_min": float(r.min()),
         "ratio_max": float(r.max()),
@@ -211,31 +260,57 @@ def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str
     return client.lora_list()["modules"]["transformer"]["adapters"][name]["checksum"]
 
 
-def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_path: str | None) -> dict:
-    device = trainer_device(args)
+def run(
+    client: RolloutClient | None, model_path, args: argparse.Namespace, out_path: str | None,
+    ranks: Ranks | None = None,
+) -> dict:  # fmt: skip
+    ranks = ranks or Ranks()
+    device = trainer_device(args, ranks)
+    dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
     reward_fn = load_reward(args.reward)
-    transformer = load_trainer_transformer(
-        model_path,
-        device=device,
-        dtype=trainer_dtype(args, device),
-        gradient_checkpointing=args.gradient_checkpointing,
-    )
-    params = add_lora(transformer, args.lora_rank, trainer_dtype(args, device))
+    in_process = client is None
+    full = None
+    if args.full_finetune:
+        # A thread server shares this process, where a second group of the same name cannot be made.
+        near = not args.url and args.server != "thread"
+        sync = args.weight_sync if args.weight_sync != "auto" else ("broadcast" if near else "http")
+        full = FullFinetune(model_path, device, dtype, ranks, args.gradient_checkpointing, sync)
+        transformer, params = full.transformer, full.params
+    else:
+        transformer = load_trainer_transformer(
+            model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
+        )
+        params = add_lora(transformer, args.lora_rank, dtype)
+        ranks.broadcast_params(params)  # every rank starts from rank 0's adapter
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     checkpoint = Checkpoint(args.checkpoint)
     state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}
     history: list[dict[str, Any]] = state["history"]
-    in_process = client is None
     sampler = InProcessSampler(model_path, transformer, device) if in_process else client
     version = f"iter-{state['next_iteration']}"
-    if not in_process:
-        # lora_B starts at zero: the adapter changes nothing yet, so the first rollouts sample the base
-        # policy with the adapter's structure in place, and later pushes reload it in place.
-        push_lora(client, transformer, name="default", activate=True, weight_version=version)
+
+    def push(version: str) -> bool | None:
+        """Rank 0 pushes the trainer's weights (every rank takes part in an FSDP2 gather); every rank
+        leaves with rank 0's verdict, i.e. only once the server holds ``version``."""
+        if in_process:
+            return None
+        if full is not None:
+            ok = full.push(client if ranks.is_main else None, version)
+        elif ranks.is_main:
+            result = push_lora(client, transformer, name="default", activate=True, weight_version=version)
+            ok = lora_checksum(transformer, dtype=dtype) == server_adapter_checksum(client)
+            ok = ok and result.weight_version == version
+        return ranks.broadcast(ok if ranks.is_main else None)
+
+    # lora_B starts at zero: the adapter changes nothing yet, so the first rollouts sample the base
+    # policy with the adapter's structure in place, and later pushes reload it in place. Full
+    # weights: the server already holds them; the push names the version and verifies the bytes.
+    push(version)
     width, height = image_size(args)
     run_record: dict[str, Any] = {
         "recipe": "flow_grpo", "layout": "in-process" if in_process else "server",
+        "ranks": ranks.world, "trainable": "full" if full is not None else "lora",
         "args": vars(args), "environment": environment(), "history": history,
     }  # fmt: skip
     shared = dict(
@@ -247,6 +322,8 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
     )  # fmt: skip
 
     def iteration_jobs(it: int) -> list[dict[str, Any]]:
+        """This rank's groups of iteration ``it``: its block of the iteration's ``--prompts`` groups,
+        each seeded by its index in the whole iteration (so N ranks make the 1-rank batch)."""
         window = sde_window(args, it)
         jobs = []
         for k in range(args.prompts):
@@ -258,7 +335,7 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
                          # Replay needs the latents entering and leaving each stochastic step, nothing else.
                          "rollout_return_step_indices":
                              None if window is None else sorted({*window, *(s + 1 for s in window)})})  # fmt: skip
-        return jobs
+        return ranks.share(jobs)
 
     stream = None
     if args.async_depth > 0 and not in_process:
@@ -273,61 +350,86 @@ def run(client: RolloutClient | None, model_path, args: argparse.Namespace, out_
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()
-            staleness, server_span = None, None
+            staleness, server_span, regenerated = None, None, False
             with phases("rollout"):
                 if stream is not None:
                     batch = next(stream)
                     groups, staleness = batch.outputs, batch.staleness
                     server_span = [clock(batch.sent_at), clock(batch.answered_at)]
+                    # One version per iteration on every rank: where the ranks' batches disagree
+                    # (a push landed between their requests), the older ones are made again now,
+                    # under the version every rank holds.
+                    if len(set(ranks.gather(staleness))) > 1 and staleness != 0:
+                        groups, staleness, regenerated = (
+                            client.generate_many(iteration_jobs(it), **shared),
+                            0,
+                            True,
+                        )
                 else:
                     groups = sampler.generate_many(iteration_jobs(it), **shared)
             outputs = [o for g in groups for o in g]
-            if stream is not None and len({o.weight_version for o in outputs}) != 1:
-                raise RuntimeError(f"a batch mixed versions { ({o.weight_version for o in outputs}) }")
-            if stream is None and not in_process and {o.weight_version for o in outputs} != {version}:
-                raise RuntimeError(
-                    f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
-                )
-            if args.release_memory and not in_process:
-                with phases("release"):
-                    client.release_memory_occupation()
+            versions = {o.weight_version for o in outputs}
+            if stream is not None and len(versions) != 1:
+                raise RuntimeError(f"a batch mixed versions {versions}")
+            if stream is None and not in_process and versions != {version}:
+                raise RuntimeError(f"rollouts came from {versions}, expected {version!r}")
             with phases("reward"):
                 rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
                 adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
+                seen = ranks.gather(
+                    {"rewards": rewards, "advantages": adv, "version": versions.pop(), "regenerated": regenerated,
+                     "server_peak": server_peak_gb(outputs)}
+                )  # fmt: skip
+            if args.release_memory and not in_process and ranks.is_main:
+                with phases("release"):
+                    client.release_memory_occupation()
             with phases("train"):
-                stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness)
-            version = f"iter-{it + 1}"
-            checksum_ok = None
-            if args.release_memory and not in_process:
+                stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness, ranks)
+            if args.release_memory and not in_process and ranks.is_main:
                 with phases("resume"):
                     client.resume_memory_occupation()
-            if not in_process:
-                with phases("push"):
-                    result = push_lora(
-                        client, transformer, name="default", activate=True, weight_version=version
-                    )
-                    local = lora_checksum(transformer, dtype=trainer_dtype(args, device))
-                    checksum_ok = (
-                        local == server_adapter_checksum(client) and result.weight_version == version
-                    )
-                if stream is not None:
-                    stream.pushed(version)
+            version = f"iter-{it + 1}"
+            with phases("push"):
+                checksum_ok = push(version)
+            if stream is not None:
+                stream.pushed(version)
+            per_rank = ranks.gather(phases.record())
+            extra: dict[str, Any] = {}
+            if ranks.active:
+                extra = {
+                    "rank_weight_versions": [q["version"] for q in seen],
+                    "regenerated_ranks": [r for r, q in enumerate(seen) if q["regenerated"]],
+                    "rank_seconds": [{k: v for k, v in q.items() if k.endswith("_s")} for q in per_rank],
+                    "rank_peak_gb": [q.get("trainer_peak_gb") for q in per_rank],
+                    "rank_device_used_max_gb": [q.get("device_used_max_gb") for q in per_rank],
+                }
+            all_rewards = torch.cat([q["rewards"] for q in seen])
             record = iteration_record(
-                it, version, rewards, outputs, phases, t_iter,
+                it, version, all_rewards, outputs, phases, t_iter,
                 sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
-                **({"server_span": server_span} if server_span else {}),
+                advantages=[float(a) for q in seen for a in q["advantages"].flatten()],
+                **({"server_span": server_span} if server_span else {}), **extra,
+                images=len(all_rewards), server_peak=max((q["server_peak"] for q in seen if q["server_peak"] is not None), default=None),
+                quiet=not ranks.is_main,
             )  # fmt: skip
             history.append(record)
-            run_record["summary"] = summarize(history, "first_ratio_max_dev")
-            write_run(out_path, run_record)
-            checkpoint.save(
-                transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history}
-            )
-    if not in_process:
-        run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=trainer_dtype(args, device))
+            if ranks.is_main:
+                if full is not None:
+                    run_record["full_sync"] = full.record()
+                run_record["summary"] = summarize(history, "first_ratio_max_dev")
+                write_run(out_path, run_record)
+                checkpoint.save(
+                    transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history}
+                )
+    if full is not None:
+        run_record["full_sync"] = full.record()
+        full.close()
+    if not in_process and ranks.is_main and full is None:
+        run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=dtype)
         run_record["server_adapter_checksum"] = server_adapter_checksum(client)
     run_record["summary"] = summarize(history, "first_ratio_max_dev")
-    write_run(out_path, run_record)
+    if ranks.is_main:
+        write_run(out_path, run_record)
     return run_record
 
 
@@ -336,18 +438,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     t0 = time.perf_counter()
-    with rollout_server(args) as server:
-        if server.url is None:
-            record = run(None, server.model_path, args, args.out)
-        else:
-            with RolloutClient(
-                server.url, admin_key=server.admin_key, max_concurrency=args.prompts
-            ) as client:
-                wait_ready(client)
-                record = run(client, server.model_path, args, args.out)
+    ranks = Ranks.from_env(always_group=args.full_finetune)
+    try:
+        trainer_device(args, ranks)  # binds this rank's GPU before the first collective
+        with rollout_server(args, ranks=ranks) as server:
+            if server.url is None:
+                record = run(None, server.model_path, args, args.out, ranks)
+            else:
+                with RolloutClient(
+                    server.url, admin_key=server.admin_key, max_concurrency=args.prompts
+                ) as client:
+                    wait_ready(client)
+                    record = run(client, server.model_path, args, args.out, ranks)
+    finally:
+        ranks.close()
     record["wall_s"] = round(time.perf_counter() - t0, 2)
-    write_run(args.out, record)
-    print(json.dumps(record["summary"]), flush=True)
+    if ranks.is_main:
+        write_run(args.out, record)
+        print(json.dumps(record["summary"]), flush=True)
     return record
 
 

@@ -16,12 +16,12 @@ Design decisions:
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffusion_rollout.checksums import tensor_sha256
+from diffusion_rollout.checksums import hash_pool, tensor_sha256
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import NamedTensors, _cast, _check_manifest, _named
 
@@ -129,26 +129,41 @@ class WeightBroadcaster:
         weight_version: str | int | None = None,
         flush_cache: bool = True,
         verify: bool = True,
+        announce: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
     ) -> UpdateResult:
-        """Send tensors to every server (one ``dist.broadcast`` per tensor, in order) and apply them."""
+        """Send tensors to every server (one ``dist.broadcast`` per tensor, in order) and apply them.
+
+        ``announce`` -- ``(name, dtype, shape)`` of every tensor in order, the dtype being the one
+        sent -- lets ``named_tensors`` be an iterator consumed one tensor at a time: each is made,
+        cast, checked against its announcement, broadcast and hashed before the next is asked for.
+        An FSDP trainer gathers its parameters this way without ever holding the whole model
+        twice. Without it the tensors are all cast first and announced from what they are.
+        """
         import torch.distributed as dist
 
         if self.group is None:
             raise RuntimeError("call init() first")
-        pairs = []
-        for name, tensor in _named(named_tensors):
-            t = _cast(name, tensor, dtype)
-            if self.device is not None:
-                t = t.to(self.device)
-            pairs.append((name, t.contiguous()))
-        if not pairs:
+
+        def prepared(items):
+            for name, tensor in items:
+                t = _cast(name, tensor, dtype)
+                yield name, (t if self.device is None else t.to(self.device)).contiguous()
+
+        if announce is None:
+            pairs = list(prepared(_named(named_tensors)))
+            announce = [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+            source = iter(pairs)
+        else:
+            announce = [(n, dt, tuple(int(x) for x in shape)) for n, dt, shape in announce]
+            source = prepared(_named(named_tensors))
+        if not announce:
             raise ValueError("nothing to broadcast")
-        names = [n for n, _ in pairs]
+        names = [n for n, _, _ in announce]
         pool, futures = self._on_servers(
             lambda index: self.client.update_weights_from_distributed(
                 names=names,
-                dtypes=[str(t.dtype) for _, t in pairs],
-                shapes=[list(t.shape) for _, t in pairs],
+                dtypes=[str(dt) for _, dt, _ in announce],
+                shapes=[list(shape) for _, _, shape in announce],
                 group_name=self.group_name,
                 target_modules=target_modules,
                 weight_version=weight_version,
@@ -156,16 +171,28 @@ class WeightBroadcaster:
                 server=index,
             )
         )
+        hashes: dict[str, concurrent.futures.Future] = {}
         try:
-            for _, t in pairs:
+            sent = 0
+            for (name, t), (want, want_dtype, want_shape) in zip(source, announce, strict=False):
+                if name != want or t.dtype != want_dtype or tuple(t.shape) != want_shape:
+                    raise ValueError(
+                        f"tensor {sent} is {name} {t.dtype} {tuple(t.shape)}, announced as "
+                        f"{want} {want_dtype} {want_shape}"
+                    )
                 dist.broadcast(t, src=0, group=self.group)
+                if verify:  # hashed on the hash threads from a host copy: the GPU copy goes now
+                    hashes[name] = hash_pool().submit(tensor_sha256, t.cpu())
+                sent += 1
+            if sent != len(announce):
+                raise ValueError(f"{sent} tensors came for the {len(announce)} announced")
         finally:
             results = self._results(pool, futures)
         if verify:
             targets = target_modules or ["transformer"]
             for module in targets:
                 prefix = module + "."
-                own = {n: tensor_sha256(t) for n, t in pairs if len(targets) == 1 or n.startswith(prefix)}
+                own = {n: h.result() for n, h in hashes.items() if len(targets) == 1 or n.startswith(prefix)}
                 if own:
                     _check_manifest(self.client, module, own, None)
         return UpdateResult.from_responses({u: r for res in results for u, r in res.responses.items()})
