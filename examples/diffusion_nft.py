@@ -62,6 +62,7 @@ from _common import (
     wait_ready,
     write_run,
 )
+from _ranks import Ranks
 from rewards import load_reward
 
 from diffusion_rollout.client import (
@@ -100,14 +101,23 @@ def cfg_free(env: dict[str, Any]) -> dict[str, Any]:
     return {**env, "neg_cond_kwargs": None, "guidance": {**env["guidance"], "rule": "none"}}
 
 
-def nft_backward(transformer, groups, optimality, args, gen: torch.Generator, device) -> float:
+def nft_backward(
+    transformer, groups, optimality, args, gen: torch.Generator, device, ranks: Ranks | None = None
+) -> float:
     """DiffusionNFT's loss on the rollouts' final latents, averaged over groups and timesteps.
 
     Each (group, timestep) term is backpropagated on its own, so only one term's graph is alive.
-    Returns the loss value.
+    Under torchrun the terms are divided by the whole iteration's count and rank r first draws (and
+    drops) the timesteps and noise of the groups before its block, so every group gets the draws it
+    gets in a 1-rank run. Returns this rank's share of the loss.
     """
-    terms = len(groups) * args.timesteps_per_sample
+    ranks = ranks or Ranks()
+    terms = int(ranks.sum(len(groups) * args.timesteps_per_sample))
     total = 0.0
+    shape = (len(groups[0]), *groups[0][0].dit_trajectory.latent(groups[0][0].dit_trajectory.num_steps).shape)
+    for _ in range(ranks.rank * len(groups) * args.timesteps_per_sample):
+        torch.randint(0, groups[0][0].dit_trajectory.num_steps, (), generator=gen)
+        torch.randn(shape, generator=gen, dtype=torch.float32)
     for group, r in zip(groups, optimality, strict=True):
         traj = group[0].dit_trajectory
         T = traj.num_steps
@@ -171,8 +181,15 @@ def adapter_checksums(client: RolloutClient) -> dict[str, str]:
     return {name: a["checksum"] for name, a in adapters.items()}
 
 
-def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: str | None) -> dict[str, Any]:
-    device = trainer_device(args)
+def run(
+    client: RolloutClient,
+    model_path,
+    args: argparse.Namespace,
+    out_path: str | None,
+    ranks: Ranks | None = None,
+) -> dict[str, Any]:
+    ranks = ranks or Ranks()
+    device = trainer_device(args, ranks)
     dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
     reward_fn = load_reward(args.reward)
@@ -189,6 +206,7 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
     transformer.set_adapter("default")
     for p in params:
         p.requires_grad_(True)
+    ranks.broadcast_params([p for n, p in transformer.named_parameters() if ".default." in n or ".old." in n])
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     checkpoint = Checkpoint(args.checkpoint)
     state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}
@@ -196,18 +214,24 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
     parity_step = args.steps // 2 if args.parity_step is None else args.parity_step
 
     def sync(version: str) -> bool:
-        push_lora(client, transformer, name="default", activate=False, weight_version=version)
-        push_lora(client, transformer, name="old", activate=True, weight_version=version)
-        served = adapter_checksums(client)
-        return all(
-            lora_checksum(transformer, adapter_name=a, dtype=dtype) == served[a] for a in ("default", "old")
-        )
+        """Rank 0 pushes both adapters; every rank leaves with its verdict once the server holds them."""
+        ok = None
+        if ranks.is_main:
+            push_lora(client, transformer, name="default", activate=False, weight_version=version)
+            push_lora(client, transformer, name="old", activate=True, weight_version=version)
+            served = adapter_checksums(client)
+            ok = all(
+                lora_checksum(transformer, adapter_name=a, dtype=dtype) == served[a]
+                for a in ("default", "old")
+            )
+        return ranks.broadcast(ok)
 
     version = f"nft-{state['next_iteration']}"
     sync(version)
     width, height = image_size(args)
     run_record: dict[str, Any] = {
-        "recipe": "diffusion_nft", "layout": "server", "args": vars(args), "environment": environment(),
+        "recipe": "diffusion_nft", "layout": "server", "ranks": ranks.world, "args": vars(args),
+        "environment": environment(),
         "history": history,
     }  # fmt: skip
     for it in range(state["next_iteration"], args.iterations):
@@ -220,6 +244,7 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
              "seed": (it * args.prompts + k) * 1000 + args.seed * 10_000_000}
             for k in range(args.prompts)
         ]  # fmt: skip
+        jobs = ranks.share(jobs)  # this rank's block of the iteration's groups
         with phases("rollout"):
             groups = client.generate_many(
                 jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
@@ -240,13 +265,17 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
         with phases("reward"):
             rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
             adv = group_advantages(rewards, args.group_size)
-            optimality = (0.5 + 0.5 * (adv / adv.abs().max().clamp_min(1e-8)).clamp(-1, 1)).view(
+            seen = ranks.gather({"rewards": rewards, "adv_max": float(adv.abs().max())})
+            # The scale is the whole iteration's largest |advantage|, as in a 1-rank run.
+            scale = max(q["adv_max"] for q in seen)
+            optimality = (0.5 + 0.5 * (adv / max(scale, 1e-8)).clamp(-1, 1)).view(
                 len(groups), args.group_size
             )
         with phases("train"):
-            parity = old_policy_max_dev(transformer, groups, parity_step, device)
+            parity = max(ranks.gather(old_policy_max_dev(transformer, groups, parity_step, device)))
             optimizer.zero_grad(set_to_none=True)
-            loss = nft_backward(transformer, groups, optimality, args, gen, device)
+            loss = ranks.sum(nft_backward(transformer, groups, optimality, args, gen, device, ranks))
+            ranks.all_reduce_grads(params)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             decay = ema_decay_at(args, it)
@@ -254,19 +283,22 @@ def run(client: RolloutClient, model_path, args: argparse.Namespace, out_path: s
         version = f"nft-{it + 1}"
         with phases("push"):
             checksum_ok = sync(version)
+        all_rewards = torch.cat([q["rewards"] for q in seen])
         record = iteration_record(
-            it, version, rewards, outputs, phases, t_iter,
+            it, version, all_rewards, outputs, phases, t_iter, images=len(all_rewards), quiet=not ranks.is_main,
             loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok, ema_decay=decay,
         )  # fmt: skip
         history.append(record)
-        run_record["summary"] = summarize(history, "old_policy_max_dev")
-        write_run(out_path, run_record)
-        checkpoint.save(
-            transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
-        )
-    run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]
+        if ranks.is_main:
+            run_record["summary"] = summarize(history, "old_policy_max_dev")
+            write_run(out_path, run_record)
+            checkpoint.save(
+                transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
+            )
     run_record["summary"] = summarize(history, "old_policy_max_dev")
-    write_run(out_path, run_record)
+    if ranks.is_main:
+        run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]
+        write_run(out_path, run_record)
     return run_record
 
 
@@ -275,15 +307,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.perf_counter()
-    with (
-        rollout_server(args) as server,
-        RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client,
-    ):
-        wait_ready(client)
-        record = run(client, server.model_path, args, args.out)
+    ranks = Ranks.from_env()
+    try:
+        trainer_device(args, ranks)  # binds this rank's GPU before the first collective
+        with (
+            rollout_server(args, ranks=ranks) as server,
+            RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client,
+        ):
+            wait_ready(client)
+            record = run(client, server.model_path, args, args.out, ranks)
+    finally:
+        ranks.close()
     record["wall_s"] = round(time.perf_counter() - t0, 2)
-    write_run(args.out, record)
-    print(json.dumps(record["summary"]), flush=True)
+    if ranks.is_main:
+        write_run(args.out, record)
+        print(json.dumps(record["summary"]), flush=True)
     return record
 
 
