@@ -43,6 +43,11 @@ _WAN = ["--steps", "10", "--width", "832", "--height", "480", "--frames", "33", 
         "--group-size", "4", "--lora-rank", "32", "--guidance-scale", "5.0", "--lr", "1e-3",
         "--gradient-checkpointing"]  # fmt: skip
 _TINY = ["--cpu", "--steps", "4", "--size", "32", "--prompts", "2", "--group-size", "4", "--lora-rank", "4"]
+_SCALE = ["--steps", "10", "--size", "512", "--prompts", "16", "--group-size", "8", "--lora-rank", "32",
+          "--lr", "1e-3", "--guidance-scale", "4.5", "--iterations", "20"]  # fmt: skip
+_COLOCATED = ["--server-gpus", "0,1,2,3", "--trainer-gpus", "0,1,2,3"]  # a replica and a trainer rank per GPU
+_DISAGG = ["--server-gpus", "0,1", "--trainer-gpus", "2,3"]  # a 2-replica pool, 2 trainer ranks
+_FAST = ["--recompute-old-log-probs", "--server-args=--quantize fp8 --compile"]
 
 # run name -> (model, recipe, arguments)
 RUNS: dict[str, tuple[str, str, list[str]]] = {
@@ -124,12 +129,70 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
             "brightness",
         ],
     ),
+    # Scale (#40): one 4-GPU machine, 16 prompts x 8 per iteration (4 per GPU in process), same
+    # seeds in every layout; `torchrun` ranks per RANKS below. GPU flags are the run's own.
+    "scale-in-process": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SCALE, "--layout", "in-process", "--trainer-gpus", "0,1,2,3"],
+    ),
+    "scale-colocated": ("sd3.5-medium", "flow_grpo", [*_SCALE, *_COLOCATED]),
+    "scale-colocated-fast": ("sd3.5-medium", "flow_grpo", [*_SCALE, *_COLOCATED, *_FAST]),
+    "scale-colocated-fast-async": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SCALE, *_COLOCATED, *_FAST, "--async-depth", "1"],
+    ),
+    "scale-disagg": ("sd3.5-medium", "flow_grpo", [*_SCALE, *_DISAGG]),
+    "scale-disagg-async": ("sd3.5-medium", "flow_grpo", [*_SCALE, *_DISAGG, "--async-depth", "1"]),
+    "scale-disagg-fast-async": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SCALE, *_DISAGG, *_FAST, "--async-depth", "1"],
+    ),
+    # Full parameters: FSDP2 over 2 trainer GPUs, NCCL sync to a 2-replica pool.
+    "scale-full": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SCALE, *_DISAGG, "--full-finetune", "--lr", "1e-5", "--iterations", "4"],
+    ),
+    # The two-GPU disaggregated layout of #24/#40 (4 prompts x 8), synchronous and async depth 1.
+    "two-gpu-disagg": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_SD35, *_CFG, "--server-gpu", "0", "--trainer-gpu", "1", "--iterations", "12"],
+    ),
+    "two-gpu-disagg-async": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [
+            *_SD35,
+            *_CFG,
+            "--server-gpu",
+            "0",
+            "--trainer-gpu",
+            "1",
+            "--iterations",
+            "12",
+            "--async-depth",
+            "1",
+        ],
+    ),
+    "tiny-scale-2": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-async1": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "3", "--async-depth", "1"]),
     "tiny-recompute": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--recompute-old-log-probs"]),
     "tiny-in-process": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2", "--layout", "in-process"]),
     "tiny-diffusion-nft": ("tiny-sd3", "diffusion_nft", [*_TINY, "--iterations", "2"]),
 }
+
+
+# Runs launched with `torchrun --nproc-per-node N` (the others are one plain process).
+RANKS: dict[str, int] = {
+    "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
+    "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
+    "tiny-scale-2": 2,
+}  # fmt: skip
 
 
 def model_folder(name: str, work: Path) -> Path:
@@ -157,17 +220,26 @@ def run_one(name: str, args: argparse.Namespace, deadline: float) -> int:
     model, recipe, extra = RUNS[name]
     path = model_folder(model, args.work)
     out = Path(args.out) / f"{name}.json"
-    cmd = [sys.executable, str(ROOT / "examples" / f"{recipe}.py"), "--model", str(path), *extra,
-           "--out", str(out), "--checkpoint", str(args.work / "checkpoints" / name)]  # fmt: skip
-    if not model.startswith("tiny-"):
+    launch = [sys.executable]
+    if RANKS.get(name, 1) > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS[name])]
+    cmd = [*launch, str(ROOT / "examples" / f"{recipe}.py"), "--model", str(path), *extra, "--out", str(out)]
+    if "--full-finetune" not in extra:  # (full-parameter checkpoints are not written yet)
+        cmd += ["--checkpoint", str(args.work / "checkpoints" / name)]
+    if args.iterations is not None:
+        cmd += ["--iterations", str(args.iterations)]
+    if not model.startswith("tiny-") and not any(
+        a.startswith(("--server-gpu", "--trainer-gpu")) for a in extra
+    ):
         cmd += ["--server-gpu", str(args.server_gpu), "--trainer-gpu", str(args.trainer_gpu)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     print(f"[train_recipes] {name}: {' '.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
+    t0, t0_mono = time.perf_counter(), time.monotonic()
     # A session of its own, so that stopping it stops the server it started too (its GPU memory).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     try:
-        rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        cap = deadline if args.cap_s is None else min(deadline, t0_mono + args.cap_s)
+        rc = proc.wait(timeout=max(cap - time.monotonic(), 1.0))
     except subprocess.TimeoutExpired:
         print(f"[train_recipes] {name}: out of time, stopping it (its checkpoint continues it)", flush=True)
         rc = stop_session(proc, signal.SIGTERM, timeout_s=20)
@@ -186,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-gpu", type=int, default=0)
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=None, help="stop everything after this many seconds")
+    p.add_argument("--cap-s", type=float, default=None, help="stop each run after this many seconds")
+    p.add_argument("--iterations", type=int, default=None, help="override each run's --iterations")
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (args.deadline_s or 10**9)

@@ -246,8 +246,9 @@ def _subprocess_server(
         env.pop(name, None)  # the server is no trainer rank (torch.distributed reads these)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    # A session of its own: stopping the server stops its Ray replicas with it.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # In the recipe's process group: a supervisor that stops the group (benchmarks.train_recipes)
+    # stops the server and its Ray replicas with it.
+    proc = subprocess.Popen(cmd, env=env)
     try:
         yield
     finally:

@@ -311,6 +311,8 @@ def run(
     run_record: dict[str, Any] = {
         "recipe": "flow_grpo", "layout": "in-process" if in_process else "server",
         "ranks": ranks.world, "trainable": "full" if full is not None else "lora",
+        # Where everything ran: every rank's device, and the GPUs of a server started here.
+        "trainer_devices": ranks.gather(str(device)), "server_gpus": None if in_process else args.server_gpu,
         "args": vars(args), "environment": environment(), "history": history,
     }  # fmt: skip
     shared = dict(
