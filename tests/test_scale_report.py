@@ -168,8 +168,8 @@ def test_advice_from_the_rows(run_dir):
     assert base["model_s"] == pytest.approx(15.0 + 0.5 + 5.0)
     assert col["model_s"] == pytest.approx(7.0 + 0.5 + 4.0 + 0.5)
     assert dis["rollout_work_s"] == pytest.approx(8.0)  # the server's span, not the 0.01 s wait
-    assert dis["model_s"] == pytest.approx(max(8.0, 6.5) + 1.0)
-    assert dis["measured_over_model"] == pytest.approx(_by_name(rows)["scale-disagg-async"]["s_per_it"] / 9.0)
+    assert dis["model_s"] == pytest.approx(max(8.0, 6.5 + 1.0))
+    assert dis["measured_over_model"] == pytest.approx(_by_name(rows)["scale-disagg-async"]["s_per_it"] / 8.0)
     assert (base["bound"], dis["bound"], col["bound"]) == ("rollout", "rollout", "rollout")
     assert [a["name"] for a in advice.values() if a["fastest"]] == ["scale-disagg-async"]
     assert [a["name"] for a in advice.values() if a["best_per_gpu"]] == ["scale-disagg-async"]
@@ -191,3 +191,20 @@ def test_main_writes_markdown_and_png(run_dir, tmp_path, capsys):
     assert "Fastest measured: **scale-disagg-async**" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 5000  # axes, three curves and a legend, not an empty canvas
+
+
+def test_split_advice_from_the_measured_rates(run_dir):
+    """Per-GPU rates from the rows (colocated: 8 images / 7 s rollout / 4 server GPUs; train: 8 images
+    / 4 s / 4 ranks and 8 / 6 / 2 -- the larger kept), then every split of 4 GPUs."""
+    rows = scale_report.layout_rows(scale_report.load_runs(run_dir))
+    rate = scale_report.rates(rows)
+    assert rate["rollout"] == pytest.approx(8 / 7.0 / 4)
+    assert rate["train"] == pytest.approx(max(8 / 4.0 / 4, 8 / 6.0 / 2))
+    assert "rollout_fast" not in rate
+    advice = {a["split"]: a for a in scale_report.split_advice(rows, 4, 8, overhead_s=1.0)}
+    r, t = rate["rollout"], rate["train"]
+    assert advice["colocated 4"]["predicted_s"] == pytest.approx(8 / (4 * r) + 8 / (4 * t) + 1.0)
+    assert advice["colocated 4"]["measured_s"] == pytest.approx(12.0)
+    assert advice["2 + 2"]["predicted_s"] == pytest.approx(max(8 / (2 * r), 8 / (2 * t)))
+    assert advice["2 + 2"]["measured_s"] == pytest.approx(10.0)  # the async run: 2 servers + 2 trainers
+    assert advice["1 + 3"]["measured_s"] is None
