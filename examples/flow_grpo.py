@@ -6,6 +6,8 @@
         --steps 10 --size 512 --group-size 8 --lora-rank 32 --iterations 40 --out run.json
     python examples/flow_grpo.py --model /models/sd35m --layout in-process     # no server: the baseline
     python examples/flow_grpo.py --url http://gpu-host:30000 --model /same/diffusers/folder
+    torchrun --standalone --nproc-per-node 4 examples/flow_grpo.py --model /models/sd35m --prompts 16 \
+        --server-gpus 0,1,2,3 --trainer-gpus 0,1,2,3           # 4 trainer ranks, a 4-replica pool
 
 Each iteration:
 
@@ -35,6 +37,12 @@ synchronous loop above, unchanged.
 ``--layout in-process`` samples with the stock pipeline on the trainer's own transformer instead
 (``_common.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
 has a colocated server release its GPU memory while the trainer trains.
+
+**Several ranks** (``torchrun``; ``_ranks.py``): each rank takes its block of the ``--prompts``
+groups, replays them, and the LoRA gradients are summed over the ranks before one optimizer step;
+rank 0 starts the server (``--server-gpus 0,1``: a pool of Ray replicas), pushes, and writes the
+record with every rank's rewards. ``--full-finetune`` trains every weight instead, sharded with
+FSDP2, and syncs the full weights after each step (``_full.py``). One rank is the plain run.
 
 The run is written to ``--out`` as JSON after every iteration: per iteration the rewards, the ratio
 statistics, the checksums and the seconds of each phase; at the end the learning statistics.
