@@ -91,7 +91,8 @@ class ServedModel:
         self.engine = Engine(self.config, loaded=loaded)
         self.engine.start()
         self.app = create_app(self.config, engine=self.engine)
-        self.client = TestClient(self.app)
+        # A loopback peer, as a trainer on the server's host is (same-host answers check it).
+        self.client = TestClient(self.app, client=("127.0.0.1", 50000))
         self.client.__enter__()
 
     def generate(self, body: dict, *, accept: str = "application/msgpack", expect: int = 200):

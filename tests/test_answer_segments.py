@@ -92,8 +92,11 @@ def test_the_async_client_reads_answers_from_its_file(fresh_server, recorded, po
     assert pool.written == 2 and len(own_files()) == 2
 
 
-def post(client: httpx.Client, name: str | None, accept: str = wire.MSGPACK) -> httpx.Response:
+def post(
+    client: httpx.Client, name: str | None, accept: str = wire.MSGPACK, token: str | None = None
+) -> httpx.Response:
     headers = {"Accept": accept} | ({answer_segments.HEADER: name} if name else {})
+    headers |= {answer_segments.TOKEN_HEADER: token} if token else {}
     body = {"prompt": "a red square", "seed": 3, **{k: v for k, v in rollout_fields().items() if k != "seed"}}
     r = client.post("/rollout/generate", json=body, headers=headers)
     assert r.status_code == 200, r.text
@@ -138,13 +141,42 @@ def test_the_server_writes_only_into_a_file_it_may(served, tmp_path):
         declined(post(client, name), f"segment too small for {length} bytes")
         with open(path, "r+b") as f:
             f.truncate(length + 5)
-        written = post(client, name)
+        declined(post(client, name), "segment does not carry this request's token")
+        token = answer_segments.new_token()
+        with open(path, "r+b") as f:
+            f.write(token.encode())
+        declined(
+            post(client, name, token=answer_segments.new_token()),
+            "segment does not carry this request's token",
+        )
+        written = post(client, name, token=token)
         assert written.headers[answer_segments.HEADER] == answer_segments.WRITTEN
         assert written.headers[answer_segments.LENGTH_HEADER] == str(length) and written.content == b""
         with open(path, "rb") as f:
             assert same_answer(f.read(length), plain.content)  # the body the socket carries
         as_json = post(client, name, accept=wire.JSON)
         assert answer_segments.HEADER not in as_json.headers and as_json.json()
+    finally:
+        os.unlink(path)
+
+
+def test_a_peer_not_on_the_loopback_is_declined(served):
+    """Only a caller on the server's host can share a file with it: another host's answer comes in
+    the body, whatever file and token it names."""
+    from fastapi.testclient import TestClient
+
+    name = f"{answer_segments.PREFIX}test-remote{os.getpid()}"
+    path = os.path.join(answer_segments.SEGMENT_DIR, name)
+    token = answer_segments.new_token()
+    with open(path, "wb") as f:
+        f.write(token.encode() + bytes(1 << 20))
+    try:
+        with TestClient(served("sd3").app, client=("203.0.113.7", 40000)) as remote:
+            r = post(remote, name, token=token)
+        assert r.headers[answer_segments.HEADER] == answer_segments.DECLINED + "not a loopback peer"
+        assert len(r.content) > 0
+        with open(path, "rb") as f:
+            assert f.read(answer_segments.TOKEN_BYTES) == token.encode()  # untouched
     finally:
         os.unlink(path)
 
@@ -158,19 +190,44 @@ def test_a_server_with_same_host_answers_off_says_so(fresh_server):
     )
 
 
+def armed(path, size: int) -> str:
+    """A file of ``size`` bytes starting with a fresh token, as the client arms its own; the token."""
+    token = answer_segments.new_token()
+    path.write_bytes(token.encode() + bytes(size - answer_segments.TOKEN_BYTES))
+    return token
+
+
 def test_the_server_lets_go_of_a_file_the_client_removed(tmp_path):
     writer = SegmentWriter(str(tmp_path))
     names = [f"{answer_segments.PREFIX}{i}" for i in range(2)]
     for name in names:
-        (tmp_path / name).write_bytes(bytes(16))
-        assert writer.write(name, [b"abc", memoryview(b"defg")], 7) is None
-    assert (tmp_path / names[0]).read_bytes()[:8] == b"abcdefg\0" and writer.kept() == 2
+        token = armed(tmp_path / name, 48)
+        assert writer.write(name, [b"abc", memoryview(b"defg")], 7, token) is None
+    assert (tmp_path / names[0]).read_bytes()[:7] == b"abcdefg" and writer.kept() == 2
     os.unlink(tmp_path / names[0])
-    assert writer.write(names[1], [b"xy"], 2) is None
+    token = armed(tmp_path / names[1], 48)  # rewritten in place: the kept mapping sees the new token
+    assert writer.write(names[1], [b"xy"], 2, token) is None
     assert writer.kept() == 1  # the removed file's mapping went at the next answer
     (tmp_path / names[1]).unlink()
     (tmp_path / names[1]).write_bytes(bytes(4))  # replaced by a smaller file of the same name
-    assert writer.write(names[1], [b"12345"], 5) == "segment too small for 5 bytes"
+    assert writer.write(names[1], [b"12345"], 5, token) == "segment too small for 5 bytes"
+
+
+def test_the_server_writes_only_into_a_file_carrying_the_requests_token(tmp_path):
+    """Another client cannot have an answer written over a trainer's file: it cannot know the token
+    the trainer wrote into it for its own request. The file is left untouched."""
+    writer = SegmentWriter(str(tmp_path))
+    name = f"{answer_segments.PREFIX}victim-7"
+    token = armed(tmp_path / name, 64)
+    before = (tmp_path / name).read_bytes()
+    why = "segment does not carry this request's token"
+    for guess in (None, "", answer_segments.new_token(), token[:-1], token.upper(), token + "0"):
+        assert writer.write(name, [b"intruder"], 8, guess) == why, guess
+    assert (tmp_path / name).read_bytes() == before
+    assert writer.write(name, [b"answer"], 6, token) is None  # its owner's request is written
+    assert (tmp_path / name).read_bytes()[:6] == b"answer"
+    # The answer overwrote the token: the same token cannot be replayed for a second write.
+    assert writer.write(name, [b"again"], 5, token) == why
 
 
 def test_a_file_that_cannot_be_reserved_is_declined_not_written(tmp_path, monkeypatch):
@@ -184,7 +241,7 @@ def test_a_file_that_cannot_be_reserved_is_declined_not_written(tmp_path, monkey
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     writer = SegmentWriter(str(tmp_path))
-    assert writer.write(name, [b"abc"], 3) == "segment cannot be mapped (No space left on device)"
+    assert writer.write(name, [b"abc"], 3, None) == "segment cannot be mapped (No space left on device)"
     assert writer.kept() == 0 and (tmp_path / name).read_bytes() == bytes(64)
 
 
@@ -225,7 +282,9 @@ def test_a_failed_request_drops_its_file(pool):
         assert lease.headers[answer_segments.HEADER] in own_files()
     assert len(own_files()) == 1  # back among the idle ones
     with pytest.raises(RuntimeError), pool.lease("http://127.0.0.1:1") as again:
-        assert again.headers == lease.headers  # the idle file, lent again
+        # The idle file, lent again with a fresh token (a token is good for one request only).
+        assert again.headers[answer_segments.HEADER] == lease.headers[answer_segments.HEADER]
+        assert again.headers[answer_segments.TOKEN_HEADER] != lease.headers[answer_segments.TOKEN_HEADER]
         raise RuntimeError("the request failed")
     assert not own_files()  # the server might still write into it: removed, never reused
 

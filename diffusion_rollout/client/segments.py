@@ -13,7 +13,8 @@ of this process instead of crossing TCP loopback: on an H200 host the loopback t
   server, turned off there) is not offered one again.
 - **Files.** ``/dev/shm/diffusion-rollout-answer-<pid>-<n>-<random>``, mode 0600, created and
   faulted in once, then reused for later answers (memory already faulted in is several times faster
-  to fill than fresh memory). A request holds its own file until its answer is decoded; a file goes
+  to fill than fresh memory). Each request writes a fresh token at the file's start and sends it:
+  the server writes only into a file that carries the request's token. A request holds its own file until its answer is decoded; a file goes
   back to the idle ones only after a request that succeeded, because after a failure the server
   may still be writing into it, so it is removed instead. At most
   ``DIFFUSION_ROLLOUT_SAME_HOST_ANSWERS_MB`` (default 2048) of idle files are kept. Files are
@@ -39,7 +40,17 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from diffusion_rollout.answer_segments import DECLINED, HEADER, LENGTH_HEADER, PREFIX, SEGMENT_DIR, WRITTEN
+from diffusion_rollout.answer_segments import (
+    DECLINED,
+    HEADER,
+    LENGTH_HEADER,
+    PREFIX,
+    SEGMENT_DIR,
+    TOKEN_BYTES,
+    TOKEN_HEADER,
+    WRITTEN,
+    new_token,
+)
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 
 __all__ = ["ENV", "ENV_MB", "MIN_BYTES", "AnswerSegments", "Lease"]
@@ -57,6 +68,7 @@ _NEVER = (
     "are off",
     "not a segment name",
     "cannot be mapped",
+    "not a loopback peer",
 )
 
 
@@ -88,6 +100,12 @@ class _Segment:
         self.capacity = capacity
         np.frombuffer(self._map, dtype=np.uint8)[:] = 0  # fault every page in now, not during an answer
 
+    def arm(self) -> str:
+        """A fresh token written at the file's start, for the next request (answer_segments)."""
+        token = new_token()
+        self._map[:TOKEN_BYTES] = token.encode("ascii")
+        return token
+
     def view(self, length: int) -> memoryview:
         return memoryview(self._map)[:length]
 
@@ -102,7 +120,7 @@ class Lease:
         self._owner = owner
         self.url = url
         self.segment = segment
-        self.headers = {HEADER: segment.name} if segment is not None else {}
+        self.headers = {HEADER: segment.name, TOKEN_HEADER: segment.arm()} if segment is not None else {}
 
     def body(self, headers: Mapping[str, str], body: bytes | memoryview) -> bytes | memoryview:
         """The answer's body: ``body`` as read from the socket, or the file's bytes when the server

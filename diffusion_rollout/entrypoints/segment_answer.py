@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from diffusion_rollout import wire
-from diffusion_rollout.answer_segments import SEGMENT_DIR, valid_name
+from diffusion_rollout.answer_segments import SEGMENT_DIR, TOKEN_BYTES, token_matches, valid_name
 
 __all__ = ["SegmentWriter"]
 
@@ -43,14 +43,21 @@ class SegmentWriter:
         self._maps: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def write(self, name: str, buffers: Sequence[bytes | memoryview], length: int) -> str | None:
-        """Write the ``length`` bytes of ``buffers`` at the start of the file ``name``; None when
-        written, else the reason (a short phrase for the answer's header)."""
+    def write(
+        self, name: str, buffers: Sequence[bytes | memoryview], length: int, token: str | None
+    ) -> str | None:
+        """Write the ``length`` bytes of ``buffers`` at the start of the file ``name``, which must
+        start with the request's ``token``; None when written, else the reason (a short phrase for
+        the answer's header)."""
         if not valid_name(name):
             return "not a segment name"
         mapping = self._mapping(name, length)
         if isinstance(mapping, str):
             return mapping
+        # The caller proves the file is its own: only it could have written this request's token
+        # there. Without the check any client could have an answer written over another trainer's.
+        if not token_matches(mapping.map[:TOKEN_BYTES], token):
+            return "segment does not carry this request's token"
         dest = np.frombuffer(mapping.map, dtype=np.uint8, count=length)
         pos = 0
         for buffer in buffers:

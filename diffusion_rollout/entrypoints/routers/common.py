@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 from pathlib import PurePath
 from typing import Any
 
@@ -57,7 +58,19 @@ async def _into_segment(request: Request, name: str, buffers, length: int) -> st
     writer = getattr(request.app.state, "segment_writer", None)
     if writer is None:
         return "same-host answers are off on this server"
-    return await asyncio.to_thread(writer.write, name, buffers, length)
+    if not _loopback_peer(request):
+        return "not a loopback peer"
+    token = request.headers.get(answer_segments.TOKEN_HEADER)
+    return await asyncio.to_thread(writer.write, name, buffers, length, token)
+
+
+def _loopback_peer(request: Request) -> bool:
+    """A caller on this host's loopback: the only kind that can share a file with the server."""
+    host = request.client.host if request.client is not None else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bearer_token(authorization: str | None) -> str | None:
