@@ -28,12 +28,18 @@ they have in common and that is not the algorithm lives here:
   standard errors) and :func:`plot_reward_curves` (matplotlib, optional extra ``plot``).
 - **Resuming.** ``--checkpoint DIR`` saves the adapters, the optimizer and the history after every
   iteration; a rerun with the same ``DIR`` continues from there (GPU time comes in stretches).
+- **Reporting.** :class:`Report` prints one progress line per iteration on rank 0 (reward, the
+  recipe's exactness key, seconds per phase, ETA; ``--print-json``: the record's JSON line instead)
+  and hands the record and a few images to ``--log-to tensorboard,wandb`` (``_logging.py``).
+  ``--config run.yaml`` gives any option from a file, the command line overriding it
+  (:func:`parse_with_config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import math
@@ -67,9 +73,19 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 # ---------------------------------------------------------------------------------------------- options
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The options every recipe shares: where rollouts come from, the trainer's device, the run's size."""
+def base_parser(description: str, *, reporting: bool = True) -> argparse.ArgumentParser:
+    """The options every recipe shares: where rollouts come from, the trainer's device, the run's size.
+
+    ``reporting``: the options of :class:`Report` (``--print-json``, ``--log-to``, ``--log-dir``), for
+    recipes that report per iteration. Parse with :func:`parse_with_config` (``--config``).
+    """
     p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="options from a YAML file: keys are option names (group_size or group-size), values their "
+        "values (true/false for flags, a list for a repeatable option); the command line overrides them",
+    )
     g = p.add_argument_group("server and layout")
     g.add_argument("--url", help="a running server (default: start one here)")
     g.add_argument(
@@ -148,7 +164,133 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         help="the model's dtype, trainer and server alike (auto: bf16 on CUDA, float32 on a CPU)",
     )
     g.add_argument("--gradient-checkpointing", action="store_true")
+    if reporting:
+        g = p.add_argument_group("reporting")
+        g.add_argument(
+            "--print-json",
+            action="store_true",
+            help="print each iteration's record as one JSON line instead of the progress line",
+        )
+        g.add_argument(
+            "--log-to",
+            action="extend",
+            type=log_targets,
+            default=[],
+            metavar="{tensorboard,wandb}",
+            help="also log scalars and sample images per iteration to TensorBoard and/or W&B "
+            "(repeatable or a comma list; W&B's mode, project and directory from WANDB_* variables)",
+        )
+        g.add_argument(
+            "--log-dir",
+            help="TensorBoard's (and W&B's, without WANDB_DIR) directory (default: next to --out, "
+            "RUN-logs for RUN.json, else runs/RECIPE-TIME)",
+        )
     return p
+
+
+def log_targets(text: str) -> list[str]:
+    """``"tensorboard"`` or ``"tensorboard,wandb"``: where ``--log-to`` sends the run."""
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in targets if t not in ("tensorboard", "wandb")]
+    if bad or not targets:
+        raise argparse.ArgumentTypeError(f"choose tensorboard and/or wandb, not {text!r}")
+    return targets
+
+
+def parse_with_config(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with ``--config FILE``'s options underneath the command line's.
+
+    The file is a YAML mapping whose keys are the parser's option names (the ``dest``, ``group_size``,
+    or a long option without its dashes, ``group-size``) and whose values go through the option's
+    own conversion and checks (``lr: 1e-2``, ``server_gpus: [0, 1]``, ``cpu: true``,
+    ``log_to: [tensorboard]``); ``null`` leaves the default. An option given on the command line
+    wins over the file (a list option is replaced, not extended); an unknown key is an error that
+    names it.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "config", None):
+        return args
+    from_file = _config_values(parser, args.config)
+    given = _given_on_command_line(parser, argv)
+    for dest, value in from_file.items():
+        if dest not in given:
+            setattr(args, dest, value)
+    return args
+
+
+def _config_values(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """``path``'s options as the parser's ``dest -> value`` (converted and checked by the parser)."""
+    import yaml
+
+    where = f"--config {path}"
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        parser.error(f"{where}: {e.strerror or e}")
+    except yaml.YAMLError as e:
+        parser.error(f"{where}: not valid YAML: {e}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        parser.error(f"{where}: expected a mapping of option names to values, not a {type(data).__name__}")
+    by_name: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs or action.dest in ("help", "config", argparse.SUPPRESS):
+            continue
+        by_name[action.dest] = action
+        for s in longs:
+            by_name[s[2:]] = by_name[s[2:].replace("-", "_")] = action
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        action = by_name.get(str(key))
+        if action is None:
+            near = difflib.get_close_matches(str(key), list(by_name), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            parser.error(f"{where}: unknown option {key!r}{hint}")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a flag: true or false
+            if not isinstance(value, bool):
+                parser.error(f"{where}: {key!r} is a flag: true or false, not {value!r}")
+            values[action.dest] = value
+            continue
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (dict, list)) for v in items):
+            parser.error(f"{where}: {key!r} takes a value or a list of values, not {value!r}")
+        option = next(s for s in action.option_strings if s.startswith("--"))
+        texts = [str(v).lower() if isinstance(v, bool) else str(v) for v in items]
+        if isinstance(action, argparse._AppendAction):  # append, extend: the option once per item
+            tokens = [t for text in texts for t in (option, text)]
+        elif action.nargs in ("*", "+") or isinstance(action.nargs, int):
+            tokens = [option, *texts]
+        else:  # one value; a list is comma-joined (--server-gpus 0,1)
+            tokens = [option, ",".join(texts)]
+        exit_on_error, parser.exit_on_error = parser.exit_on_error, False
+        try:
+            parsed = parser.parse_args(tokens)
+        except argparse.ArgumentError as e:
+            parser.error(f"{where}: {key!r}: {e}")
+        finally:
+            parser.exit_on_error = exit_on_error
+        values[action.dest] = getattr(parsed, action.dest)
+    return values
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The dests that ``argv`` sets: parsed into a namespace pre-filled with markers, which argparse
+    leaves alone (it writes defaults only where an attribute is missing)."""
+    unset = object()
+    ns = argparse.Namespace()
+    for action in parser._actions:
+        if action.dest != argparse.SUPPRESS:
+            # append/extend copy and grow the present value: start them from None.
+            setattr(ns, action.dest, None if isinstance(action, argparse._AppendAction) else unset)
+    parser.parse_args(argv, namespace=ns)
+    return {dest for dest, v in vars(ns).items() if v is not unset and v is not None}
 
 
 def image_size(args: argparse.Namespace) -> tuple[int, int]:
@@ -368,13 +510,21 @@ def add_lora(
 
 
 class Checkpoint:
-    """Adapters, optimizer and history in ``DIR`` (``--checkpoint``), written after every iteration."""
+    """Adapters, optimizer and history in ``DIR`` (``--checkpoint``), written after every iteration.
+
+    One file, ``trainer.pt``, holds all three, so a checkpoint is never half of one iteration and
+    half of another: it is written to a temporary file, flushed to disk, and renamed over the last
+    one (a rename within a folder is atomic), so a run killed mid-write, or a full disk, leaves the
+    previous complete checkpoint. ``state.json`` beside it is a readable copy of the state, written
+    the same way after it; resuming reads the state from ``trainer.pt`` (older checkpoints, which
+    kept the state only in ``state.json``, still load).
+    """
 
     def __init__(self, directory: str | None) -> None:
         self.dir = Path(directory) if directory else None
 
     def load(self, transformer, optimizer) -> dict[str, Any] | None:
-        if self.dir is None or not (self.dir / "state.json").exists():
+        if self.dir is None or not (self.dir / "trainer.pt").exists():
             return None
         from peft.utils import set_peft_model_state_dict
 
@@ -382,7 +532,11 @@ class Checkpoint:
         for name, sd in saved["adapters"].items():
             set_peft_model_state_dict(transformer, sd, adapter_name=name)
         optimizer.load_state_dict(saved["optimizer"])
-        state = json.loads((self.dir / "state.json").read_text())
+        state = (
+            json.loads(saved["state"])
+            if "state" in saved
+            else json.loads((self.dir / "state.json").read_text())
+        )
         logger.info("resumed from %s at iteration %d", self.dir, state["next_iteration"])
         return state
 
@@ -393,9 +547,28 @@ class Checkpoint:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         sd = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in adapters}
-        torch.save({"adapters": sd, "optimizer": optimizer.state_dict()}, self.dir / "trainer.pt.tmp")
-        os.replace(self.dir / "trainer.pt.tmp", self.dir / "trainer.pt")
-        (self.dir / "state.json").write_text(json.dumps(state))
+        text = json.dumps(state)
+        _write_atomically(
+            self.dir / "trainer.pt",
+            lambda f: torch.save({"adapters": sd, "optimizer": optimizer.state_dict(), "state": text}, f),
+        )
+        _write_atomically(self.dir / "state.json", lambda f: f.write(text.encode()))
+
+
+def _write_atomically(path: Path, write) -> None:
+    """``write(file)`` into ``path.tmp``, flushed to disk, then renamed over ``path``: a reader sees
+    the old file or the new one, never a part (the temporary file is removed on any failure)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def uint8_images(outputs: Sequence[RolloutOutput]) -> torch.Tensor:
@@ -564,13 +737,12 @@ def server_peak_gb(outputs: Sequence[RolloutOutput]) -> float | None:
 # ---------------------------------------------------------------------------------------------- records
 def iteration_record(
     iteration: int, version: Any, rewards: torch.Tensor, outputs: Sequence[RolloutOutput], phases: Phases,
-    started: float, *, images: int | None = None, server_peak: float | None = None, quiet: bool = False,
-    **fields: Any,
+    started: float, *, images: int | None = None, server_peak: float | None = None, **fields: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """One iteration's JSON record: rewards, the recipe's ``fields``, seconds per phase, memory, rate.
 
     ``images`` and ``server_peak`` (GB) default to those of ``outputs``; a rank of several passes the
-    whole iteration's (every rank's). ``quiet``: no progress line (ranks other than 0).
+    whole iteration's (every rank's). :class:`Report` shows it.
     """
     record = {
         "iteration": iteration,
@@ -585,10 +757,122 @@ def iteration_record(
     }
     record["iteration_s"] = round(time.perf_counter() - started, 4)
     record["images_per_second"] = round(record["images"] / record["iteration_s"], 4)
-    if not quiet:
-        skip = ("rewards", "spans", "advantages", "rank_seconds")
-        print(json.dumps({k: v for k, v in record.items() if k not in skip}), flush=True)
     return record
+
+
+# What the progress line calls each recipe's exactness key.
+EXACTNESS_LABELS = {"first_ratio_max_dev": "|ratio-1|", "old_policy_max_dev": "old-policy dev"}
+# Phases in the order an iteration runs them (others, a recipe's own, follow).
+PHASE_ORDER = ("rollout", "reward", "release", "train", "resume", "push")
+
+
+def duration(seconds: float) -> str:
+    """``46s``, ``2m46s``, ``1h02m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _number(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    return f"{x:.2f}" if 100 <= abs(x) < 1e6 else f"{x:.4g}"
+
+
+def progress_line(
+    record: Mapping[str, Any], total: int, exactness_key: str, seconds_per_iteration: float
+) -> str:
+    """``iter 3/20  reward -212.41 ± 6.19  |ratio-1| 0  rollout 7.05s ... push 0.38s  10.4 s/it  ETA 2m46s``
+
+    The iteration counts from 1 (the record's ``iteration`` is 0-based); ``s/it`` is this iteration's
+    seconds, the ETA ``seconds_per_iteration`` times the iterations left.
+    """
+    it = int(record["iteration"]) + 1
+    phases = [k.removesuffix("_s") for k in record if k.endswith("_s") and k != "iteration_s"]
+    phases.sort(key=lambda k: PHASE_ORDER.index(k) if k in PHASE_ORDER else len(PHASE_ORDER))
+    label = EXACTNESS_LABELS.get(exactness_key, exactness_key)
+    parts = [
+        f"iter {it}/{total}",
+        f"reward {_number(record['reward_mean'])} ± {_number(record['reward_std'])}",
+        f"{label} {_number(record.get(exactness_key))}",
+        " ".join(f"{k} {record[f'{k}_s']:.2f}s" for k in phases),
+        f"{record['iteration_s']:.3g} s/it",
+        f"ETA {duration(seconds_per_iteration * max(total - it, 0))}",
+    ]
+    return "  ".join(parts)
+
+
+class Report:
+    """What rank 0 shows of each iteration: one progress line on stdout (``--print-json``: the
+    record as one JSON line, without its per-sample lists, instead), and ``--log-to``'s scalars and
+    sample images (``_logging.RunLogger``, imported only then). Ranks other than 0 (``enabled``
+    false) show nothing. The ETA's seconds per iteration are the mean over this process's
+    iterations after its first (the warm-up, left out as in :func:`summarize`; alone it is used).
+    """
+
+    def __init__(self, args: argparse.Namespace, recipe: str, exactness_key: str, *, enabled: bool = True):
+        self.enabled = enabled
+        self.total = args.iterations
+        self.exactness_key = exactness_key
+        self.print_json = getattr(args, "print_json", False)
+        self.seconds: list[float] = []
+        self.logger = None
+        if enabled and getattr(args, "log_to", None):
+            from _logging import RunLogger
+
+            self.logger = RunLogger(args.log_to, log_dir(args, recipe), recipe=recipe, config=vars(args))
+
+    def iteration(self, record: Mapping[str, Any], outputs: Sequence[RolloutOutput] = ()) -> None:
+        if not self.enabled:
+            return
+        self.seconds.append(record["iteration_s"])
+        if self.print_json:
+            skip = ("rewards", "spans", "advantages", "rank_seconds")
+            line = json.dumps({k: v for k, v in record.items() if k not in skip})
+        else:
+            timed = self.seconds[1:] or self.seconds
+            line = _printable(progress_line(record, self.total, self.exactness_key, sum(timed) / len(timed)))
+        print(line, flush=True)
+        if self.logger is not None:
+            from _logging import SAMPLE_IMAGES
+
+            shown = [o for o in outputs[:SAMPLE_IMAGES] if o.generated_output is not None]
+            self.logger.log_iteration(record, uint8_images(shown) if shown else None)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+    def __enter__(self) -> Report:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def log_dir(args: argparse.Namespace, recipe: str) -> Path:
+    """``--log-dir``, else ``RUN-logs`` next to ``--out RUN.json``, else ``runs/RECIPE-TIME``."""
+    if args.log_dir:
+        return Path(args.log_dir)
+    if args.out:
+        out = Path(args.out)
+        return out.with_name(f"{out.stem}-logs")
+    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _printable(line: str) -> str:
+    """``line``, with ``+-`` for ``±`` where stdout cannot encode it (an ASCII locale)."""
+    try:
+        line.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return line.replace("±", "+-")
+    return line
 
 
 def summarize(history: Sequence[Mapping[str, Any]], exactness_key: str) -> dict[str, Any]:

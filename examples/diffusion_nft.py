@@ -48,12 +48,14 @@ from _common import (
     PROMPTS,
     Checkpoint,
     Phases,
+    Report,
     add_lora,
     base_parser,
     environment,
     image_size,
     iteration_record,
     load_trainer_transformer,
+    parse_with_config,
     rollout_server,
     summarize,
     trainer_device,
@@ -90,7 +92,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--parity-step", type=int, default=None, help="ODE step checked for parity (default T // 2)"
     )
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if args.layout != "server":
         p.error("DiffusionNFT runs against a server (--layout server)")
     return args
@@ -234,67 +236,72 @@ def run(
         "environment": environment(),
         "history": history,
     }  # fmt: skip
-    for it in range(state["next_iteration"], args.iterations):
-        # Per-iteration draws (loss timesteps and noise), so a resumed run continues with the same ones.
-        gen = torch.Generator().manual_seed(args.seed * 100_003 + it)
-        phases = Phases(device)
-        t_iter = time.perf_counter()
-        jobs = [
-            {"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)],
-             "seed": (it * args.prompts + k) * 1000 + args.seed * 10_000_000}
-            for k in range(args.prompts)
-        ]  # fmt: skip
-        jobs = ranks.share(jobs)  # this rank's block of the iteration's groups
-        with phases("rollout"):
-            groups = client.generate_many(
-                jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
-                width=width, height=height, num_frames=args.frames, guidance_scale=1.0,
-                rollout_sde_step_indices=[], rollout_log_prob_no_const=True,
-                rollout_return_dit_trajectory=True,
-                rollout_return_step_indices=sorted({parity_step, parity_step + 1, args.steps}),
-                rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
-                generator_device="cuda" if device.type == "cuda" else "cpu",
+    # Rank 0's progress line per iteration, and --log-to's scalars and images.
+    with Report(args, "diffusion_nft", "old_policy_max_dev", enabled=ranks.is_main) as report:
+        for it in range(state["next_iteration"], args.iterations):
+            # Per-iteration draws (loss timesteps and noise), so a resumed run continues with the same ones.
+            gen = torch.Generator().manual_seed(args.seed * 100_003 + it)
+            phases = Phases(device)
+            t_iter = time.perf_counter()
+            jobs = [
+                {"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)],
+                 "seed": (it * args.prompts + k) * 1000 + args.seed * 10_000_000}
+                for k in range(args.prompts)
+            ]  # fmt: skip
+            jobs = ranks.share(jobs)  # this rank's block of the iteration's groups
+            with phases("rollout"):
+                groups = client.generate_many(
+                    jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
+                    width=width, height=height, num_frames=args.frames, guidance_scale=1.0,
+                    rollout_sde_step_indices=[], rollout_log_prob_no_const=True,
+                    rollout_return_dit_trajectory=True,
+                    rollout_return_step_indices=sorted({parity_step, parity_step + 1, args.steps}),
+                    rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
+                    generator_device="cuda" if device.type == "cuda" else "cpu",
+                )  # fmt: skip
+            outputs = [o for g in groups for o in g]
+            if any(o.sde_step_indices for o in outputs) or any(
+                bool(o.rollout_log_probs.any()) for o in outputs
+            ):
+                raise RuntimeError("an ODE rollout reported a stochastic step")
+            if {o.weight_version for o in outputs} != {version}:
+                raise RuntimeError(
+                    f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
+                )
+            with phases("reward"):
+                rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+                adv = group_advantages(rewards, args.group_size)
+                seen = ranks.gather({"rewards": rewards, "adv_max": float(adv.abs().max())})
+                # The scale is the whole iteration's largest |advantage|, as in a 1-rank run.
+                scale = max(q["adv_max"] for q in seen)
+                optimality = (0.5 + 0.5 * (adv / max(scale, 1e-8)).clamp(-1, 1)).view(
+                    len(groups), args.group_size
+                )
+            with phases("train"):
+                parity = max(ranks.gather(old_policy_max_dev(transformer, groups, parity_step, device)))
+                optimizer.zero_grad(set_to_none=True)
+                loss = ranks.sum(nft_backward(transformer, groups, optimality, args, gen, device, ranks))
+                ranks.all_reduce_grads(params)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                decay = ema_decay_at(args, it)
+                ema_update(transformer, decay)
+            version = f"nft-{it + 1}"
+            with phases("push"):
+                checksum_ok = sync(version)
+            all_rewards = torch.cat([q["rewards"] for q in seen])
+            record = iteration_record(
+                it, version, all_rewards, outputs, phases, t_iter, images=len(all_rewards),
+                loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok, ema_decay=decay,
             )  # fmt: skip
-        outputs = [o for g in groups for o in g]
-        if any(o.sde_step_indices for o in outputs) or any(bool(o.rollout_log_probs.any()) for o in outputs):
-            raise RuntimeError("an ODE rollout reported a stochastic step")
-        if {o.weight_version for o in outputs} != {version}:
-            raise RuntimeError(
-                f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
-            )
-        with phases("reward"):
-            rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
-            adv = group_advantages(rewards, args.group_size)
-            seen = ranks.gather({"rewards": rewards, "adv_max": float(adv.abs().max())})
-            # The scale is the whole iteration's largest |advantage|, as in a 1-rank run.
-            scale = max(q["adv_max"] for q in seen)
-            optimality = (0.5 + 0.5 * (adv / max(scale, 1e-8)).clamp(-1, 1)).view(
-                len(groups), args.group_size
-            )
-        with phases("train"):
-            parity = max(ranks.gather(old_policy_max_dev(transformer, groups, parity_step, device)))
-            optimizer.zero_grad(set_to_none=True)
-            loss = ranks.sum(nft_backward(transformer, groups, optimality, args, gen, device, ranks))
-            ranks.all_reduce_grads(params)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            decay = ema_decay_at(args, it)
-            ema_update(transformer, decay)
-        version = f"nft-{it + 1}"
-        with phases("push"):
-            checksum_ok = sync(version)
-        all_rewards = torch.cat([q["rewards"] for q in seen])
-        record = iteration_record(
-            it, version, all_rewards, outputs, phases, t_iter, images=len(all_rewards), quiet=not ranks.is_main,
-            loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok, ema_decay=decay,
-        )  # fmt: skip
-        history.append(record)
-        if ranks.is_main:
-            run_record["summary"] = summarize(history, "old_policy_max_dev")
-            write_run(out_path, run_record)
-            checkpoint.save(
-                transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
-            )
+            history.append(record)
+            report.iteration(record, outputs)
+            if ranks.is_main:
+                run_record["summary"] = summarize(history, "old_policy_max_dev")
+                write_run(out_path, run_record)
+                checkpoint.save(
+                    transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
+                )
     run_record["summary"] = summarize(history, "old_policy_max_dev")
     if ranks.is_main:
         run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]

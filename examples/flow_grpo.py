@@ -66,6 +66,7 @@ from _common import (
     Checkpoint,
     InProcessSampler,
     Phases,
+    Report,
     add_lora,
     base_parser,
     clock,
@@ -73,6 +74,7 @@ from _common import (
     image_size,
     iteration_record,
     load_trainer_transformer,
+    parse_with_config,
     rollout_server,
     server_peak_gb,
     summarize,
@@ -154,7 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "recomputed log-probs and weighted by the truncated importance weight to the server's; for "
         "rollouts from an inexact server (the fast tier: --server-args='--quantize fp8 --compile')",
     )
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if args.full_finetune:
         for bad, why in ((args.layout == "in-process", "--layout in-process"), (args.kl_beta > 0, "--kl-beta"),
                          (args.checkpoint, "--checkpoint")):  # fmt: skip
@@ -356,7 +358,10 @@ def run(
             max_batches=args.iterations - first_it, **shared,
         )  # fmt: skip
         stream.pushed(version)
-    with stream if stream is not None else contextlib.nullcontext():  # closing aborts what is in flight
+    # Rank 0's progress line per iteration, and --log-to's scalars and images.
+    report = Report(args, "flow_grpo", "first_ratio_max_dev", enabled=ranks.is_main)
+    # Closing the stream aborts what is in flight.
+    with stream if stream is not None else contextlib.nullcontext(), report:
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()
@@ -420,9 +425,9 @@ def run(
                 advantages=[float(a) for q in seen for a in q["advantages"].flatten()],
                 **({"server_span": server_span} if server_span else {}), **extra,
                 images=len(all_rewards), server_peak=max((q["server_peak"] for q in seen if q["server_peak"] is not None), default=None),
-                quiet=not ranks.is_main,
             )  # fmt: skip
             history.append(record)
+            report.iteration(record, outputs)
             if ranks.is_main:
                 if full is not None:
                     run_record["full_sync"] = full.record()

@@ -29,6 +29,7 @@ from _common import (
     add_lora,
     base_parser,
     load_trainer_transformer,
+    parse_with_config,
     rollout_server,
     trainer_device,
     wait_ready,
@@ -62,12 +63,12 @@ def flow_grpo_pass(transformer, samples, envs, sigmas, args, device) -> tuple[fl
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__.splitlines()[0], reporting=False)  # one step: no per-iteration reporting
     p.add_argument("--guidance-scale", type=float, default=4.5)
     p.add_argument("--noise-level", type=float, default=0.7)
     p.add_argument("--clip-range", type=float, default=1e-4)
     p.set_defaults(prompts=2, group_size=4)
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = trainer_device(args)
     prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.prompts)]

@@ -185,6 +185,32 @@ def test_flow_grpo_resumes_from_its_checkpoint(examples, tmp_path):
     assert straight["final_adapter_checksum"] == resumed["final_adapter_checksum"]
 
 
+def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint(examples, tmp_path, monkeypatch):
+    """A full disk (or a kill) during the write of iteration 2's checkpoint: the one of iteration 1
+    stays whole, nothing half-written is left, and the rerun continues to the straight run's records."""
+    import torch
+
+    flow_grpo = examples("flow_grpo")
+    ckpt = tmp_path / "ckpt"
+    first = flow_grpo.main([*SMALL, "--checkpoint", str(ckpt)])
+    before = {name: (ckpt / name).read_bytes() for name in ("trainer.pt", "state.json")}
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"the first bytes of a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            flow_grpo.main([*SMALL, "--iterations", "3", "--checkpoint", str(ckpt)])
+    assert {name: (ckpt / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in ckpt.iterdir()) == ["state.json", "trainer.pt"]  # no .tmp left
+    resumed = flow_grpo.main([*SMALL, "--iterations", "3", "--checkpoint", str(ckpt)])
+    assert resumed["history"][:2] == first["history"] and resumed["history"][2]["checksum_ok"] is True
+    straight = flow_grpo.main([*SMALL, "--iterations", "3"])
+    assert _rewards(straight) == _rewards(resumed)
+
+
 def test_flow_grpo_checks_fail_when_the_server_keeps_stale_weights(examples, monkeypatch):
     """Negative control: pushes after the first only relabel the server's adapter (its weights stay at
     the initial zero adapter) -- the checksum check and the ratio check must both fail."""
