@@ -19,7 +19,7 @@ Facts, read from the public sources (re-implemented here, not copied):
   x_T rule here, and this keeps their numbers), where ``seed`` is the request's ``seed``. Steps that
   are not stochastic draw nothing.
 
-Where this server differs from the patches (documented in the README's compatibility section):
+Where this server differs from the patches (documented in docs/dialects.md, "Noise recipes"):
 
 - The patches silently fall back to ordinary noise when part of the x_T recipe is missing; here
   ``initial_noise_group_ids`` without ``initial_noise_seed`` is a 400, and a shape that is not this

@@ -3,7 +3,7 @@
 Two Ray nodes (``ray.cluster_utils.Cluster``: a head and one worker raylet, each with its own CPUs)
 behind the real HTTP app on the tiny SD3 model. With one CPU per node and one CPU per replica the
 two replicas must go to different nodes; with two CPUs per node ``--placement`` decides. The last
-test runs the README's multi-host commands (``ray start --head``, ``ray start --address=...``,
+test runs the documented multi-host commands (docs/scaling.md: ``ray start --head``, ``ray start --address=...``,
 ``diffusion-rollout serve ... --ray-address auto``) as real processes. Every Ray instance is shut
 down by the test that started it.
 """
@@ -187,8 +187,8 @@ def test_a_node_lost_under_load_loses_no_request_and_the_replica_comes_back(
             assert_same_output(out, served("sd3").generate(BODY)[0])
 
 
-# ---------------------------------------------------------------------- the README's commands
-README_COMMANDS = [
+# ---------------------------------------------------------------------- the documented commands
+DOCS_COMMANDS = [
     "ray get-auth-token --generate",
     "ray start --head --port 6379",
     "RAY_AUTH_MODE=token ray start --address=HEAD_IP:6379",
@@ -196,10 +196,10 @@ README_COMMANDS = [
 ]
 
 
-def _readme_commands() -> list[str]:
-    """The shell lines of the README's multi-host block (section "Many GPUs and hosts (Ray)")."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Many GPUs and hosts (Ray)", 1)[1].split("\n### ", 1)[0]
+def _docs_commands() -> list[str]:
+    """The shell lines of the multi-host block of docs/scaling.md (section "Many GPUs and hosts (Ray)")."""
+    text = (REPO / "docs" / "scaling.md").read_text()
+    section = text.split("## Many GPUs and hosts (Ray)", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line and not line.startswith("#")]
 
@@ -224,14 +224,14 @@ def _restore(path: Path, content: bytes | None) -> None:
         path.write_bytes(content)
 
 
-def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
-    """The README's commands, run as they are on one host: the head and the joining node as real
+def test_documented_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
+    """The documented commands, run as they are on one host: the head and the joining node as real
     ``ray start`` processes (one CPU each, so the replicas land on both), then ``serve`` on them.
     Test-only additions: ports, ``--num-cpus 1``, ``--block`` (so the test can end them), the tiny
     model, 2 replicas and a fresh HOME for the token."""
-    assert [c for c in _readme_commands() if c.startswith(("ray ", "RAY_", "diffusion-rollout serve"))][
-        1:
-    ] == (README_COMMANDS), "the README's multi-host commands changed: update README_COMMANDS and this test"
+    assert [c for c in _docs_commands() if c.startswith(("ray ", "RAY_", "diffusion-rollout serve"))][1:] == (
+        DOCS_COMMANDS
+    ), "docs/scaling.md's multi-host commands changed: update DOCS_COMMANDS and this test"
     home = tmp_path / "home"
     home.mkdir()
     gcs_port, http_port = free_port(), free_port()
@@ -254,7 +254,7 @@ def test_readme_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
         "/shared/model": str(tiny_model_path("sd3")),
         "--replicas 16": "--replicas 2",
     }
-    token, head, join, serve = README_COMMANDS
+    token, head, join, serve = DOCS_COMMANDS
     procs: list[subprocess.Popen] = []
     logs = {name: tmp_path / f"{name}.log" for name in ("head", "join", "serve")}
 

@@ -1,6 +1,7 @@
-"""Every figure the README states as measured is traced to a RESULTS.md row, and every row to its JSON.
+"""Every figure the README and the docs state as measured is traced to a RESULTS.md row, and every row
+to its JSON.
 
-The chain is README -> `benchmarks/RESULTS.md` row -> `benchmarks/results/**.json` key:
+The chain is README or `docs/*.md` -> `benchmarks/RESULTS.md` row -> `benchmarks/results/**.json` key:
 
 - A RESULTS row is a table row whose first cell holds `<a id="ID"></a>`; its value cell lists
   numbers, and its last cell links the JSON file and gives one key path (in backticks) per number,
@@ -10,6 +11,8 @@ The chain is README -> `benchmarks/RESULTS.md` row -> `benchmarks/results/**.jso
   number in the link text must equal, at the precision the README prints, one of the row's JSON
   values. In a README table row whose first cell links a RESULTS row, every number in the other
   cells must.
+- The docs pages (`docs/*.md`, the MkDocs site, where RESULTS.md is the page `results.md`) link the
+  same way, `[7.51](results.md#scale-colocated-fast)`, under the same two rules.
 
 So a README figure changed alone, or a JSON value changed alone, fails (see the negative tests).
 Key paths: `a.b[3]`, `list[key=value,key2=value2]` (a filter), `list[*]`, a `max:`/`min:`/
@@ -28,10 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?")
 _ROW_ID = re.compile(r'<a id="([\w-]+)"></a>')
 _README_LINK = re.compile(r"\[([^\]]*)\]\((?:\./)?benchmarks/RESULTS\.md#([\w-]+)\)")
+_DOCS_LINK = re.compile(r"\[([^\]]*)\]\((?:\./)?results\.md#([\w-]+)\)")
 _FUNCS = {"max": max, "min": min, "median": statistics.median}
 
 
@@ -138,8 +143,16 @@ def parse_results(results_text: str) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def check(readme_text: str, results_text: str, root: Path = ROOT) -> list[str]:
-    """Every mismatch between the README, RESULTS.md and the JSON, as readable lines."""
+def docs_pages(docs: Path = DOCS) -> dict[str, str]:
+    """``{"docs/name.md": text}`` for every page of the site's sources."""
+    return {f"docs/{p.relative_to(docs).as_posix()}": p.read_text() for p in sorted(docs.rglob("*.md"))}
+
+
+def check(
+    readme_text: str, results_text: str, root: Path = ROOT, docs: dict[str, str] | None = None
+) -> list[str]:
+    """Every mismatch between the README (and the ``docs`` pages, ``{name: text}``), RESULTS.md and the
+    JSON, as readable lines."""
     problems: list[str] = []
     rows = parse_results(results_text)
     values: dict[str, list[float]] = {}
@@ -171,23 +184,40 @@ def check(readme_text: str, results_text: str, root: Path = ROOT) -> list[str]:
                 problems.append(f"{rid}: prints {number} but {row['json']} {key} = {v!r}")
         values[rid] = got
     headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", results_text, flags=re.M)}
-    for line in readme_text.splitlines():
-        links = list(_README_LINK.finditer(line))
+    sources = [("README", readme_text, _README_LINK)]
+    sources += [(name, text, _DOCS_LINK) for name, text in (docs or {}).items()]
+    for name, text, link in sources:
+        problems += _check_links(name, text, link, rows, values, headings)
+    return problems
+
+
+def _check_links(
+    name: str,
+    text: str,
+    link: re.Pattern[str],
+    rows: dict[str, dict[str, Any]],
+    values: dict[str, list[float]],
+    headings: set[str],
+) -> list[str]:
+    """Every number ``name`` links to a RESULTS row (``link``) that is none of the row's values."""
+    problems: list[str] = []
+    for line in text.splitlines():
+        links = list(link.finditer(line))
         targets = [(m.group(1), m.group(2)) for m in links]
         cells = _cells(line) if line.lstrip().startswith("|") else []
-        if cells and links and _README_LINK.search(cells[0]):
-            targets.append((" | ".join(cells[1:]), _README_LINK.search(cells[0]).group(2)))
-        for text, rid in targets:
-            if rid in headings and not _numbers(text):
+        if cells and links and link.search(cells[0]):
+            targets.append((" | ".join(cells[1:]), link.search(cells[0]).group(2)))
+        for linked, rid in targets:
+            if rid in headings and not _numbers(linked):
                 continue
             if rid not in rows:
-                problems.append(f"README links #{rid}, which RESULTS.md does not have")
+                problems.append(f"{name} links #{rid}, which RESULTS.md does not have")
                 continue
             journal = rows[rid]["journal_only"]
             pool = [n for n, _ in rows[rid]["printed"]] if journal else values.get(rid, [])
-            for number, half in _numbers(text):
+            for number, half in _numbers(linked):
                 if not any(abs(v - number) <= half * (1 + 1e-9) for v in pool):
-                    problems.append(f"README {number} (linked to #{rid}) is none of the row's values {pool}")
+                    problems.append(f"{name} {number} (linked to #{rid}) is none of the row's values {pool}")
     return problems
 
 
@@ -196,12 +226,24 @@ def test_readme_figures_trace_to_results_rows_and_json():
     assert problems == []
 
 
+def test_docs_figures_trace_to_results_rows_and_json():
+    docs = docs_pages()
+    assert "docs/training.md" in docs and "docs/speed.md" in docs
+    problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
+    assert problems == []
+    # The site has no benchmarks/ folder: a RESULTS link in the docs goes to results.md.
+    assert not [n for n, t in docs.items() if _README_LINK.search(t)]
+
+
 def test_every_results_row_names_its_json_and_the_readme_links_rows():
     rows = parse_results(RESULTS.read_text())
     assert len(rows) >= 30
     assert all(r["json"] or r["journal_only"] for r in rows.values())
     linked = {m.group(2) for m in _README_LINK.finditer(README.read_text())}
     assert {"grpo-lanes2", "sync-upload-port", "cp-wan21", "train-sd35-grpo"} <= linked
+    docs_linked = {m.group(2) for text in docs_pages().values() for m in _DOCS_LINK.finditer(text)}
+    assert {"scale-colocated-fast", "train-colocated", "video-grpo-same-host", "sync-verified"} <= docs_linked
+    assert len(docs_linked) >= 60
     assert len(RESULTS.read_text().splitlines()) <= 250
 
 
@@ -216,10 +258,36 @@ def test_a_readme_figure_changed_alone_is_reported():
 
 
 def test_a_readme_table_cell_changed_alone_is_reported():
-    readme = README.read_text()
-    assert "| 11.95 s |" in readme
+    # The table lives in docs/training.md now; the same row written the README's way.
+    row = next(line for line in docs_pages()["docs/training.md"].splitlines() if "| 11.95 s |" in line)
+    readme = README.read_text() + "\n" + row.replace("(results.md#", "(benchmarks/RESULTS.md#") + "\n"
+    assert check(readme, RESULTS.read_text()) == []
     problems = check(readme.replace("| 11.95 s |", "| 11.59 s |"), RESULTS.read_text())
-    assert any("11.59" in p and "#train-colocated" in p for p in problems)
+    assert any("README 11.59" in p and "#train-colocated" in p for p in problems)
+
+
+def test_a_docs_table_cell_changed_alone_is_reported():
+    docs = docs_pages()
+    assert "| 11.95 s |" in docs["docs/training.md"]
+    docs["docs/training.md"] = docs["docs/training.md"].replace("| 11.95 s |", "| 11.59 s |")
+    problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
+    assert any(p.startswith("docs/training.md 11.59") and "#train-colocated" in p for p in problems)
+
+
+def test_a_docs_figure_changed_alone_is_reported():
+    docs = docs_pages()
+    assert "[0.724](results.md#scale-vs-in-process)" in docs["docs/training.md"]
+    docs["docs/training.md"] = docs["docs/training.md"].replace(
+        "[0.724](results.md#scale-vs-in-process)", "[0.742](results.md#scale-vs-in-process)"
+    )
+    problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
+    assert any(p.startswith("docs/training.md 0.742") and "#scale-vs-in-process" in p for p in problems)
+
+
+def test_a_docs_link_to_a_missing_row_is_reported():
+    docs = {"docs/x.md": "took [7.51](results.md#scale-colocated-fastest)"}
+    problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
+    assert problems == ["docs/x.md links #scale-colocated-fastest, which RESULTS.md does not have"]
 
 
 def test_a_json_value_changed_alone_is_reported(tmp_path):
