@@ -28,18 +28,17 @@ they have in common and that is not the algorithm lives here:
   standard errors) and :func:`plot_reward_curves` (matplotlib, optional extra ``plot``).
 - **Resuming.** ``--checkpoint DIR`` saves the adapters, the optimizer and the history after every
   iteration; a rerun with the same ``DIR`` continues from there (GPU time comes in stretches).
-- **Reporting.** :class:`Report` prints one progress line per iteration on rank 0 (reward, the
+- **Reporting** (``_report.py``). :class:`Report` prints one progress line per iteration on rank 0 (reward, the
   recipe's exactness key, seconds per phase, ETA; ``--print-json``: the record's JSON line instead)
   and hands the record and a few images to ``--log-to tensorboard,wandb`` (``_logging.py``).
   ``--config run.yaml`` gives any option from a file, the command line overriding it
-  (:func:`parse_with_config`).
+  (``_config.parse_with_config``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import logging
 import math
@@ -59,7 +58,7 @@ from typing import Any
 import torch
 from _ranks import Ranks
 
-from diffusion_rollout.client import DitTrajectory, ReplaySettings, RolloutOutput
+from diffusion_rollout.client import RolloutOutput
 
 logger = logging.getLogger("examples")
 
@@ -195,102 +194,6 @@ def log_targets(text: str) -> list[str]:
     if bad or not targets:
         raise argparse.ArgumentTypeError(f"choose tensorboard and/or wandb, not {text!r}")
     return targets
-
-
-def parse_with_config(
-    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
-) -> argparse.Namespace:
-    """``parser.parse_args(argv)`` with ``--config FILE``'s options underneath the command line's.
-
-    The file is a YAML mapping whose keys are the parser's option names (the ``dest``, ``group_size``,
-    or a long option without its dashes, ``group-size``) and whose values go through the option's
-    own conversion and checks (``lr: 1e-2``, ``server_gpus: [0, 1]``, ``cpu: true``,
-    ``log_to: [tensorboard]``); ``null`` leaves the default. An option given on the command line
-    wins over the file (a list option is replaced, not extended); an unknown key is an error that
-    names it.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    if not getattr(args, "config", None):
-        return args
-    from_file = _config_values(parser, args.config)
-    given = _given_on_command_line(parser, argv)
-    for dest, value in from_file.items():
-        if dest not in given:
-            setattr(args, dest, value)
-    return args
-
-
-def _config_values(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """``path``'s options as the parser's ``dest -> value`` (converted and checked by the parser)."""
-    import yaml
-
-    where = f"--config {path}"
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        parser.error(f"{where}: {e.strerror or e}")
-    except yaml.YAMLError as e:
-        parser.error(f"{where}: not valid YAML: {e}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        parser.error(f"{where}: expected a mapping of option names to values, not a {type(data).__name__}")
-    by_name: dict[str, argparse.Action] = {}
-    for action in parser._actions:
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        if not longs or action.dest in ("help", "config", argparse.SUPPRESS):
-            continue
-        by_name[action.dest] = action
-        for s in longs:
-            by_name[s[2:]] = by_name[s[2:].replace("-", "_")] = action
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        action = by_name.get(str(key))
-        if action is None:
-            near = difflib.get_close_matches(str(key), list(by_name), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            parser.error(f"{where}: unknown option {key!r}{hint}")
-        if value is None:
-            continue
-        if action.nargs == 0:  # a flag: true or false
-            if not isinstance(value, bool):
-                parser.error(f"{where}: {key!r} is a flag: true or false, not {value!r}")
-            values[action.dest] = value
-            continue
-        items = value if isinstance(value, list) else [value]
-        if any(isinstance(v, (dict, list)) for v in items):
-            parser.error(f"{where}: {key!r} takes a value or a list of values, not {value!r}")
-        option = next(s for s in action.option_strings if s.startswith("--"))
-        texts = [str(v).lower() if isinstance(v, bool) else str(v) for v in items]
-        if isinstance(action, argparse._AppendAction):  # append, extend: the option once per item
-            tokens = [t for text in texts for t in (option, text)]
-        elif action.nargs in ("*", "+") or isinstance(action.nargs, int):
-            tokens = [option, *texts]
-        else:  # one value; a list is comma-joined (--server-gpus 0,1)
-            tokens = [option, ",".join(texts)]
-        exit_on_error, parser.exit_on_error = parser.exit_on_error, False
-        try:
-            parsed = parser.parse_args(tokens)
-        except argparse.ArgumentError as e:
-            parser.error(f"{where}: {key!r}: {e}")
-        finally:
-            parser.exit_on_error = exit_on_error
-        values[action.dest] = getattr(parsed, action.dest)
-    return values
-
-
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The dests that ``argv`` sets: parsed into a namespace pre-filled with markers, which argparse
-    leaves alone (it writes defaults only where an attribute is missing)."""
-    unset = object()
-    ns = argparse.Namespace()
-    for action in parser._actions:
-        if action.dest != argparse.SUPPRESS:
-            # append/extend copy and grow the present value: start them from None.
-            setattr(ns, action.dest, None if isinstance(action, argparse._AppendAction) else unset)
-    parser.parse_args(argv, namespace=ns)
-    return {dest for dest, v in vars(ns).items() if v is not unset and v is not None}
 
 
 def image_size(args: argparse.Namespace) -> tuple[int, int]:
@@ -575,109 +478,6 @@ def uint8_images(outputs: Sequence[RolloutOutput]) -> torch.Tensor:
     return torch.stack([o.generated_output for o in outputs])
 
 
-# ---------------------------------------------------------------------------------------------- in process
-class InProcessSampler:
-    """Rollouts in the trainer's process: the stock SD3 pipeline, the rollout scheduler, no server.
-
-    The pipeline's transformer *is* the trainer's (PEFT-wrapped) transformer, so there is nothing to
-    push. ``generate`` takes the same request fields as the client's and returns the same
-    :class:`RolloutOutput` objects (tensors left on the device), so a recipe's training code does not
-    know which layout it runs in. The pipeline is called as the server calls it: prompt encodings
-    computed once and repeated for the group, ``initial_noise_seed``'s x_T drawn by
-    ``prepare_latents`` and shared, generator ``i`` seeded ``seed + i`` drawing each step's noise.
-    """
-
-    def __init__(self, model_path: Path, transformer: torch.nn.Module, device: torch.device) -> None:
-        from diffusers import DiffusionPipeline
-
-        from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
-
-        dtype = next(transformer.parameters()).dtype
-        pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)
-        if type(pipe).__name__ != "StableDiffusion3Pipeline":
-            raise SystemExit(f"--layout in-process supports SD3/SD3.5 pipelines, not {type(pipe).__name__}")
-        pipe.scheduler = RolloutFlowMatchEulerScheduler.from_config(pipe.scheduler.config)
-        pipe.set_progress_bar_config(disable=True)
-        self.pipe = pipe.to(device)
-        self.device = device
-        self.weight_version: Any = None
-
-    def generate_many(self, jobs: Sequence[Mapping[str, Any]], **fields: Any) -> list[list[RolloutOutput]]:
-        return [self.generate(**{**fields, **job}) for job in jobs]
-
-    @torch.no_grad()
-    def generate(
-        self, prompt: str, *, seed: int, num_outputs_per_prompt: int, num_inference_steps: int,
-        width: int, height: int, guidance_scale: float, rollout_sde_type: str = "sde",
-        rollout_noise_level: float = 0.7, rollout_sde_step_indices: Sequence[int] | None = None,
-        rollout_return_step_indices: Sequence[int] | None = None, initial_noise_seed: int | None = None,
-        generator_device: str = "cuda", **_: Any,
-    ) -> list[RolloutOutput]:  # fmt: skip
-        from diffusion_rollout.scheduler_mixins import RolloutSettings, RolloutState, rollout_context
-
-        pipe, n = self.pipe, num_outputs_per_prompt
-        gen_device = generator_device if self.device.type == "cuda" else "cpu"
-        cfg = guidance_scale > 1
-        pe, npe, ppe, nppe = pipe.encode_prompt(
-            prompt=prompt, prompt_2=None, prompt_3=None, do_classifier_free_guidance=cfg,
-            device=self.device, num_images_per_prompt=1,
-        )  # fmt: skip
-        latents = None
-        if initial_noise_seed is not None:
-            g = torch.Generator(gen_device).manual_seed(initial_noise_seed)
-            channels = pipe.transformer.config.in_channels
-            x = pipe.prepare_latents(1, channels, height, width, pe.dtype, self.device, g)
-            latents = x.repeat(n, *([1] * (x.ndim - 1)))
-        generators = [torch.Generator(gen_device).manual_seed(seed + i) for i in range(n)]
-        settings = RolloutSettings(
-            kind=rollout_sde_type,
-            eta=rollout_noise_level,
-            sde_step_indices=rollout_sde_step_indices,
-            return_step_indices=rollout_return_step_indices,
-        )
-        state = RolloutState(settings, generators)
-        rep = lambda t: None if t is None else t.repeat(n, *([1] * (t.ndim - 1)))  # noqa: E731
-        with rollout_context(state):
-            images = pipe(
-                prompt_embeds=rep(pe), negative_prompt_embeds=rep(npe), pooled_prompt_embeds=rep(ppe),
-                negative_pooled_prompt_embeds=rep(nppe), height=height, width=width,
-                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                generator=generators, latents=latents, output_type="pt",
-            ).images  # fmt: skip
-        as_bytes = (images.float() * 255.0).round().clamp(0, 255).to(torch.uint8).cpu()
-        env = {
-            "image_kwargs": {},
-            "pos_cond_kwargs": {"encoder_hidden_states": pe, "pooled_projections": ppe},
-            "neg_cond_kwargs": {"encoder_hidden_states": npe, "pooled_projections": nppe} if cfg else None,
-            "guidance": {"rule": "cfg_batched" if cfg else "none", "guidance_scale": guidance_scale},
-            "batch_kwargs": ["encoder_hidden_states", "pooled_projections"],
-            "timestep_dtype": str(state.timesteps.dtype),
-        }
-        replay = ReplaySettings(kind=rollout_sde_type, eta=rollout_noise_level, log_prob_form="gaussian")
-        return [
-            RolloutOutput(
-                request_id=f"in-process-{seed}",
-                prompt=prompt,
-                seed=seed + i,
-                weight_version=self.weight_version,
-                generated_output=as_bytes[i],
-                rollout_log_probs=state.log_probs[i],
-                denoising_env=env,
-                dit_trajectory=DitTrajectory(
-                    latents=state.trajectory_latents[i],
-                    timesteps=state.timesteps,
-                    sigmas=state.sigmas,
-                    latent_step_indices=list(state.latent_step_indices),
-                ),
-                sde_step_indices=list(state.sde_step_indices),
-                batch_index=i,
-                batch_size=n,
-                replay_settings=replay,
-            )
-            for i in range(n)
-        ]
-
-
 # ---------------------------------------------------------------------------------------------- timing
 # The origin of every recorded span (``Phases.spans``): seconds since the recipe's process started.
 CLOCK_ORIGIN = time.perf_counter()
@@ -758,121 +558,6 @@ def iteration_record(
     record["iteration_s"] = round(time.perf_counter() - started, 4)
     record["images_per_second"] = round(record["images"] / record["iteration_s"], 4)
     return record
-
-
-# What the progress line calls each recipe's exactness key.
-EXACTNESS_LABELS = {"first_ratio_max_dev": "|ratio-1|", "old_policy_max_dev": "old-policy dev"}
-# Phases in the order an iteration runs them (others, a recipe's own, follow).
-PHASE_ORDER = ("rollout", "reward", "release", "train", "resume", "push")
-
-
-def duration(seconds: float) -> str:
-    """``46s``, ``2m46s``, ``1h02m``."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def _number(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x == 0:
-        return "0"
-    return f"{x:.2f}" if 100 <= abs(x) < 1e6 else f"{x:.4g}"
-
-
-def progress_line(
-    record: Mapping[str, Any], total: int, exactness_key: str, seconds_per_iteration: float
-) -> str:
-    """``iter 3/20  reward -212.41 ± 6.19  |ratio-1| 0  rollout 7.05s ... push 0.38s  10.4 s/it  ETA 2m46s``
-
-    The iteration counts from 1 (the record's ``iteration`` is 0-based); ``s/it`` is this iteration's
-    seconds, the ETA ``seconds_per_iteration`` times the iterations left.
-    """
-    it = int(record["iteration"]) + 1
-    phases = [k.removesuffix("_s") for k in record if k.endswith("_s") and k != "iteration_s"]
-    phases.sort(key=lambda k: PHASE_ORDER.index(k) if k in PHASE_ORDER else len(PHASE_ORDER))
-    label = EXACTNESS_LABELS.get(exactness_key, exactness_key)
-    parts = [
-        f"iter {it}/{total}",
-        f"reward {_number(record['reward_mean'])} ± {_number(record['reward_std'])}",
-        f"{label} {_number(record.get(exactness_key))}",
-        " ".join(f"{k} {record[f'{k}_s']:.2f}s" for k in phases),
-        f"{record['iteration_s']:.3g} s/it",
-        f"ETA {duration(seconds_per_iteration * max(total - it, 0))}",
-    ]
-    return "  ".join(parts)
-
-
-class Report:
-    """What rank 0 shows of each iteration: one progress line on stdout (``--print-json``: the
-    record as one JSON line, without its per-sample lists, instead), and ``--log-to``'s scalars and
-    sample images (``_logging.RunLogger``, imported only then). Ranks other than 0 (``enabled``
-    false) show nothing. The ETA's seconds per iteration are the mean over this process's
-    iterations after its first (the warm-up, left out as in :func:`summarize`; alone it is used).
-    """
-
-    def __init__(self, args: argparse.Namespace, recipe: str, exactness_key: str, *, enabled: bool = True):
-        self.enabled = enabled
-        self.total = args.iterations
-        self.exactness_key = exactness_key
-        self.print_json = getattr(args, "print_json", False)
-        self.seconds: list[float] = []
-        self.logger = None
-        if enabled and getattr(args, "log_to", None):
-            from _logging import RunLogger
-
-            self.logger = RunLogger(args.log_to, log_dir(args, recipe), recipe=recipe, config=vars(args))
-
-    def iteration(self, record: Mapping[str, Any], outputs: Sequence[RolloutOutput] = ()) -> None:
-        if not self.enabled:
-            return
-        self.seconds.append(record["iteration_s"])
-        if self.print_json:
-            skip = ("rewards", "spans", "advantages", "rank_seconds")
-            line = json.dumps({k: v for k, v in record.items() if k not in skip})
-        else:
-            timed = self.seconds[1:] or self.seconds
-            line = _printable(progress_line(record, self.total, self.exactness_key, sum(timed) / len(timed)))
-        print(line, flush=True)
-        if self.logger is not None:
-            from _logging import SAMPLE_IMAGES
-
-            shown = [o for o in outputs[:SAMPLE_IMAGES] if o.generated_output is not None]
-            self.logger.log_iteration(record, uint8_images(shown) if shown else None)
-
-    def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-            self.logger = None
-
-    def __enter__(self) -> Report:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def log_dir(args: argparse.Namespace, recipe: str) -> Path:
-    """``--log-dir``, else ``RUN-logs`` next to ``--out RUN.json``, else ``runs/RECIPE-TIME``."""
-    if args.log_dir:
-        return Path(args.log_dir)
-    if args.out:
-        out = Path(args.out)
-        return out.with_name(f"{out.stem}-logs")
-    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _printable(line: str) -> str:
-    """``line``, with ``+-`` for ``±`` where stdout cannot encode it (an ASCII locale)."""
-    try:
-        line.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
-    except (UnicodeEncodeError, LookupError):
-        return line.replace("±", "+-")
-    return line
 
 
 def summarize(history: Sequence[Mapping[str, Any]], exactness_key: str) -> dict[str, Any]:

@@ -48,14 +48,12 @@ from _common import (
     PROMPTS,
     Checkpoint,
     Phases,
-    Report,
     add_lora,
     base_parser,
     environment,
     image_size,
     iteration_record,
     load_trainer_transformer,
-    parse_with_config,
     rollout_server,
     summarize,
     trainer_device,
@@ -64,7 +62,9 @@ from _common import (
     wait_ready,
     write_run,
 )
+from _config import parse_with_config
 from _ranks import Ranks
+from _report import Report
 from rewards import load_reward
 
 from diffusion_rollout.client import (

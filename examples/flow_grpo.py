@@ -35,7 +35,7 @@ and each iteration records its ``staleness`` and the first-step ratio statistics
 synchronous loop above, unchanged.
 
 ``--layout in-process`` samples with the stock pipeline on the trainer's own transformer instead
-(``_common.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
+(``_in_process.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
 has a colocated server release its GPU memory while the trainer trains.
 
 **Several ranks** (``torchrun``; ``_ranks.py``): each rank takes its block of the ``--prompts``
@@ -64,9 +64,7 @@ import torch
 from _common import (
     PROMPTS,
     Checkpoint,
-    InProcessSampler,
     Phases,
-    Report,
     add_lora,
     base_parser,
     clock,
@@ -74,7 +72,6 @@ from _common import (
     image_size,
     iteration_record,
     load_trainer_transformer,
-    parse_with_config,
     rollout_server,
     server_peak_gb,
     summarize,
@@ -84,8 +81,11 @@ from _common import (
     wait_ready,
     write_run,
 )
+from _config import parse_with_config
 from _full import FullFinetune
+from _in_process import InProcessSampler
 from _ranks import Ranks
+from _report import Report
 from rewards import load_reward
 
 from diffusion_rollout.client import (

@@ -29,11 +29,11 @@ from _common import (
     add_lora,
     base_parser,
     load_trainer_transformer,
-    parse_with_config,
     rollout_server,
     trainer_device,
     wait_ready,
 )
+from _config import parse_with_config
 
 from diffusion_rollout.client import RolloutClient, group_advantages, replay_model_output, stack_envs
 from diffusion_rollout.client.flow_grpo import pipeline_with_logprob

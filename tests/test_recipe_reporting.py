@@ -50,15 +50,15 @@ def test_flow_grpo_prints_one_progress_line_per_iteration(examples, capsys):
 
 
 def test_progress_line_formats_the_records_numbers(examples):
-    common = examples("_common")
+    report = examples("_report")
     record = {"iteration": 2, "reward_mean": -212.4111, "reward_std": 6.1871, "first_ratio_max_dev": 1.19e-7,
               "rollout_s": 7.051, "reward_s": 0.012, "train_s": 3.191, "push_s": 0.38, "iteration_s": 10.44}  # fmt: skip
-    line = common.progress_line(record, 20, "first_ratio_max_dev", 9.8)
+    line = report.progress_line(record, 20, "first_ratio_max_dev", 9.8)
     assert line == (
         "iter 3/20  reward -212.41 ± 6.187  |ratio-1| 1.19e-07  "
         "rollout 7.05s reward 0.01s train 3.19s push 0.38s  10.4 s/it  ETA 2m47s"
     )
-    assert common.duration(3725) == "1h02m" and common.duration(59.4) == "59s"
+    assert report.duration(3725) == "1h02m" and report.duration(59.4) == "59s"
 
 
 def test_diffusion_nft_print_json_prints_the_records(examples, capsys):

@@ -1,0 +1,113 @@
+"""``--layout in-process``: rollouts with the stock pipeline on the trainer's own transformer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusion_rollout.client import DitTrajectory, ReplaySettings, RolloutOutput
+
+
+class InProcessSampler:
+    """Rollouts in the trainer's process: the stock SD3 pipeline, the rollout scheduler, no server.
+
+    The pipeline's transformer *is* the trainer's (PEFT-wrapped) transformer, so there is nothing to
+    push. ``generate`` takes the same request fields as the client's and returns the same
+    :class:`RolloutOutput` objects (tensors left on the device), so a recipe's training code does not
+    know which layout it runs in. The pipeline is called as the server calls it: prompt encodings
+    computed once and repeated for the group, ``initial_noise_seed``'s x_T drawn by
+    ``prepare_latents`` and shared, generator ``i`` seeded ``seed + i`` drawing each step's noise.
+    """
+
+    def __init__(self, model_path: Path, transformer: torch.nn.Module, device: torch.device) -> None:
+        from diffusers import DiffusionPipeline
+
+        from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
+
+        dtype = next(transformer.parameters()).dtype
+        pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)
+        if type(pipe).__name__ != "StableDiffusion3Pipeline":
+            raise SystemExit(f"--layout in-process supports SD3/SD3.5 pipelines, not {type(pipe).__name__}")
+        pipe.scheduler = RolloutFlowMatchEulerScheduler.from_config(pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe.to(device)
+        self.device = device
+        self.weight_version: Any = None
+
+    def generate_many(self, jobs: Sequence[Mapping[str, Any]], **fields: Any) -> list[list[RolloutOutput]]:
+        return [self.generate(**{**fields, **job}) for job in jobs]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: str, *, seed: int, num_outputs_per_prompt: int, num_inference_steps: int,
+        width: int, height: int, guidance_scale: float, rollout_sde_type: str = "sde",
+        rollout_noise_level: float = 0.7, rollout_sde_step_indices: Sequence[int] | None = None,
+        rollout_return_step_indices: Sequence[int] | None = None, initial_noise_seed: int | None = None,
+        generator_device: str = "cuda", **_: Any,
+    ) -> list[RolloutOutput]:  # fmt: skip
+        from diffusion_rollout.scheduler_mixins import RolloutSettings, RolloutState, rollout_context
+
+        pipe, n = self.pipe, num_outputs_per_prompt
+        gen_device = generator_device if self.device.type == "cuda" else "cpu"
+        cfg = guidance_scale > 1
+        pe, npe, ppe, nppe = pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, do_classifier_free_guidance=cfg,
+            device=self.device, num_images_per_prompt=1,
+        )  # fmt: skip
+        latents = None
+        if initial_noise_seed is not None:
+            g = torch.Generator(gen_device).manual_seed(initial_noise_seed)
+            channels = pipe.transformer.config.in_channels
+            x = pipe.prepare_latents(1, channels, height, width, pe.dtype, self.device, g)
+            latents = x.repeat(n, *([1] * (x.ndim - 1)))
+        generators = [torch.Generator(gen_device).manual_seed(seed + i) for i in range(n)]
+        settings = RolloutSettings(
+            kind=rollout_sde_type,
+            eta=rollout_noise_level,
+            sde_step_indices=rollout_sde_step_indices,
+            return_step_indices=rollout_return_step_indices,
+        )
+        state = RolloutState(settings, generators)
+        rep = lambda t: None if t is None else t.repeat(n, *([1] * (t.ndim - 1)))  # noqa: E731
+        with rollout_context(state):
+            images = pipe(
+                prompt_embeds=rep(pe), negative_prompt_embeds=rep(npe), pooled_prompt_embeds=rep(ppe),
+                negative_pooled_prompt_embeds=rep(nppe), height=height, width=width,
+                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                generator=generators, latents=latents, output_type="pt",
+            ).images  # fmt: skip
+        as_bytes = (images.float() * 255.0).round().clamp(0, 255).to(torch.uint8).cpu()
+        env = {
+            "image_kwargs": {},
+            "pos_cond_kwargs": {"encoder_hidden_states": pe, "pooled_projections": ppe},
+            "neg_cond_kwargs": {"encoder_hidden_states": npe, "pooled_projections": nppe} if cfg else None,
+            "guidance": {"rule": "cfg_batched" if cfg else "none", "guidance_scale": guidance_scale},
+            "batch_kwargs": ["encoder_hidden_states", "pooled_projections"],
+            "timestep_dtype": str(state.timesteps.dtype),
+        }
+        replay = ReplaySettings(kind=rollout_sde_type, eta=rollout_noise_level, log_prob_form="gaussian")
+        return [
+            RolloutOutput(
+                request_id=f"in-process-{seed}",
+                prompt=prompt,
+                seed=seed + i,
+                weight_version=self.weight_version,
+                generated_output=as_bytes[i],
+                rollout_log_probs=state.log_probs[i],
+                denoising_env=env,
+                dit_trajectory=DitTrajectory(
+                    latents=state.trajectory_latents[i],
+                    timesteps=state.timesteps,
+                    sigmas=state.sigmas,
+                    latent_step_indices=list(state.latent_step_indices),
+                ),
+                sde_step_indices=list(state.sde_step_indices),
+                batch_index=i,
+                batch_size=n,
+                replay_settings=replay,
+            )
+            for i in range(n)
+        ]
