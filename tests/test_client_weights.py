@@ -178,6 +178,31 @@ def test_push_lora_from_a_peft_trainer_reloads_in_place_and_verifies(fresh_serve
         verify_lora(c, sd, name="missing")
 
 
+def test_a_lora_push_repeated_after_a_lost_answer_applies_nothing_twice(fresh_server, tiny_model_path):
+    """A trainer that lost the answer to a push sends it again: the server then holds the adapter
+    once, with the same checksum, and answers exactly as after the first push (a reload in place,
+    never a sum of two adapters)."""
+    from peft import LoraConfig
+
+    server = fresh_server("sd3")
+    c = client_for(server)
+    trainer = trainer_transformer(tiny_model_path("sd3"))
+    trainer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "proj_out"]))
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    push_lora(c, trainer, name="default", weight_version="v1")
+    [once] = c.generate("a red square", **ODE)
+    again = push_lora(c, trainer, name="default", weight_version="v1")
+    assert again.weight_version == "v1"
+    listing = c.lora_list()["modules"]["transformer"]
+    assert list(listing["adapters"]) == ["default"] and listing["active"] == "default"
+    assert listing["adapters"]["default"]["checksum"] == lora_checksum(trainer)
+    [twice] = c.generate("a red square", **ODE)
+    assert torch.equal(once.generated_output, twice.generated_output)
+
+
 def test_lora_state_dict_normalizes_peft_names():
     a, b = torch.zeros(2, 4), torch.zeros(4, 2)
     raw = {
