@@ -386,7 +386,8 @@ def run(
             versions = {o.weight_version for o in outputs}
             if stream is not None and len(versions) != 1:
                 raise RuntimeError(f"a batch mixed versions {versions}")
-            if stream is None and not in_process and versions != {version}:
+            # A regenerated batch is trained as on-policy (no TIS): it must come from the version pushed.
+            if (stream is None or regenerated) and not in_process and versions != {version}:
                 raise RuntimeError(f"rollouts came from {versions}, expected {version!r}")
             with phases("reward"):
                 rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
