@@ -108,8 +108,9 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
         dest="server_gpu",
         type=gpu_list,
         default=None,
-        help="GPU(s) of a server started here (default 0 on CUDA); several (0,1) start a pool of "
-        "that many Ray replicas behind one endpoint (`serve --replicas`)",
+        help="GPU(s) of a server started here (default 0 on CUDA), numbered as this process sees them "
+        "(through CUDA_VISIBLE_DEVICES); several (0,1) start a pool of that many Ray replicas behind "
+        "one endpoint (`serve --replicas`)",
     )
     g.add_argument(
         "--trainer-gpu",
@@ -271,6 +272,25 @@ def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: 
         thread.join(timeout=30)
 
 
+def server_visible_devices(gpus: Sequence[int], visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a server on ``gpus``, numbered as this process sees its GPUs.
+
+    A recipe run under ``CUDA_VISIBLE_DEVICES=2,3`` that asks for ``--server-gpus 0`` means the first GPU
+    it sees, physical GPU 2: handing the server the bare ``0`` would put it on GPU 0, beside whatever
+    else runs there (two such runs on one host once shared a GPU and measured half speed).
+    """
+    if visible is None or not visible.strip():
+        return ",".join(map(str, gpus))
+    seen = [d.strip() for d in visible.split(",") if d.strip()]
+    missing = [g for g in gpus if not 0 <= g < len(seen)]
+    if missing:
+        raise SystemExit(
+            f"--server-gpus {','.join(map(str, gpus))}: this process sees {len(seen)} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={visible}), numbered 0..{len(seen) - 1}; {missing} is not one of them"
+        )
+    return ",".join(seen[g] for g in gpus)
+
+
 @contextlib.contextmanager
 def _subprocess_server(
     model_path: Path, port: int, admin_key: str, max_batch_size: int, gpus: list[int] | None,
@@ -290,7 +310,7 @@ def _subprocess_server(
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the server is no trainer rank (torch.distributed reads these)
     if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        env["CUDA_VISIBLE_DEVICES"] = server_visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     # In the recipe's process group: a supervisor that stops the group (benchmarks.train_recipes)
     # stops the server and its Ray replicas with it.
     proc = subprocess.Popen(cmd, env=env)

@@ -155,3 +155,13 @@ def test_gpu_lists_parse_and_refuse_repeats(examples):
     assert common.base_parser("x").parse_args(["--trainer-gpu", "1"]).trainer_gpu == [1]
     with pytest.raises(SystemExit):
         common.base_parser("x").parse_args(["--server-gpus", "0,0"])
+
+
+def test_server_gpus_are_numbered_as_the_recipe_sees_them(examples):
+    """Under CUDA_VISIBLE_DEVICES=2,3, --server-gpus 0 is physical GPU 2, not GPU 0 of the host."""
+    visible = examples("_common").server_visible_devices
+    assert visible([0], None) == "0" and visible([0, 1], "") == "0,1"
+    assert visible([0], "2,3") == "2" and visible([1, 0], "2, 3") == "3,2"
+    assert visible([0], "GPU-aa,GPU-bb") == "GPU-aa"
+    with pytest.raises(SystemExit, match="sees 2 GPU"):
+        visible([2], "2,3")
