@@ -135,7 +135,11 @@ def layout_rows(runs: Mapping[str, Mapping[str, Any]], baseline: str = BASELINE)
         history = run["history"]
         timed = history[1:] or history  # a one-iteration run has only its warm-up to show
         seconds = [h["iteration_s"] for h in timed]
-        spans = [h["server_span"][1] - h["server_span"][0] for h in timed if h.get("server_span")]
+        # An async run's batches for the first `depth` iterations after the warm-up were asked for
+        # during it (they queue behind its compile), so their spans start with the warm-up too.
+        depth = ((run.get("args") or {}).get("async_depth") or 0) if is_async(run) else 0
+        spanned = history[1 + depth :] or timed
+        spans = [h["server_span"][1] - h["server_span"][0] for h in spanned if h.get("server_span")]
         gpus = gpus_used(run)
         images_per_s = sum(h["images"] for h in timed) / sum(seconds)
         learning = learning_stats(history)
@@ -229,7 +233,7 @@ def advice_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     pipeline model: synchronous ``rollout + trainer + push``, async ``max(rollout, trainer + push)``;
     ``measured_over_model`` far from 1 says the model does not describe that layout (e.g. colocated
     async: the server's span also counts the time it shared its GPU with training, and a push may
-    overlap a rollout). ``bound`` is the larger of rollout and trainer work. ``fastest`` marks the
+    overlap a rollout). ``bound`` is the larger of rollout and trainer work (async: trainer + push). ``fastest`` marks the
     lowest seconds per iteration, ``best_per_gpu`` the most images per second per GPU.
     """
     out = []
@@ -252,7 +256,8 @@ def advice_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "push_s": r["push_s"],
                 "model_s": model,
                 "measured_over_model": r["s_per_it"] / model if model else None,
-                "bound": "rollout" if rollout > trainer else "train",
+                # Async, the trainer's side of the pipeline includes its push.
+                "bound": "rollout" if rollout > (trainer + push if asynchronous else trainer) else "train",
                 "images_per_s_per_gpu": r["images_per_s_per_gpu"],
             }
         )
@@ -323,8 +328,9 @@ def split_advice(
     """Seconds per iteration of every split of ``gpus`` for ``images`` per iteration, computed from
     the measured per-GPU rates (:func:`rates`): colocated synchronous, every GPU rolls out then
     trains, ``images / (gpus * r) + images / (gpus * t)``; disaggregated async with ``s`` server GPUs,
-    ``max(images / (s * r), images / ((gpus - s) * t))``. ``overhead_s`` (reward + push, default the
-    measured colocated rows' mean) is added to the colocated figure, which pays it in series.
+    ``max(images / (s * r), images / ((gpus - s) * t) + overhead_s)``. ``overhead_s`` (reward + push,
+    default the measured colocated rows' mean) is paid in series by the colocated trainer, and by the
+    async trainer on its side of the pipeline (its push waits for the rollout in flight).
     Rows whose layout was measured carry ``measured`` from the matching run."""
     rate = rates(rows)
     if overhead_s is None:
@@ -347,7 +353,7 @@ def split_advice(
         for servers in range(1, gpus):
             out.append({
                 "tier": "fast" if fast else "exact", "split": f"{servers} + {gpus - servers}", "mode": "async",
-                "predicted_s": max(images / (servers * r), images / ((gpus - servers) * t)),
+                "predicted_s": max(images / (servers * r), images / ((gpus - servers) * t) + overhead_s),
                 "measured_s": measured.get((f"{servers} + {gpus - servers}", "async", fast)),
             })  # fmt: skip
     return out

@@ -150,6 +150,19 @@ def test_layout_rows_are_the_records_numbers(run_dir):
     assert base["reward_first_k"] == pytest.approx(1.0 + 0.2 + 0.035)
 
 
+def test_async_spans_skip_the_batches_queued_behind_the_warm_up():
+    """With depth 1, iteration 1's batch was asked for during iteration 0 and waited behind its
+    compile: its server span is warm-up, not rollout work, and is left out like iteration 0's."""
+    history = _history(
+        seconds=[9.0, 10.0], rollout=0.01, train=6.0, push=1.0, rewards_from=0.0, async_span=8.0
+    )
+    history[0]["server_span"] = [0.0, 400.0]
+    history[1]["server_span"] = [0.0, 408.0]
+    rec = _record("server", 2, ["cuda:2", "cuda:3"], [0, 1], history, async_depth=1)
+    (row,) = scale_report.layout_rows({"fast": rec})
+    assert row["server_span_s"] == pytest.approx(8.0)
+
+
 def test_no_baseline_and_failed_checksum(run_dir):
     runs = scale_report.load_runs(run_dir)
     bad = json.loads(json.dumps(runs["scale-colocated"]))
@@ -177,6 +190,10 @@ def test_advice_from_the_rows(run_dir):
     # A trainer slower than the rollout flips the bound.
     slow_train = [{**_by_name(rows)["scale-disagg-async"], "train_s": 20.0}]
     assert scale_report.advice_rows(slow_train)[0]["bound"] == "train"
+    # Async, the push is on the trainer's side: 6.5 + 1.0 s of trainer work against an 8 s rollout
+    # is rollout-bound, 7.2 + 1.0 s is train-bound although 7.2 alone is below 8.
+    pushing = [{**_by_name(rows)["scale-disagg-async"], "train_s": 6.7}]
+    assert scale_report.advice_rows(pushing)[0]["bound"] == "train"
 
 
 def test_main_writes_markdown_and_png(run_dir, tmp_path, capsys):
@@ -205,6 +222,6 @@ def test_split_advice_from_the_measured_rates(run_dir):
     r, t = rate["rollout"], rate["train"]
     assert advice["colocated 4"]["predicted_s"] == pytest.approx(8 / (4 * r) + 8 / (4 * t) + 1.0)
     assert advice["colocated 4"]["measured_s"] == pytest.approx(12.0)
-    assert advice["2 + 2"]["predicted_s"] == pytest.approx(max(8 / (2 * r), 8 / (2 * t)))
+    assert advice["2 + 2"]["predicted_s"] == pytest.approx(max(8 / (2 * r), 8 / (2 * t) + 1.0))
     assert advice["2 + 2"]["measured_s"] == pytest.approx(10.0)  # the async run: 2 servers + 2 trainers
     assert advice["1 + 3"]["measured_s"] is None
