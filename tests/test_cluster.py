@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -637,9 +639,9 @@ def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(clus
     """Issue #42 item 3. After a LoRA push, then after a full-weight push, one replica's process is
     SIGKILLed while it is idle (the front learns of it only from the next call). Requests sent
     meanwhile, plain or with ``min_weight_version`` (an asynchronous trainer's rollouts in flight),
-    are all answered at the front's version; the restarted replica serves again only after it copied
-    the peer's state: its outputs equal its peer's bit for bit, and differ from the disk weights it
-    reloaded."""
+    are all answered at the front's version; a push made while it restarts reaches it too; it serves
+    again only after it copied the peer's state: its outputs equal its peer's bit for bit, and differ
+    from the disk weights it reloaded."""
     import json
     import signal
 
@@ -660,7 +662,8 @@ def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(clus
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None
 
-    def kill_and_check(index: int, version: str) -> None:
+    def kill_and_check(index: int, version: str, during: tuple[str, Callable[[], Any]]) -> None:
+        """SIGKILL replica ``index`` at ``version``; ``during``: (version, push) applied while it restarts."""
         victim, peer = engine.replicas[index], engine.replicas[1 - index]
         assert assert_versions_agree(client) == version
         old_pid = next(r["pid"] for r in replicas(client) if r["replica_id"] == index)
@@ -675,6 +678,16 @@ def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(clus
             answers = list(pool.map(lambda b: generate(client, b)[0], bodies))
         assert [a["seed"] for a in answers] == [b["seed"] for b in bodies]
         assert {a["weight_version"] for a in answers} == {version}, [a["weight_version"] for a in answers]
+        # The front knows of the death now (the replica is restarting or syncing). An asynchronous
+        # trainer's next rollouts already wait for the version it pushes meanwhile: they get it,
+        # and so must the restarted replica, whichever of the push and its re-sync goes first.
+        version, push = during
+        ahead = [{**BODY, "seed": 800 + i, "min_weight_version": version} for i in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(generate, client, b) for b in ahead]
+            r = push()
+            assert r.status_code == 200 and r.json()["weight_version"] == version, r.text
+            assert {f.result(timeout=180)[0]["weight_version"] for f in waiting} == {version}
         wait_for(
             lambda: victim.state == "serving" and victim.info.get("pid") != old_pid,
             180,
@@ -693,21 +706,26 @@ def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(clus
         for o in outs[1:]:
             assert_same_output(outs[0], o)
 
-    cfg, tensors = adapter("default", seed=9)
-    r = client.post(
-        "/lora/load",
-        content=save(tensors, metadata={"peft_config": json.dumps(cfg)}),
-        params={"name": "default", "activate": "true", "weight_version": "lora-kill"},
-        headers=octet,
-    )
-    assert r.status_code == 200, r.text
-    kill_and_check(0, "lora-kill")
+    def push_lora(seed: int, version: str):
+        cfg, tensors = adapter("default", seed=seed)
+        return client.post(
+            "/lora/load",
+            content=save(tensors, metadata={"peft_config": json.dumps(cfg)}),
+            params={"name": "default", "activate": "true", "weight_version": version},
+            headers=octet,
+        )
 
-    r = client.post(
-        "/update_weights", content=save(new), params={"weight_version": "full-kill"}, headers=octet
-    )
-    assert r.status_code == 200, r.text
-    kill_and_check(1, "full-kill")
+    def push_full(weights: dict[str, torch.Tensor], version: str):
+        return client.post(
+            "/update_weights", content=save(weights), params={"weight_version": version}, headers=octet
+        )
+
+    assert push_lora(9, "lora-kill").status_code == 200
+    kill_and_check(0, "lora-kill", during=("lora-during", lambda: push_lora(10, "lora-during")))
+
+    assert push_full(new, "full-kill").status_code == 200
+    newer = {n: p + 0.01 for n, p in new.items()}
+    kill_and_check(1, "full-kill", during=("full-during", lambda: push_full(newer, "full-during")))
     # Back to the original weights, without the adapter, for the other tests.
     assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
     r = client.post("/update_weights", content=save(original), headers=octet)
