@@ -309,6 +309,20 @@ def test_a_part_cut_short_is_400_and_drops_its_upload_on_every_replica(cluster, 
 
     assert checksum(client) == start_sum and assert_versions_agree(client) == start_version
 
+    # The trainer's retry under the cut upload's id restarts it on every replica and lands whole.
+    from diffusion_rollout.client import RolloutClient
+    from diffusion_rollout.client.weights import push_weights
+
+    trainer = RolloutClient("http://testserver", http_client=client)
+    push_weights(trainer, new, dtype=torch.float32, upload_id="cut-route", weight_version="retried")
+    assert assert_versions_agree(client) == "retried"
+    assert checksum(client) == trainer_weights_checksum(new.items(), torch.float32) != start_sum
+    original = {n: p.detach() for n, p in reference.named_parameters()}
+    r = client.post(
+        "/update_weights", content=save(original), params={"weight_version": start_version}, headers=octet
+    )
+    assert r.status_code == 200 and checksum(client) == start_sum, r.text
+
 
 def test_checksum_names_the_replica_that_differs(cluster, served):
     client, engine, ray = cluster.client, cluster.engine, cluster.ray

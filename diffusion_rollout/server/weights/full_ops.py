@@ -284,8 +284,10 @@ class FullWeightOps(ManagerCore):
             began = None
             try:
                 # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
-                # A non-final part 0 opens the upload: a retry under the same id starts it afresh.
-                upload = began = self.staging.begin_part(uid, part, opens=part == 0 and not final)
+                # Part 0 opens the upload: a retry under the same id starts it afresh (staging.py),
+                # unless it would commit a fraction of a model by itself (final and partial).
+                opens = part == 0 and not (final and partial)
+                upload = began = self.staging.begin_part(uid, part, opens=opens)
 
                 def parse() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                     problems = Problems()

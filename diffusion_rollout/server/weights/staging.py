@@ -13,16 +13,17 @@ Design decisions:
   that sends part 0 with ``final=true`` after part 1 was refused must not commit half a model).
   A failed lone part (``final=true``, part 0 or unnumbered, nothing staged) aborts nothing, so a
   single-part update under the default id can simply be sent again.
-- **A retry restarts at part 0.** A numbered part 0 that is not final *opens* an upload: under an
-  id that was aborted (a part cut short when a connection broke, a refused part) or that still has
+- **A retry restarts at part 0.** A numbered part 0 *opens* an upload (unless it is a final part of
+  a partial update, see below): under an id that was aborted (a part cut short when a connection broke, a refused part) or that still has
   parts staged (a trainer retrying after a lost answer), it forgets everything of the earlier
   attempt and starts the upload afresh, so a trainer re-sends a push under the same upload id and
   it completes. Nothing of two attempts can mix: a part of the earlier attempt still being parsed
   is refused when it would be recorded (it began on the old :class:`Upload`, see ``began``) and its
   failure leaves the new attempt alone; a late part of the earlier attempt that begins after the
   restart takes a part number the new attempt also sends, and the second of the two fails the
-  upload. Only an opening part restarts: a final part 0 (a one-part commit) of an aborted id stays
-  refused, so a client cannot commit half a model by re-sending part 0 with ``final=true``.
+  upload. A final part 0 restarts only a full update, which applies only if that one part names
+  every parameter; a final part 0 with ``partial=true`` of an aborted id stays refused, so a client
+  cannot commit a fraction of a model by re-sending part 0 alone.
 - Optional part numbers (``part=0,1,...``) make gaps detectable: the final part ``k`` requires
   parts ``0..k`` exactly. Unnumbered parts are accepted in arrival order.
 - Memory is bounded by construction: a name may be staged once per upload, so an upload holds at
@@ -129,7 +130,8 @@ class StagingArea:
     def begin_part(self, upload_id: str, part: int | None, *, opens: bool = False) -> Upload:
         """The upload this part belongs to (created on its first part); checks the part number.
 
-        ``opens``: the part is a numbered, non-final part 0, which (re)starts the upload from scratch.
+        ``opens``: the part is a numbered part 0 that cannot commit a fraction of a model (not final,
+        or final for a full update), which (re)starts the upload from scratch.
         """
         with self._lock:
             self._sweep_locked()
