@@ -479,3 +479,15 @@ def test_soak_runs_a_cli_server_and_reports_memory_slopes(tmp_path, tiny_model_p
         fitted = run["slopes"][series]
         assert isinstance(fitted["per_1000_rollouts"], float) and isinstance(fitted["per_update"], float)
         assert fitted["first"] > 0 and fitted["last"] > 0
+
+
+def test_soak_reads_the_gpu_memory_the_metrics_report():
+    """On a GPU the server's /metrics carries torch's allocated and reserved bytes; the soak reads them."""
+    from benchmarks import soak
+    from diffusion_rollout.server.metrics import Metrics
+
+    state = {"queue_depth": 0, "busy": False, "paused": False, "status": "ready", "weight_version": 3}
+    text = Metrics().render(**state, device_memory={"allocated": 3 * 2**20, "reserved": 5 * 2**21})
+    assert soak.gpu_memory_mib(text) == {"gpu_allocated_mib": 3.0, "gpu_reserved_mib": 10.0}
+    assert soak.gpu_memory_mib(Metrics().render(**state)) == {}  # on a CPU: no such series
+    assert soak.slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0]) == 2.0 and soak.slope([1], [1.0]) is None
