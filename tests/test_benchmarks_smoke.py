@@ -447,3 +447,47 @@ def test_grpo_fast_every_linear_alone_leaves_out_the_family_rule(monkeypatch):
     speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True, family_rule=False)
     speed_options.grpo_fast(None, group=2, groups=2, reps=1, fp8_all=True)
     assert seen == [["fp8_all_compiled"], ["fp8_compiled", "fp8_all_compiled"]]
+
+
+def test_soak_runs_a_cli_server_and_reports_memory_slopes(tmp_path, tiny_model_path):
+    """``benchmarks/soak.py`` with tiny counts: the CLI server on the tiny SD3 folder, rollouts
+    between LoRA and full pushes, every answer at the version last pushed, and slopes of the server's
+    RSS and open descriptors per 1000 rollouts and per update."""
+    from benchmarks import soak
+
+    args = ["--model", str(tiny_model_path("sd3")), "--work", str(tmp_path / "w"), "--out", str(tmp_path)]
+    counts = [
+        "--rollouts",
+        "8",
+        "--lora-updates",
+        "2",
+        "--full-updates",
+        "1",
+        "--samples",
+        "4",
+        "--warmup",
+        "0",
+    ]
+    assert soak.main([*args, *counts]) == 0
+    doc = json.loads((tmp_path / "soak_cpu.json").read_text())
+    [run] = doc["results"]
+    assert doc["ok"] and doc["facts"]["commit"] and doc["settings"]["rollouts"] == 8
+    assert (run["rollouts"], run["lora"], run["full"], run["version_mismatches"]) == (8, 2, 1, 0)
+    assert run["server_exit_code"] == 0 and len(run["samples"]) == 5  # the start, then every 2 rollouts
+    assert [s["updates"] for s in run["samples"]] == [0, 0, 1, 1, 3]
+    for series in ("rss_mib", "open_fds"):
+        fitted = run["slopes"][series]
+        assert isinstance(fitted["per_1000_rollouts"], float) and isinstance(fitted["per_update"], float)
+        assert fitted["first"] > 0 and fitted["last"] > 0
+
+
+def test_soak_reads_the_gpu_memory_the_metrics_report():
+    """On a GPU the server's /metrics carries torch's allocated and reserved bytes; the soak reads them."""
+    from benchmarks import soak
+    from diffusion_rollout.server.metrics import Metrics
+
+    state = {"queue_depth": 0, "busy": False, "paused": False, "status": "ready", "weight_version": 3}
+    text = Metrics().render(**state, device_memory={"allocated": 3 * 2**20, "reserved": 5 * 2**21})
+    assert soak.gpu_memory_mib(text) == {"gpu_allocated_mib": 3.0, "gpu_reserved_mib": 10.0}
+    assert soak.gpu_memory_mib(Metrics().render(**state)) == {}  # on a CPU: no such series
+    assert soak.slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0]) == 2.0 and soak.slope([1], [1.0]) is None

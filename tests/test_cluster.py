@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -306,6 +308,20 @@ def test_a_part_cut_short_is_400_and_drops_its_upload_on_every_replica(cluster, 
     dropped_on_every_replica("cut-port", 100)
 
     assert checksum(client) == start_sum and assert_versions_agree(client) == start_version
+
+    # The trainer's retry under the cut upload's id restarts it on every replica and lands whole.
+    from diffusion_rollout.client import RolloutClient
+    from diffusion_rollout.client.weights import push_weights
+
+    trainer = RolloutClient("http://testserver", http_client=client)
+    push_weights(trainer, new, dtype=torch.float32, upload_id="cut-route", weight_version="retried")
+    assert assert_versions_agree(client) == "retried"
+    assert checksum(client) == trainer_weights_checksum(new.items(), torch.float32) != start_sum
+    original = {n: p.detach() for n, p in reference.named_parameters()}
+    r = client.post(
+        "/update_weights", content=save(original), params={"weight_version": start_version}, headers=octet
+    )
+    assert r.status_code == 200 and checksum(client) == start_sum, r.text
 
 
 def test_checksum_names_the_replica_that_differs(cluster, served):
@@ -623,6 +639,111 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(cluster, served):
+    """Issue #42 item 3. After a LoRA push, then after a full-weight push, one replica's process is
+    SIGKILLed while it is idle (the front learns of it only from the next call). Requests sent
+    meanwhile, plain or with ``min_weight_version`` (an asynchronous trainer's rollouts in flight),
+    are all answered at the front's version; a push made while it restarts reaches it too; it serves
+    again only after it copied the peer's state: its outputs equal its peer's bit for bit, and differ
+    from the disk weights it reloaded."""
+    import json
+    import signal
+
+    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+
+    client, engine, ray = cluster.client, cluster.engine, cluster.ray
+    params = GenerateRequest(**BODY).to_params("in-process")
+    [from_disk] = served("sd3").generate(BODY)
+    reference = served("sd3").engine.pipe.transformer
+    original = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    g = torch.Generator().manual_seed(43)
+    new = {n: p + 0.01 * torch.randn(p.shape, generator=g) for n, p in original.items()}
+    octet = {"Content-Type": "application/octet-stream"}
+
+    def restarted_pid(victim) -> int | None:
+        try:
+            return ray.get(victim.actor.info.remote(), timeout=10)["pid"]
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None
+
+    def kill_and_check(index: int, version: str, during: tuple[str, Callable[[], Any]]) -> None:
+        """SIGKILL replica ``index`` at ``version``; ``during``: (version, push) applied while it restarts."""
+        victim, peer = engine.replicas[index], engine.replicas[1 - index]
+        assert assert_versions_agree(client) == version
+        old_pid = next(r["pid"] for r in replicas(client) if r["replica_id"] == index)
+        os.kill(old_pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(old_pid), 30, f"replica {index}'s process to die")
+        # Ray brings the process back before the front hears of the death: the new process answers
+        # calls before the front loaded the model on it or copied any state into it.
+        wait_for(lambda: restarted_pid(victim) not in (None, old_pid), 120, f"replica {index}'s new process")
+        bodies = [{**BODY, "seed": 700 + i} for i in range(6)]
+        bodies = [b if i % 2 else {**b, "min_weight_version": version} for i, b in enumerate(bodies)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda b: generate(client, b)[0], bodies))
+        assert [a["seed"] for a in answers] == [b["seed"] for b in bodies]
+        assert {a["weight_version"] for a in answers} == {version}, [a["weight_version"] for a in answers]
+        # The front knows of the death now (the replica is restarting or syncing). An asynchronous
+        # trainer's next rollouts already wait for the version it pushes meanwhile: they get it,
+        # and so must the restarted replica, whichever of the push and its re-sync goes first.
+        version, push = during
+        ahead = [{**BODY, "seed": 800 + i, "min_weight_version": version} for i in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(generate, client, b) for b in ahead]
+            r = push()
+            assert r.status_code == 200 and r.json()["weight_version"] == version, r.text
+            assert {f.result(timeout=180)[0]["weight_version"] for f in waiting} == {version}
+        wait_for(
+            lambda: victim.state == "serving" and victim.info.get("pid") != old_pid,
+            180,
+            f"replica {index} to be restarted and re-synced",
+        )
+        assert assert_versions_agree(client) == version
+        # Each replica asked directly, one request at a time (same batch shape on both).
+        [mine] = ray.get(victim.actor.generate.remote(params))
+        [theirs] = ray.get(peer.actor.generate.remote(params))
+        assert mine.weight_version == theirs.weight_version == version
+        assert torch.equal(mine.generated_output, theirs.generated_output)
+        assert torch.equal(mine.rollout_log_probs, theirs.rollout_log_probs)
+        assert not torch.equal(mine.generated_output, from_disk["generated_output"])
+        outs = [generate(client, BODY)[0] for _ in range(4)]
+        assert {o["weight_version"] for o in outs} == {version}
+        for o in outs[1:]:
+            assert_same_output(outs[0], o)
+
+    def push_lora(seed: int, version: str):
+        cfg, tensors = adapter("default", seed=seed)
+        return client.post(
+            "/lora/load",
+            content=save(tensors, metadata={"peft_config": json.dumps(cfg)}),
+            params={"name": "default", "activate": "true", "weight_version": version},
+            headers=octet,
+        )
+
+    def push_full(weights: dict[str, torch.Tensor], version: str):
+        return client.post(
+            "/update_weights", content=save(weights), params={"weight_version": version}, headers=octet
+        )
+
+    assert push_lora(9, "lora-kill").status_code == 200
+    kill_and_check(0, "lora-kill", during=("lora-during", lambda: push_lora(10, "lora-during")))
+
+    assert push_full(new, "full-kill").status_code == 200
+    newer = {n: p + 0.01 for n, p in new.items()}
+    kill_and_check(1, "full-kill", during=("full-during", lambda: push_full(newer, "full-during")))
+    # Back to the original weights, without the adapter, for the other tests.
+    assert client.post("/lora/unload", json={"name": "default"}).status_code == 200
+    r = client.post("/update_weights", content=save(original), headers=octet)
+    assert r.status_code == 200, r.text
 
 
 def test_replica_killed_under_load_is_restarted_and_resynced(cluster, served):

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from safetensors.torch import save
 
 from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.client import AsyncRolloutClient, RolloutClient
@@ -515,3 +516,81 @@ def test_parts_in_flight_on_several_connections_land_atomically(fresh_server):
     r = send(4, True)
     assert r.status_code == 200 and r.json()["weight_version"] == "v5", r.text
     assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32)
+
+
+# ---------------------------------------------------------------------------- interrupted pushes
+PROBE = {
+    "prompt": "a red cube on a table",
+    "seed": 11,
+    "width": 32,
+    "height": 32,
+    "max_sequence_length": 16,
+    "num_inference_steps": 2,
+    "rollout_sde_type": "ode",
+    "rollout_log_prob_no_const": True,
+}
+
+
+def probe(client: RolloutClient) -> tuple[torch.Tensor, object]:
+    [out] = client.generate(**PROBE)
+    return out.generated_output, out.weight_version
+
+
+def test_a_push_cut_on_the_upload_port_keeps_the_previous_weights_and_a_retry_under_its_id_completes(
+    fresh_server,
+):
+    """The direct port: part 0 staged, then the connection carrying part 1 vanishes mid-body. The
+    server keeps its weights, version and bit-identical outputs; a one-part commit of the same id
+    is refused (it would apply part 0 alone); the trainer's retry, ``push_weights`` under the same
+    upload id, restarts the upload at part 0 and lands exactly the new weights."""
+    server = fresh_server("sd3", upload_port=0, admin_key=KEY)
+    master = new_weights(server, seed=34)
+    names = sorted(master)
+    first = bytes(SafetensorsBody({n: master[n] for n in names[:10]}))
+    rest = bytes(SafetensorsBody({n: master[n] for n in names[10:]}))
+    original = checksum(server)
+    manager = get_weight_manager(server.engine)
+    with live_server(server) as (url, _), RolloutClient(url, admin_key=KEY, timeout=60) as client:
+        img0, version0 = probe(client)
+        listener = listener_of(server)
+        conn = RawConnection(listener.port)
+        try:
+            status, _, body = conn.request(
+                upload_head(len(first), "upload_id=again&part=0&final=false"), first
+            )
+            assert status == 200 and manager.staging.ids() == ["again"], body
+            conn.send(upload_head(len(rest), "upload_id=again&part=1").encode() + rest[: len(rest) // 2])
+        finally:
+            conn.close()
+        wait_until(lambda: listener.stats.requests == 2, 10, "the cut-short part to be refused")
+        assert manager.staging.ids() == [] and checksum(server) == original
+        img1, version1 = probe(client)
+        assert version1 == version0 and torch.equal(img1, img0)
+
+        # Re-sending part 0 as a one-part commit would apply a tenth of the model: refused.
+        conn = RawConnection(listener.port)
+        try:
+            status, _, body = conn.request(
+                upload_head(len(first), "upload_id=again&part=0&partial=true"), first
+            )
+        finally:
+            conn.close()
+        assert status == 400 and "upload 'again' was aborted" in body["error"]["message"], body
+        assert checksum(server) == original
+
+        result = push_weights(
+            client,
+            master,
+            dtype=torch.float32,
+            upload_id="again",
+            weight_version="after",
+            max_part_bytes=8192,
+        )
+        assert result.weight_version == "after"
+        img2, version2 = probe(client)
+    assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original
+    twin = fresh_server("sd3")  # the same weights in one piece, on a server of its own
+    assert twin.client.post("/update_weights", content=save(master)).status_code == 200
+    [expected] = twin.generate(PROBE)
+    assert version2 == "after" and torch.equal(img2, expected["generated_output"])
+    assert not torch.equal(img2, img0) and manager.staging.ids() == []

@@ -237,3 +237,34 @@ def test_a_part_parsed_while_a_concurrent_part_failed_reports_that_failure():
     area.begin_part("v", None)
     area.add_part("v", None, "transformer", {"a": torch.zeros(1)})
     assert area.get("v").num_tensors == 1
+
+
+def test_a_retry_opening_part_0_restarts_the_upload_and_the_earlier_attempt_cannot_mix_in():
+    """A non-final part 0 under an aborted id, or one with parts staged, starts the upload afresh; a
+    part of the earlier attempt still being parsed is refused and its failure spares the new attempt."""
+    area = StagingArea()
+    old = area.begin_part("u", 0, opens=True)
+    area.add_part("u", 0, "transformer", {"a": torch.zeros(1)}, began=old)
+    stale = area.begin_part("u", 1)  # the earlier attempt's part 1, still being parsed
+    area.discard("u", "part 2 failed: the body ended after 5 of the 9 bytes", abort=True)
+    with pytest.raises(WeightUpdateError, match="was aborted"):  # a later part of the dead attempt
+        area.begin_part("u", 2)
+    with pytest.raises(WeightUpdateError, match="was aborted"):  # a one-part commit: never half a model
+        area.begin_part("u", 0)
+
+    new = area.begin_part("u", 0, opens=True)  # the trainer's retry
+    area.add_part("u", 0, "transformer", {}, began=new)
+    with pytest.raises(WeightUpdateError, match="restarted at part 0"):
+        area.add_part("u", 1, "transformer", {"b": torch.ones(1)}, began=stale)
+    assert not area.discard("u", "part 1 failed: restarted", began=stale)  # the new attempt stays
+    assert area.get("u") is new and new.num_tensors == 0
+    part1 = area.begin_part("u", 1)
+    area.add_part("u", 1, "transformer", {"a": torch.ones(1), "b": torch.ones(1)}, began=part1)
+    done = area.take_complete("u", 1)
+    assert {n: t.item() for n, t in done.tensors["transformer"].items()} == {"a": 1.0, "b": 1.0}
+
+    # A retry that opens again while parts are staged (an answer was lost) forgets them.
+    first = area.begin_part("w", 0, opens=True)
+    area.add_part("w", 0, "transformer", {"a": torch.zeros(1)}, began=first)
+    again = area.begin_part("w", 0, opens=True)
+    assert again is not first and again.num_tensors == 0 and first.tensors == {}

@@ -241,6 +241,32 @@ def test_bad_uploads_are_400_naming_the_problem_and_change_nothing(fresh_server)
     assert torch.equal(img0, img1) and version == 0
 
 
+def test_a_one_part_retry_of_an_aborted_upload_restarts_it_only_as_a_full_update(fresh_server):
+    """After part 1 of upload 'r' failed, part 0 sent again as a one-part commit: as a partial
+    update it would apply a fraction of the model and is refused; as a full update it restarts the
+    upload, which applies only because that one part names every parameter."""
+    server = fresh_server("sd3")
+    master = new_weights(server, seed=12)
+    names = sorted(master)
+    original = checksum(server)
+    img0, _ = ode_image(server)
+    upload(server, {n: master[n] for n in names[:10]}, final="false", upload_id="r", part=0)
+    error_of(server.client.post("/update_weights", content=b"cut", params={"upload_id": "r", "part": 1}), 400)
+
+    first = save({n: master[n] for n in names[:10]})
+    refused = server.client.post(
+        "/update_weights", content=first, params={"upload_id": "r", "part": 0, "partial": "true"}
+    )
+    assert "upload 'r' was aborted" in error_of(refused, 400)
+    not_full = server.client.post("/update_weights", content=first, params={"upload_id": "r", "part": 0})
+    assert "upload 'r' is not a full update" in error_of(not_full, 400)
+    assert checksum(server) == original and torch.equal(ode_image(server)[0], img0)
+
+    out = upload(server, master, upload_id="r", part=0, weight_version="whole")
+    assert out["weight_version"] == "whole" and out["upload_id"] == "r"
+    assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original
+
+
 def test_failure_during_copy_rolls_back_to_identical_checksum(fresh_server):
     server = fresh_server("sd3")
     manager = get_weight_manager(server.engine)

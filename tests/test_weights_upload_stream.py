@@ -306,3 +306,69 @@ def test_a_refused_part_among_concurrent_ones_fails_the_push_and_applies_nothing
         # The same client pushes the correct weights afterwards (a new upload id).
         push_weights(client, master, dtype=torch.float32, max_part_bytes=4096, concurrency=3)
     assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original
+
+
+# ---------------------------------------------------------------------------- interrupted pushes
+PROBE = {
+    "prompt": "a red cube on a table",
+    "seed": 11,
+    "width": 32,
+    "height": 32,
+    "max_sequence_length": 16,
+    "num_inference_steps": 2,
+    "rollout_sde_type": "ode",
+    "rollout_log_prob_no_const": True,
+}
+
+
+def probe(server) -> tuple[torch.Tensor, object]:
+    [out] = server.generate(PROBE)
+    return out["generated_output"], out["weight_version"]
+
+
+def test_a_push_cut_mid_body_keeps_the_previous_weights_and_a_retry_under_its_id_completes(fresh_server):
+    """The main port under uvicorn: part 0 of a numbered upload is staged, then the connection
+    carrying part 1 closes a third of the way through its body. Nothing of the push lands (same
+    checksum, same version, bit-identical outputs), nothing stays staged, and the trainer's retry,
+    ``push_weights`` under the same upload id, restarts the upload from part 0 and applies exactly
+    the new weights (the outputs equal those of a server that got them in one piece)."""
+    server = fresh_server("sd3")
+    master = new_weights(server, seed=27)
+    names = sorted(master)
+    first, rest = save({n: master[n] for n in names[:10]}), save({n: master[n] for n in names[10:]})
+    img0, version0 = probe(server)
+    original = checksum(server)
+    manager = get_weight_manager(server.engine)
+    with live_server(server) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with RolloutClient(url, timeout=60) as client:
+            client.update_weights(first, upload_id="retry", part=0, final=False)
+        assert manager.staging.ids() == ["retry"]
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            head = (
+                f"POST /update_weights?upload_id=retry&part=1 HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {len(rest)}\r\n\r\n"
+            )
+            s.sendall(head.encode() + rest[: len(rest) // 3])
+            wait_until(
+                lambda: manager.receive_buffers.stats.allocated == 2, 10, "part 1's body read to start"
+            )
+        # The connection is gone: the part is refused and its upload dropped with part 0.
+        wait_until(lambda: manager.staging.ids() == [], 10, "the interrupted upload to be dropped")
+        img1, version1 = probe(server)
+        assert checksum(server) == original and version1 == version0
+        assert torch.equal(img1, img0)
+
+        with RolloutClient(url, timeout=60) as client:  # the retry, under the same id, in 4 parts
+            result = push_weights(
+                client, master, dtype=torch.float32, upload_id="retry", weight_version="after",
+                max_part_bytes=len(rest) // 3,
+            )  # fmt: skip
+        assert result.weight_version == "after"
+        img2, version2 = probe(server)
+    assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original
+    twin = fresh_server("sd3")  # the same weights pushed in one piece to a server of its own
+    assert twin.client.post("/update_weights", content=save(master)).status_code == 200
+    expected, _ = probe(twin)
+    assert version2 == "after" and torch.equal(img2, expected) and not torch.equal(img2, img0)
+    assert manager.staging.ids() == [] and manager.receive_buffers.stats.abandoned == 0

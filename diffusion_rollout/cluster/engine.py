@@ -46,7 +46,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusion_rollout.cluster.ray_support import import_ray, ray_init_kwargs, unwrap
+from diffusion_rollout.cluster.ray_support import (
+    ReplicaRestartedError,
+    import_ray,
+    ray_init_kwargs,
+    replica_lost,
+    unwrap,
+)
 from diffusion_rollout.cluster.recovery import learn_versions, recover
 from diffusion_rollout.cluster.routing import LeastOutstanding, Load, request_work
 from diffusion_rollout.config import ServerConfig
@@ -393,10 +399,14 @@ class ClusterEngine:
         # Only serving replicas are asked: a call to a restarting one would wait for its model load.
         live = self.serving()
         answers = await self._each(live, lambda r: r.actor.info.remote())
-        actor_error = import_ray().exceptions.RayActorError
         for r, a in zip(live, answers, strict=True):
-            if isinstance(a, actor_error):
+            if isinstance(a, BaseException) and replica_lost(a):
                 self.replica_died(r, a)
+            elif isinstance(a, dict) and a.get("awaiting_resync"):
+                # Ray restarted it and nothing the front sent failed yet: recover it now.
+                self.replica_died(
+                    r, ReplicaRestartedError(f"replica {r.replica_id} restarted (pid {a['pid']})")
+                )
             elif not isinstance(a, BaseException):
                 r.info = a
                 learn_versions(r)
@@ -483,7 +493,7 @@ class ClusterEngine:
             import_ray().cancel(ref)
             raise
         except Exception as exc:
-            if isinstance(exc, import_ray().exceptions.RayActorError):
+            if replica_lost(exc):
                 self.replica_died(replica, exc)
                 raise ReplicaLostError(
                     f"replica {replica.replica_id} died while running this request; no output was produced"

@@ -38,6 +38,23 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+class ReplicaRestartedError(ServiceUnavailableError):
+    """A replica whose process Ray restarted, asked for work before the front re-synced it.
+
+    Ray re-creates a dead actor on its own and sends later calls to the new process, which the front
+    may not have heard about yet (nothing it sent the old one failed). Such a process holds the
+    weights of the model folder, not the cluster's, so it refuses everything but the front's
+    recovery calls with this error; the front takes the answer as the replica's death
+    (:func:`replica_lost`): it retries the work elsewhere and re-syncs the replica first."""
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a failed replica call means the process is gone or was replaced by a fresh one."""
+    return isinstance(exc, import_ray().exceptions.RayActorError) or isinstance(
+        unwrap(exc), ReplicaRestartedError
+    )
+
+
 def ray_init_kwargs(config: ServerConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"include_dashboard": False}
     if config.ray_address:

@@ -3,7 +3,8 @@
 The front (``engine.py``) notices the death (``replica_died``) and starts :func:`recover` as a task.
 Under the front's admin lock, so that no update runs meanwhile, the new process copies the current
 weights, adapters and version history from a serving peer (``resync.py``), takes the front's
-pause and memory state, and serves again. A replica with no peer to copy from after updates were
+pause and memory state, and serves again (``mark_synced``: until then the new process refuses
+work, even work Ray hands it before the front heard of the death). A replica with no peer to copy from after updates were
 applied stays out of service (``stale``) rather than serve old weights.
 """
 
@@ -62,6 +63,7 @@ async def recover(front: ClusterEngine, replica: Replica) -> None:
                 await replica.actor.manager_call.remote("release_memory", {})
             if front.user_paused:
                 await replica.actor.manager_call.remote("pause_generation", {})
+            await replica.actor.mark_synced.remote()  # from here the new process takes work
             info = await replica.actor.info.remote()
         except ray.exceptions.RayActorError:
             logger.error("replica %d died again while re-syncing", replica.replica_id)

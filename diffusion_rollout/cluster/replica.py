@@ -21,7 +21,10 @@ Design decisions:
   the object store once (HTTP uploads) arrive as the ``data`` argument: Ray resolves a top-level
   ``ObjectRef`` argument to its value in this process.
 - Restarts: Ray re-runs ``__init__`` in a new process; the front calls ``start`` again and then
-  ``import_state`` with a serving peer's ``export_state`` (``cluster/resync.py``).
+  ``import_state`` with a serving peer's ``export_state`` (``cluster/resync.py``) and ``mark_synced``.
+  Until then a restarted process (Ray says so: ``was_current_actor_reconstructed``) refuses rollouts
+  and weight calls with ``ReplicaRestartedError``: Ray routes calls to it as soon as it is up, maybe
+  before the front learnt of the death, and it holds the model folder's weights, not the cluster's.
 - Errors are the project's exceptions; Ray carries them to the front wrapped in ``RayTaskError``
   and the front re-raises the original (``cluster.ray_support.unwrap``).
 """
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from diffusion_rollout.cluster.lora_transactions import LoraTransactions
+from diffusion_rollout.cluster.ray_support import ReplicaRestartedError
 from diffusion_rollout.cluster.resync import export_state, import_state
 from diffusion_rollout.cluster.transactions import FullUpdateTransactions
 from diffusion_rollout.config import ServerConfig
@@ -92,6 +96,16 @@ def _node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _restarted() -> bool:
+    """Whether Ray re-created this actor after its process died (False outside Ray)."""
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside a Ray actor (a plain ReplicaServer in a test)
+        return False
+
+
 def _node_id() -> str | None:
     try:
         import ray
@@ -118,6 +132,19 @@ class ReplicaServer:
         self.lora_transactions = LoraTransactions(self.manager)
         self._lora_fault = False  # inject_lora_fault
         self.upload_listener = None  # this replica's own upload port (with --upload-port)
+        # A restarted process takes no work until the front has copied the cluster's state into it.
+        self.awaiting_resync = _restarted()
+
+    def _admit(self, what: str) -> None:
+        if self.awaiting_resync:
+            raise ReplicaRestartedError(
+                f"replica {self.replica_id} was restarted (pid {os.getpid()}) and is not re-synced yet; "
+                f"it takes no {what}"
+            )
+
+    def mark_synced(self) -> None:
+        """The front's recovery copied the cluster's state here (or there was none to copy)."""
+        self.awaiting_resync = False
 
     # ------------------------------------------------------------------ lifecycle and state
     async def start(self) -> dict[str, Any]:
@@ -195,6 +222,7 @@ class ReplicaServer:
             "upload_url": self.upload_url(),
             "upload_parts_received": self.upload_listener.stats.parts if self.upload_listener else 0,
             "upload_port_seconds": self._upload_seconds(),
+            "awaiting_resync": self.awaiting_resync,
         }
 
     def _upload_seconds(self) -> dict[str, float]:
@@ -207,9 +235,11 @@ class ReplicaServer:
 
     # ------------------------------------------------------------------ rollouts
     async def generate(self, params: GenerateParams) -> list[SampleResult]:
+        self._admit("rollouts")
         return await self.engine.generate(params)
 
     async def readiness_probe(self) -> None:
+        self._admit("rollouts")
         await self.engine.readiness_probe()
 
     async def abort(self, rid: str | None, abort_all: bool = False) -> dict[str, Any]:
@@ -228,12 +258,14 @@ class ReplicaServer:
     async def manager_call(self, method: str, kwargs: dict[str, Any], data: Any = None) -> Any:
         if method not in MANAGER_CALLS:
             raise WeightUpdateError(f"replica method {method!r} is not a fan-out operation")
+        self._admit("weight calls")
         if data is not None:
             kwargs = {**kwargs, DATA_KEYWORD[method]: self._lease(data)}
         return await getattr(self.manager, method)(**kwargs)
 
     async def prepare(self, txn: str, source: str, kwargs: dict[str, Any], data: Any = None) -> str:
         """Read a full-weight update from ``source`` and validate it; nothing is applied."""
+        self._admit("weight updates")
         m = self.manager
         flush_cache = kwargs.pop("flush_cache", True)
         if source == "disk":
@@ -264,6 +296,7 @@ class ReplicaServer:
 
     async def lora_change(self, txn: str, method: str, kwargs: dict[str, Any], data: Any = None) -> Any:
         """A LoRA change (``manager_call``) that :meth:`lora_rollback` can undo until :meth:`lora_finish`."""
+        self._admit("LoRA changes")
 
         async def change() -> Any:
             if self._lora_fault:
@@ -281,6 +314,7 @@ class ReplicaServer:
 
     async def export_state(self, modules: list[str]) -> dict[str, Any]:
         """This replica's weights, adapters and version, for a restarted peer (``resync``)."""
+        self._admit("state exports (it holds the model folder's weights, not the cluster's)")
         return await self.engine.run_exclusive(lambda: export_state(self.manager, modules))
 
     async def import_state(self, state: dict[str, Any]) -> Any:

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from diffusion_rollout.cluster.ray_support import import_ray, unwrap
+from diffusion_rollout.cluster.ray_support import import_ray, replica_lost, unwrap
 from diffusion_rollout.cluster.routing import ipc_entry_for, replica_ranks
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
@@ -110,10 +110,9 @@ class ClusterWeights:
 
     async def _gather(self, replicas, call) -> list[Any]:
         results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
-        ray = import_ray()
         out = []
         for r, res in zip(replicas, results, strict=True):
-            if isinstance(res, ray.exceptions.RayActorError):
+            if isinstance(res, BaseException) and replica_lost(res):
                 self.cluster.replica_died(r, res)
             out.append(unwrap(res) if isinstance(res, BaseException) else res)
         return out

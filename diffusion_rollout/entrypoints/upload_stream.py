@@ -9,8 +9,9 @@ Design decisions:
 - **Read inside the route**, so FastAPI's dependencies (the admin key) are checked before the first
   body byte is read, and the size limit middleware still counts every chunk.
 - **Exact length.** A body longer than its ``Content-Length`` or one that ends early (a client
-  that stopped sending) is a 400 that stages nothing; a client that disconnects gets no answer and
-  leaves nothing behind either. A chunked body (no ``Content-Length``) is collected, then copied
+  that stopped sending) is a 400 that stages nothing; a client that disconnects mid-body is the
+  same cut (nobody reads the answer): its part is refused and its upload dropped, as on the upload
+  port, so a broken connection leaves nothing staged behind it. A chunked body (no ``Content-Length``) is collected, then copied
   once into a pooled buffer; the body-limit middleware bounds it.
 - The buffer is the caller's from the moment this returns; on any failure here it goes back.
 """
@@ -18,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from diffusion_rollout.entrypoints.upload_part import truncated_body_error
 from diffusion_rollout.errors import WeightUpdateError
@@ -38,15 +40,18 @@ async def receive_body(request: Request, pool: BufferPool) -> Lease:
     try:
         view = lease.writable()
         pos = 0
-        async for chunk in request.stream():
-            end = pos + len(chunk)
-            if end > expected:
-                raise WeightUpdateError(
-                    f"the body is longer than its Content-Length of {expected} bytes; nothing was staged",
-                    field="body",
-                )
-            view[pos:end] = chunk
-            pos = end
+        try:
+            async for chunk in request.stream():
+                end = pos + len(chunk)
+                if end > expected:
+                    raise WeightUpdateError(
+                        f"the body is longer than its Content-Length of {expected} bytes; nothing was staged",
+                        field="body",
+                    )
+                view[pos:end] = chunk
+                pos = end
+        except ClientDisconnect:
+            raise truncated_body_error(pos, expected) from None
         if pos != expected:
             raise truncated_body_error(pos, expected)
     except BaseException:

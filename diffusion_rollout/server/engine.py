@@ -265,7 +265,16 @@ class Engine:
             paused=stats.paused,
             status=self.status,
             weight_version=self.weight_version,
+            device_memory=self._device_memory(),
         )
+
+    def _device_memory(self) -> dict[str, int] | None:
+        if not self.device.startswith("cuda"):
+            return None
+        return {
+            "allocated": torch.cuda.memory_allocated(self.device),
+            "reserved": torch.cuda.memory_reserved(self.device),
+        }
 
     async def replica_info(self) -> None:
         """A single process has no replicas (the cluster engine lists its own)."""

@@ -15,6 +15,9 @@ Design decisions:
 - ``weight_version`` may be a string (the trainer picks it): it is exported as an info-style series
   ``diffusion_rollout_weight_version_info{weight_version="..."} 1`` and, when it is a number, also as
   the gauge ``diffusion_rollout_weight_version`` (NaN otherwise).
+- On a GPU, ``cuda_memory_allocated_bytes`` and ``cuda_memory_reserved_bytes`` are read from torch's
+  allocator at scrape time: a long run's memory is watched from outside the process
+  (``benchmarks/soak.py``) without a request of its own.
 - Label values are bounded sets (outcome and error types, route templates, status codes), never
   request ids or prompts, so the series count stays small.
 """
@@ -162,8 +165,10 @@ class Metrics:
         paused: bool,
         status: str,
         weight_version: Any,
+        device_memory: dict[str, int] | None = None,
     ) -> str:
-        """The exposition text; the arguments are the engine's state at scrape time."""
+        """The exposition text; the arguments are the engine's state at scrape time
+        (``device_memory``: ``{"allocated": bytes, "reserved": bytes}`` on a GPU, else None)."""
         ips = self.images_per_second()
         numeric_version = (
             float(weight_version)
@@ -256,6 +261,13 @@ class Metrics:
                 "Current weight_version as a label.",
                 [((("weight_version", weight_version),), 1)],
             )
+            for kind, value in sorted((device_memory or {}).items()):
+                metric(
+                    f"cuda_memory_{kind}_bytes",
+                    "gauge",
+                    f"Bytes of GPU memory {kind} by torch's caching allocator.",
+                    [((), value)],
+                )
             metric(
                 "http_responses_total",
                 "counter",

@@ -51,6 +51,7 @@ from diffusion_rollout.errors import NotFoundError, WeightUpdateError
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.receive import Lease, unpooled
 from diffusion_rollout.server.weights.receive import parse_safetensors as parse_received
+from diffusion_rollout.server.weights.staging import Upload
 from diffusion_rollout.server.weights.updater import (
     Problems,
     TensorSpec,
@@ -280,9 +281,13 @@ class FullWeightOps(ManagerCore):
             [module] = self.targets([target_module])
             uid = _upload_id(upload_id, weight_version)
             spec = await self._spec(module)
+            began = None
             try:
                 # Any failing part (numbering included) fails its whole upload: nothing of it is applied.
-                upload = self.staging.begin_part(uid, part)
+                # Part 0 opens the upload: a retry under the same id starts it afresh (staging.py),
+                # unless it would commit a fraction of a model by itself (final and partial).
+                opens = part == 0 and not (final and partial)
+                upload = began = self.staging.begin_part(uid, part, opens=opens)
 
                 def parse() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                     problems = Problems()
@@ -299,11 +304,11 @@ class FullWeightOps(ManagerCore):
                 # Same-dtype tensors stay views into the receive buffer, which the upload then keeps.
                 keep = any(lease.shares_storage(t) for t in tensors.values())
                 upload = self.staging.add_part(
-                    uid, part, module, tensors, lease if keep else None, digests=digests
+                    uid, part, module, tensors, lease if keep else None, digests=digests, began=began
                 )
                 kept = keep
             except Exception as exc:
-                self._drop_failed(uid, part, final, exc)
+                self._drop_failed(uid, part, final, exc, began=began)
                 raise
         finally:
             if not kept:
@@ -359,11 +364,17 @@ class FullWeightOps(ManagerCore):
         self._drop_failed(_upload_id(upload_id, weight_version), part, final, exc)
         raise exc
 
-    def _drop_failed(self, uid: str, part: int | None, final: bool, exc: Exception) -> None:
-        """Drop upload ``uid`` after one of its parts failed; a 400 then says so (raised from ``exc``)."""
+    def _drop_failed(
+        self, uid: str, part: int | None, final: bool, exc: Exception, *, began: Upload | None = None
+    ) -> None:
+        """Drop upload ``uid`` after one of its parts failed; a 400 then says so (raised from ``exc``).
+        ``began``: the attempt the part belonged to (a restarted upload's new attempt is kept)."""
         # A refused part of a multi-part upload aborts it: its later parts are refused too.
         dropped = self.staging.discard(
-            uid, f"part {part if part is not None else '?'} failed: {exc}", abort=not final or bool(part)
+            uid,
+            f"part {part if part is not None else '?'} failed: {exc}",
+            abort=not final or bool(part),
+            began=began,
         )
         if dropped and isinstance(exc, WeightUpdateError):
             raise WeightUpdateError(

@@ -13,6 +13,17 @@ Design decisions:
   that sends part 0 with ``final=true`` after part 1 was refused must not commit half a model).
   A failed lone part (``final=true``, part 0 or unnumbered, nothing staged) aborts nothing, so a
   single-part update under the default id can simply be sent again.
+- **A retry restarts at part 0.** A numbered part 0 *opens* an upload (unless it is a final part of
+  a partial update, see below): under an id that was aborted (a part cut short when a connection broke, a refused part) or that still has
+  parts staged (a trainer retrying after a lost answer), it forgets everything of the earlier
+  attempt and starts the upload afresh, so a trainer re-sends a push under the same upload id and
+  it completes. Nothing of two attempts can mix: a part of the earlier attempt still being parsed
+  is refused when it would be recorded (it began on the old :class:`Upload`, see ``began``) and its
+  failure leaves the new attempt alone; a late part of the earlier attempt that begins after the
+  restart takes a part number the new attempt also sends, and the second of the two fails the
+  upload. A final part 0 restarts only a full update, which applies only if that one part names
+  every parameter; a final part 0 with ``partial=true`` of an aborted id stays refused, so a client
+  cannot commit a fraction of a model by re-sending part 0 alone.
 - Optional part numbers (``part=0,1,...``) make gaps detectable: the final part ``k`` requires
   parts ``0..k`` exactly. Unnumbered parts are accepted in arrival order.
 - Memory is bounded by construction: a name may be staged once per upload, so an upload holds at
@@ -116,10 +127,16 @@ class StagingArea:
             return sum(u.num_bytes for u in self._uploads.values())
 
     # ------------------------------------------------------------------ mutation
-    def begin_part(self, upload_id: str, part: int | None) -> Upload:
-        """The upload this part belongs to (created on its first part); checks the part number."""
+    def begin_part(self, upload_id: str, part: int | None, *, opens: bool = False) -> Upload:
+        """The upload this part belongs to (created on its first part); checks the part number.
+
+        ``opens``: the part is a numbered part 0 that cannot commit a fraction of a model (not final,
+        or final for a full update), which (re)starts the upload from scratch.
+        """
         with self._lock:
             self._sweep_locked()
+            if opens:
+                self._restart_locked(upload_id)
             aborted = self._aborted.get(upload_id)
             if aborted is not None:
                 raise WeightUpdateError(
@@ -164,14 +181,23 @@ class StagingArea:
         tensors: dict[str, torch.Tensor],
         lease: Lease | None = None,
         digests: dict[str, str] | None = None,
+        *,
+        began: Upload | None = None,
     ) -> Upload:
         """Record a validated part (tensors already cast to the parameter dtype).
 
         ``lease``: the receive buffer the tensors are views of; the upload releases it when it ends
-        (on a refusal here the caller still owns it).
+        (on a refusal here the caller still owns it). ``began``: the upload :meth:`begin_part`
+        returned for this part; a part begun on an attempt that was restarted since is refused.
         """
         with self._lock:
             upload = self._uploads.get(upload_id)
+            if upload is not None and began is not None and upload is not began:
+                raise WeightUpdateError(
+                    f"upload {upload_id!r} was restarted at part 0 while this part of the earlier attempt "
+                    "was parsed; the part is not part of the new attempt",
+                    field="upload_id",
+                )
             if upload is None:
                 # A concurrent part that failed dropped the upload: name its failure, which is the
                 # cause the trainer must fix, not this part's bad luck.
@@ -227,9 +253,19 @@ class StagingArea:
                 )
         return upload
 
-    def discard(self, upload_id: str, reason: str, *, abort: bool = False) -> bool:
-        """Drop an upload; ``abort`` (or parts already staged) also refuses its later parts for ``ttl_s``."""
+    def discard(
+        self, upload_id: str, reason: str, *, abort: bool = False, began: Upload | None = None
+    ) -> bool:
+        """Drop an upload; ``abort`` (or parts already staged) also refuses its later parts for ``ttl_s``.
+
+        ``began``: the attempt the failing part belonged to; when the id has been restarted since,
+        the new attempt is left alone and nothing is dropped (an id with no upload left is still
+        marked aborted, as without ``began``).
+        """
         with self._lock:
+            current = self._uploads.get(upload_id)
+            if began is not None and current is not None and current is not began:
+                return False  # the id was restarted: the failing part belonged to the earlier attempt
             upload = self._uploads.pop(upload_id, None)
             if abort or (upload is not None and upload.num_parts > 0):
                 while len(self._aborted) >= MAX_ABORTED:
@@ -243,6 +279,23 @@ class StagingArea:
             logger.warning("dropped staged upload %r (%d tensors): %s", upload_id, upload.num_tensors, reason)
             upload.release()
         return upload is not None
+
+    def _restart_locked(self, upload_id: str) -> None:
+        """Forget an earlier attempt under ``upload_id`` (aborted, or with parts staged)."""
+        aborted = self._aborted.pop(upload_id, None)
+        earlier = self._uploads.pop(upload_id, None)
+        if earlier is None and aborted is None:
+            return
+        why = "restarted at part 0"
+        self._dropped[upload_id] = (why, self._clock())
+        logger.info(
+            "upload %r %s (earlier attempt: %s)",
+            upload_id,
+            why,
+            f"aborted: {aborted[0]}" if aborted else f"{earlier.num_parts} part(s) staged",
+        )
+        if earlier is not None:
+            earlier.release()
 
     # ------------------------------------------------------------------ bounds
     def _sweep_locked(self) -> None:
