@@ -284,6 +284,10 @@ def test_a_truncated_body_stages_nothing_and_the_next_upload_works(fresh_server)
     wait_until(lambda: listener.stats.requests == 3, 10, "the cut-short request to be handled")
     assert manager.staging.ids() == [] and checksum(server) == original
 
+    # A cut-short body's buffer may be left to the garbage collector rather than pooled (whether a
+    # view of it is still alive when it is released depends on when the collector last ran): that
+    # costs one allocation, not correctness. A whole upload must give its buffer back.
+    abandoned = manager.receive_buffers.stats.abandoned
     whole = bytes(SafetensorsBody(master))
     conn = RawConnection(port)
     try:
@@ -292,7 +296,7 @@ def test_a_truncated_body_stages_nothing_and_the_next_upload_works(fresh_server)
         conn.close()
     assert status == 200 and body["weight_version"] == "after", body
     assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32) != original
-    assert manager.receive_buffers.stats.abandoned == 0
+    assert manager.receive_buffers.stats.abandoned == abandoned
 
 
 # ---------------------------------------------------------------------------- hostile input
