@@ -200,7 +200,7 @@ def sample(
     all_log_probs = [torch.stack([o.rollout_log_probs[i] for o in outs]) for i in range(steps)]  # type: ignore[index]
     images = images_of(outs, output_type)
     if served is not None:
-        served.adopt_schedule(trajectories[0].timesteps, trajectories[0].sigmas)  # type: ignore[union-attr]
+        served.adopt_schedule(trajectories[0].sigmas)  # type: ignore[union-attr]
         images, all_latents, all_log_probs = served.to_trainer(
             images, all_latents, all_log_probs, x_t_dtype or torch.float32
         )

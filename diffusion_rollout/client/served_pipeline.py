@@ -94,17 +94,19 @@ class ServedPipeline:
         """A conditioning tensor as the server takes it: its dtype, on the CPU."""
         return None if embeds is None else embeds.detach().to("cpu", self.server_dtype())
 
-    def adopt_schedule(self, timesteps: torch.Tensor, sigmas: torch.Tensor) -> None:
+    def adopt_schedule(self, sigmas: torch.Tensor) -> None:
         """Leave the trainer's scheduler as ``set_timesteps`` leaves it, holding the server's schedule.
 
-        ``timesteps``/``sigmas``: the rollout's ``dit_trajectory`` values (``T + 1`` each, terminal 0).
-        The values are the server's, not recomputed, so the trainer trains on the schedule sampled with.
+        ``sigmas``: the rollout's ``dit_trajectory.sigmas`` (``T + 1``, terminal 0), used as they are so
+        the trainer trains on the schedule sampled with. The timesteps are derived from them as
+        ``set_timesteps`` derives its own (``sigmas * num_train_timesteps``), not taken from the
+        trajectory, which holds what the pipeline passed the model (FLUX's are divided by 1000).
         """
         scheduler = self.pipeline.scheduler
-        device = self.device
-        scheduler.timesteps = timesteps[:-1].to(device)
-        scheduler.sigmas = sigmas.to(device)
-        scheduler.num_inference_steps = len(timesteps) - 1
+        sigmas = sigmas.to(self.device, torch.float32)
+        scheduler.timesteps = sigmas[:-1] * scheduler.config.num_train_timesteps
+        scheduler.sigmas = sigmas
+        scheduler.num_inference_steps = len(sigmas) - 1
         scheduler._step_index = None
         scheduler._begin_index = None
 
