@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -174,16 +175,34 @@ def test_the_pipeline_itself_is_not_a_client():
         pipeline_with_logprob(object(), prompt="a cat")  # type: ignore[arg-type]
 
 
-def test_example_trains_flow_grpo_style_with_ratio_exactly_one(examples):  # noqa: F811
+def test_example_runs_train_sd3_with_the_weights_following_the_trainer(examples, tmp_path):  # noqa: F811
     dropin = examples("flow_grpo_dropin")
-    summary = dropin.main(
-        ["--cpu", "--server", "thread", "--prompts", "2", "--group-size", "2", "--steps", "3"]
-    )
+    args = [
+        "--cpu",
+        "--server",
+        "thread",
+        "--prompts",
+        "2",
+        "--group-size",
+        "2",
+        "--steps",
+        "3",
+        "--iterations",
+        "2",
+    ]
+    summary = dropin.main([*args, "--out", str(tmp_path / "run.json")])
     assert summary["images"] == [4, 3, 32, 32] and summary["latents"] == [4, 4, 16, 8, 8]
     assert summary["log_probs"] == [4, 3]
-    assert summary["on_policy_ratio_max_dev"] == 0.0  # replayed as the server ran it: every bit
-    low, high = summary["ratio_after_update"]
-    assert low < 1.0 or high > 1.0  # the update moved the policy: the check above is not vacuous
+    # Every iteration's first pass is on-policy to the bit: the LoRA updated by the previous
+    # iteration's optimizer step was pushed before sampling (once per iteration).
+    assert summary["first_step_ratio_max_dev"] == [0.0, 0.0]
+    assert summary["weight_pushes"] == 2
+    history = json.loads((tmp_path / "run.json").read_text())["history"]
+    assert [r["first_step_ratio_max_dev"] for r in history] == [0.0, 0.0]
+    # Without the sync the second iteration samples with the old adapter: the check above is not vacuous.
+    stale = dropin.main([*args, "--no-sync-weights"])
+    assert stale["weight_pushes"] == 0
+    assert stale["first_step_ratio_max_dev"][0] == 0.0 and stale["first_step_ratio_max_dev"][1] > 1e-5
 
 
 # ---------------------------------------------------------------------------- ServedPipeline
