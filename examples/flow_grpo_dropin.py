@@ -131,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         pipe = StableDiffusion3Pipeline.from_pretrained(str(server.model_path), dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         pipe.transformer.requires_grad_(False)
+        if args.gradient_checkpointing:
+            pipe.transformer.enable_gradient_checkpointing()
         optimizer = torch.optim.AdamW(add_lora(pipe.transformer, args.lora_rank, dtype), lr=args.lr)
         pipeline = ServedPipeline(pipe, client, sync_weights=args.sync_weights)  # the wrapping line
         neg_pe, neg_ppe = encode(pipe, [""], args.max_sequence_length)
