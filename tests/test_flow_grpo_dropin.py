@@ -477,3 +477,42 @@ def test_train_flux_call_runs_unchanged_through_the_served_pipeline(served, tiny
             next_sample=latents[j + 1],
         )  # fmt: skip
         assert_on_policy([step.log_prob], [log_probs[j]])
+
+
+def test_rows_with_one_conditioning_travel_once_and_repeated_seeds_share_x_t():
+    from diffusion_rollout.client.flow_grpo_seeds import plan_requests, step_seed
+
+    # train_sd3's batch: each prompt repeated over its group, same_latent seeds, in any order.
+    plan = plan_requests(["a", "b", "a", "b"], [7, 8, 7, 8], 1)
+    assert plan == [
+        (
+            0,
+            {
+                "initial_noise_seed": 7,
+                "seeds": [step_seed(7, 0), step_seed(7, 1)],
+                "num_outputs_per_prompt": 2,
+            },
+            [0, 2],
+        ),
+        (
+            1,
+            {
+                "initial_noise_seed": 8,
+                "seeds": [step_seed(8, 0), step_seed(8, 1)],
+                "num_outputs_per_prompt": 2,
+            },
+            [1, 3],
+        ),
+    ]
+    assert len({step_seed(7, 0), step_seed(7, 1), step_seed(8, 0)}) == 3
+    # Distinct seeds: one request per conditioning, each output its own seed.
+    assert plan_requests(["a", "a"], [1, 2, 3, 4], 2) == [
+        (0, {"seeds": [1, 2, 3, 4], "num_outputs_per_prompt": 4}, [0, 1, 2, 3])
+    ]
+    assert plan_requests(["a", "a"], None, 1) == [(0, {"num_outputs_per_prompt": 2}, [0, 1])]
+    # One seed over two prompts, or a group that mixes seeds: an image per request, x_T still shared.
+    split = plan_requests(["a", "b"], [5, 5], 1)
+    assert [p[1]["initial_noise_seed"] for p in split] == [5, 5] and [p[2] for p in split] == [[0], [1]]
+    assert split[0][1]["seeds"] != split[1][1]["seeds"]
+    mixed = plan_requests(["a", "a", "a"], [1, 1, 2], 1)
+    assert [p[1].get("initial_noise_seed") for p in mixed] == [1, 1, None] and mixed[2][1]["seeds"] == [2]

@@ -54,12 +54,13 @@ Design decisions:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from diffusion_rollout.client.flow_grpo_seeds import generator_seeds, noise_requests
+from diffusion_rollout.client.flow_grpo_seeds import generator_seeds, plan_requests
 from diffusion_rollout.client.results import RolloutOutput
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.client.sync_client import RolloutClient
@@ -122,6 +123,17 @@ def conditioning_rows(
     return [{name: cast(parts[i]) for name, parts in sliced.items()} for i in range(rows)]
 
 
+def _identity(cond: Mapping[str, Any]) -> tuple:
+    """What makes two rows' conditioning the same: texts, or the tensors' dtype, shape and bytes."""
+    parts = []
+    for name, value in sorted(cond.items()):
+        if isinstance(value, torch.Tensor):
+            raw = value.contiguous().view(torch.uint8).numpy().tobytes()
+            value = (str(value.dtype), tuple(value.shape), hashlib.sha256(raw).hexdigest())
+        parts.append((name, value))
+    return tuple(parts)
+
+
 def images_of(outs: list[RolloutOutput], output_type: str) -> Any:
     images = torch.stack([o.generated_output for o in outs])  # type: ignore[misc]
     if output_type in ("pt", "latent"):
@@ -174,11 +186,8 @@ def sample(
         raise ValueError(f"output_type must be 'pil', 'pt', 'np' or 'latent', not {output_type!r}")
     rows = len(conditioning)
     seeds, generator_device = generator_seeds(generator, rows * per_row)
-    items = [
-        {**cond, **request}
-        for cond, requests in zip(conditioning, noise_requests(seeds, rows, per_row), strict=True)
-        for request in requests
-    ]
+    plan = plan_requests([_identity(cond) for cond in conditioning], seeds, per_row)
+    items = [{**conditioning[row], **request} for row, request, _ in plan]
     fields = {
         **fields,
         "generator_device": generator_device,
@@ -192,7 +201,11 @@ def sample(
     fields = {"rollout_debug_mode": False, **fields, **(extra_fields or {})}
     if served is not None:
         served.sync_weights()
-    outs = [o for group in client.generate_many(items, **fields) for o in group]
+    answers = client.generate_many(items, **fields)
+    outs: list[RolloutOutput] = [None] * (rows * per_row)  # type: ignore[list-item]
+    for (_, _, places), group in zip(plan, answers, strict=True):
+        for place, out in zip(places, group, strict=True):
+            outs[place] = out
 
     trajectories = [o.dit_trajectory for o in outs]
     steps = trajectories[0].num_steps  # type: ignore[union-attr]

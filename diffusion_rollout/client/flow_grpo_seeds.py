@@ -8,12 +8,15 @@ Design decisions:
 
 - **A seed that occurs once fixes the whole sample** (``seeds``: ``x_T`` and every step's noise), so
   a rollout can be repeated. One generator gives ``seed + k`` for image ``k`` (the server's rule).
-- **A seed that repeats means a shared x_T** and nothing more: each such image becomes its own
-  request with ``initial_noise_seed`` = that seed, which draws ``x_T`` exactly as a generator seeded
-  with it does (server/initial_noise.py), so every image of that seed starts from the same ``x_T``,
-  the one a lone image of that seed would get. Its step noise comes from a seed derived from the
-  repeated seed and the image's occurrence (:func:`step_seed`), so the samples differ and the call
-  still repeats bit for bit.
+- **A seed that repeats means a shared x_T** and nothing more: its images are sent with
+  ``initial_noise_seed`` = that seed, which draws ``x_T`` exactly as a generator seeded with it does
+  (server/initial_noise.py), so every image of that seed starts from the same ``x_T``, the one a lone
+  image of that seed would get. Its step noise comes from a seed derived from the repeated seed and
+  the image's occurrence (:func:`step_seed`), so the samples differ and the call still repeats bit
+  for bit.
+- **Rows with the same conditioning travel once** (:func:`plan_requests`): flow_grpo repeats each
+  prompt over its group, and one request of ``G`` outputs sends the embeddings once instead of
+  ``G`` times and runs as one pipeline call.
 """
 
 from __future__ import annotations
@@ -46,26 +49,42 @@ def generator_seeds(generator: Any, total: int) -> tuple[list[int] | None, str |
     return seeds, devices.pop()
 
 
-def noise_requests(seeds: list[int] | None, rows: int, per_row: int) -> list[list[dict[str, Any]]]:
-    """Per prompt row, the requests (their seed fields and output counts) that make its images."""
-    if seeds is None:
-        return [[{"num_outputs_per_prompt": per_row}] for _ in range(rows)]
-    counts = collections.Counter(seeds)
+def plan_requests(
+    keys: list[Any], seeds: list[int] | None, per_row: int
+) -> list[tuple[int, dict[str, Any], list[int]]]:
+    """The requests of one call: ``(row, seed fields, output indices)`` each.
+
+    ``keys[r]`` names row ``r``'s conditioning: rows with equal keys (a prompt repeated over its
+    group, as flow_grpo's sampler repeats it) become one request of several outputs, so their
+    embeddings travel once and run in one pipeline call, when their seeds allow it (all distinct in
+    the call, or one seed shared by exactly that group); otherwise each image is its own request.
+    ``row`` is the row whose conditioning the request carries; the output indices say where its
+    outputs go in the call's order (row-major).
+    """
+    groups: dict[Any, list[int]] = {}
+    for r, key in enumerate(keys):
+        groups.setdefault(key, []).append(r)
+    counts = collections.Counter(seeds or ())
     seen: collections.Counter[int] = collections.Counter()
     plan = []
-    for r in range(rows):
-        mine = seeds[r * per_row : (r + 1) * per_row]
-        if all(counts[s] == 1 for s in mine):
-            plan.append([{"seeds": mine, "num_outputs_per_prompt": per_row}])
-            continue
-        requests = []
-        for s in mine:
-            if counts[s] == 1:
-                requests.append({"seeds": [s], "num_outputs_per_prompt": 1})
-            else:
-                requests.append(
-                    {"initial_noise_seed": s, "seeds": [step_seed(s, seen[s])], "num_outputs_per_prompt": 1}
-                )
-                seen[s] += 1
-        plan.append(requests)
+    for rows in groups.values():
+        outputs = [r * per_row + k for r in rows for k in range(per_row)]
+        mine = [seeds[o] for o in outputs] if seeds is not None else None
+        if mine is None:
+            plan.append((rows[0], {"num_outputs_per_prompt": len(outputs)}, outputs))
+        elif all(counts[s] == 1 for s in mine):
+            plan.append((rows[0], {"seeds": mine, "num_outputs_per_prompt": len(outputs)}, outputs))
+        elif len(set(mine)) == 1 and counts[mine[0]] == len(mine):
+            s = mine[0]
+            fields = {"initial_noise_seed": s, "seeds": [step_seed(s, k) for k in range(len(mine))]}
+            plan.append((rows[0], {**fields, "num_outputs_per_prompt": len(outputs)}, outputs))
+            seen[s] += len(mine)
+        else:
+            for o, s in zip(outputs, mine, strict=True):
+                if counts[s] == 1:
+                    fields = {"seeds": [s]}
+                else:
+                    fields = {"initial_noise_seed": s, "seeds": [step_seed(s, seen[s])]}
+                    seen[s] += 1
+                plan.append((o // per_row, {**fields, "num_outputs_per_prompt": 1}, [o]))
     return plan
