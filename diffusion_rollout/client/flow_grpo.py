@@ -21,9 +21,9 @@ Design decisions:
   tensors ``[B]``), prompt-major like diffusers.
 - **Embeddings are the conditioning** (what train_sd3 passes: ``prompt_embeds``,
   ``pooled_prompt_embeds`` and the negatives, encoded with its own 128 T5 tokens): they travel to
-  the server (one request per row, msgpack, cast to the server's dtype) and are used as the stock
-  pipeline uses them, so the trainer's recomputation conditions on exactly what sampling did. The
-  negatives are needed with CFG (``guidance_scale > 1``) and dropped without it (the stock pipeline
+  the server (msgpack, cast to the server's dtype; rows that repeat a prompt travel once, as one
+  request of several outputs) and are used as the stock pipeline uses them, so the trainer's
+  recomputation conditions on exactly what sampling did. The negatives are needed with CFG (``guidance_scale > 1``) and dropped without it (the stock pipeline
   ignores them then). ``prompt`` text still works (the server encodes it, ``max_sequence_length``
   tokens); text and embeddings together are refused, as diffusers refuses them.
 - **The same step math.** The stochastic steps are ``sde`` with ``noise_level`` as
