@@ -516,3 +516,19 @@ def test_rows_with_one_conditioning_travel_once_and_repeated_seeds_share_x_t():
     assert split[0][1]["seeds"] != split[1][1]["seeds"]
     mixed = plan_requests(["a", "a", "a"], [1, 1, 2], 1)
     assert [p[1].get("initial_noise_seed") for p in mixed] == [1, 1, None] and mixed[2][1]["seeds"] == [2]
+
+
+def test_served_pipeline_forwards_attributes_and_refuses_a_local_call(served, tiny_model_path):
+    import copy
+
+    from diffusion_rollout.client.served_pipeline import ServedPipeline
+
+    pipe = trainer_pipeline(tiny_model_path("sd3"))
+    pipeline = ServedPipeline(pipe, client_of(served("sd3")))
+    pipeline.custom_flag = 3  # written through to the trainer's pipeline, as flow_grpo's script would
+    assert pipe.custom_flag == 3 and pipeline.vae is pipe.vae
+    assert copy.copy(pipeline).pipeline is pipe
+    with pytest.raises(TypeError, match="pipeline_with_logprob"):
+        pipeline(prompt="a cat")
+    with pytest.raises(TypeError, match="already a ServedPipeline"):
+        ServedPipeline(pipeline, pipeline.client)

@@ -58,7 +58,15 @@ class ServedPipeline:
         object.__setattr__(self, "_server_dtype", None)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _OWN:  # not set yet (a copy or unpickling in progress): never recurse
+            raise AttributeError(name)
         return getattr(self.pipeline, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "a ServedPipeline samples through pipeline_with_logprob(pipeline, ...) (the server); to run the "
+            "trainer's own pipeline locally call pipeline.pipeline(...)"
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN:
