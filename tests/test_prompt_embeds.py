@@ -184,3 +184,30 @@ def test_sent_embeddings_of_other_lengths_share_no_pipeline_call(fresh_server):
         [alone] = client.generate(None, **item, seed=4, rollout=False, **settings)
         assert out.batch_size == 1
         assert torch.equal(out.generated_output, alone.generated_output)
+
+
+def test_the_async_client_sends_embeddings_as_the_sync_one_does(served):
+    import asyncio
+
+    import httpx
+
+    from diffusion_rollout.client import AsyncRolloutClient
+
+    server = served("sd3")
+    [text] = server.generate({"prompt": "a dog", "seed": 2, **call("sd3"), **ODE, **ENV})
+    embeds = conditioning("sd3", text["denoising_env"])
+    settings = {k: v for k, v in call("sd3").items() if k != "max_sequence_length"}
+
+    async def go():
+        transport = httpx.ASGITransport(app=server.app)
+        async with AsyncRolloutClient("http://test", transport=transport) as client:
+            return await client.generate_many(
+                [{"prompt_embeds": embeds["prompt_embeds"]}],
+                **{k: v for k, v in embeds.items() if k != "prompt_embeds"},
+                seed=2,
+                **settings,
+                **ODE,
+            )
+
+    [[out]] = asyncio.run(go())
+    assert torch.equal(out.generated_output, text["generated_output"])
