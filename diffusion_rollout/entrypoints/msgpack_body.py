@@ -6,8 +6,9 @@ ASGI middleware reads a body sent with ``Content-Type: application/msgpack``, de
 the route the equivalent JSON body: loose bytes as base64 text, which ``image_data`` accepts, and
 each tensor envelope decoded into a tensor right away (one copy of its bytes, never base64) and
 replaced by a reference to it (``entrypoints/request_tensors.py``). The route's typed model then
-validates both forms by the same rules (unknown fields, ranges, 422s). It sits inside the key gate and the body limits, so a
-refused or oversized body is never decoded. A body that is not msgpack, or not a map, is a 400.
+validates both forms by the same rules (unknown fields, ranges, 422s). It sits inside the key gate
+and the body limits, so a refused or oversized body is never decoded. A body that is not msgpack,
+or not a map, or holds a malformed tensor envelope (named by its path), is a 400.
 """
 
 from __future__ import annotations
