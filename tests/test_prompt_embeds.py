@@ -211,3 +211,16 @@ def test_the_async_client_sends_embeddings_as_the_sync_one_does(served):
 
     [[out]] = asyncio.run(go())
     assert torch.equal(out.generated_output, text["generated_output"])
+
+
+def test_a_family_that_takes_text_only_refuses_embeddings_by_name(served):
+    server = served("qwenimage")
+    body = {
+        "prompt_embeds": torch.zeros(1, 4, 32),
+        "seed": 0,
+        "num_inference_steps": 2,
+        "height": 32,
+        "width": 32,
+    }
+    r = post(server, body, media=wire.MSGPACK)
+    assert r.status_code == 400 and "prompt_embeds: this model (qwenimage) takes prompt text only" in r.text
