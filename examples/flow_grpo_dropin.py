@@ -1,25 +1,38 @@
-"""flow_grpo's training step on rollouts from the server-backed ``pipeline_with_logprob``.
+"""flow_grpo's train_sd3 loop with its sampling answered by the rollout server (``ServedPipeline``).
 
-    python examples/flow_grpo_dropin.py --cpu --server thread   # its own tiny SD3 server (CPU, seconds)
+    python examples/flow_grpo_dropin.py --cpu --server thread     # its own tiny SD3 server (CPU, seconds)
+    python examples/flow_grpo_dropin.py --model SD35_DIR --server-gpu 0 --trainer-gpu 1 \\
+        --size 512 --steps 10 --iterations 5 --out dropin.json   # SD3.5-medium, bf16, two GPUs
 
-A flow_grpo script switches to the server by changing one import and passing a client where it
-passed the pipeline (``diffusion_rollout/client/flow_grpo.py`` says what maps to what):
+flow_grpo's script switches to the server with one import and one wrapping line
+(``diffusion_rollout/client/flow_grpo.py`` says what maps to what):
 
     from diffusion_rollout.client.flow_grpo import pipeline_with_logprob
-    images, latents, log_probs = pipeline_with_logprob(client, prompt=prompts, output_type="pt", ...)
+    pipeline = ServedPipeline(pipeline, RolloutClient(url))
 
-The rest keeps flow_grpo's shapes: latents stacked to ``[B, T+1, ...]``, a ``samples`` dict of
-``latents[:, :-1]``, ``next_latents[:, 1:]``, ``log_probs`` and ``timesteps``, and per timestep the
-trainer's guided model output (SD3's batched CFG ``[uncond; cond]``, by ``replay_model_output`` from
-the server's ``denoising_env``), the log-prob of the stored transition (the shared ``transition``),
-the clipped ratio loss and ``backward``. Each training batch is one group, the batch the server ran,
-so the first pass is on-policy with a ratio of exactly 1; after the optimizer step it moves.
+Everything else here is train_sd3's shape, in miniature: the trainer's own pipeline encodes the
+prompts (128 T5 tokens, ``""`` as the negative), each prompt repeated ``--group-size`` times (its
+K-repeat sampler) with one seed per prompt (``same_latent``: a group shares ``x_T``); the call is
+train_sd3's, unchanged; latents are stacked to ``[B, T+1, ...]``, the timesteps read from
+``pipeline.scheduler``; and per timestep the trainer's transformer on its own embeddings (SD3's
+batched CFG ``[uncond; cond]``), the log-prob of the stored transition (the shared ``transition``),
+the clipped ratio loss and ``backward``, then the optimizer step. The next call pushes the updated
+LoRA before sampling (the wrapper compares checksums), so every iteration's first pass is on-policy:
+its ratio's deviation from 1 is what each iteration records (``first_step_ratio_max_dev``).
+
+One change to flow_grpo's recomputation: rows are replayed in the batches the server ran them in
+(``group_by_server_batch``), because a transformer's last bits depend on the batch it ran in; so
+the ratio is 1 to the bit, not to 1e-3. The trainer computes in the server's dtype (bf16 on CUDA):
+flow_grpo's float32 transformer would be a different policy from the bf16 one that sampled.
+``--no-sync-weights`` leaves the server on its first weights: the ratio then drifts, which is what
+the weights following the trainer prevents.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,91 +41,157 @@ from _common import (
     PROMPTS,
     add_lora,
     base_parser,
-    load_trainer_transformer,
+    environment,
     rollout_server,
     trainer_device,
+    trainer_dtype,
     wait_ready,
+    write_run,
 )
 from _config import parse_with_config
 
-from diffusion_rollout.client import RolloutClient, group_advantages, replay_model_output, stack_envs
+from diffusion_rollout.client import RolloutClient, group_advantages, group_by_server_batch
 from diffusion_rollout.client.flow_grpo import pipeline_with_logprob
+from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.scheduler_mixins import transition
 
 
-def flow_grpo_pass(transformer, samples, envs, sigmas, args, device) -> tuple[float, torch.Tensor]:
-    """One pass over ``samples``: per group and timestep, the ratio loss and ``backward``."""
-    batch, steps = samples["log_probs"].shape
-    c, dev, ratios = args.clip_range, 0.0, []
-    for rows in (slice(k, k + args.group_size) for k in range(0, batch, args.group_size)):
-        env = stack_envs(envs[rows])
+def encode(pipe, prompts: list[str], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """train_sd3's compute_text_embeddings: the trainer's text encoders, ``tokens`` T5 tokens."""
+    with torch.no_grad():
+        pe, _, ppe, _ = pipe.encode_prompt(
+            prompts, None, None, do_classifier_free_guidance=False, max_sequence_length=tokens,
+            device=pipe._execution_device,
+        )  # fmt: skip
+    return pe, ppe
+
+
+def flow_grpo_pass(pipe, samples, batches, args) -> float:
+    """One pass over the batch: per server batch and timestep, the ratio loss and ``backward``.
+    Returns the largest ``|ratio - 1|``."""
+    sched, dtype, g, c = pipe.scheduler, pipe.transformer.dtype, args.guidance_scale, args.clip_range
+    steps, total = samples["log_probs"].shape[1], samples["log_probs"].shape[0]
+    dev = 0.0
+    for rows in batches:
+        cond = torch.cat([samples["negative_prompt_embeds"][rows], samples["prompt_embeds"][rows]])
+        pooled = torch.cat(
+            [samples["negative_pooled_prompt_embeds"][rows], samples["pooled_prompt_embeds"][rows]]
+        )
         for j in range(steps):
-            x = samples["latents"][rows, j].to(device)
-            v = replay_model_output(transformer, x, samples["timesteps"][0, j], env)
+            x = samples["latents"][rows, j]
+            t = samples["timesteps"][rows, j]
+            pred = pipe.transformer(
+                hidden_states=torch.cat([x, x]).to(dtype), timestep=torch.cat([t, t]), encoder_hidden_states=cond,
+                pooled_projections=pooled, return_dict=False,
+            )[0]  # fmt: skip
+            uncond, text = pred.chunk(2)
+            v = uncond + g * (text - uncond)
             step = transition(
-                "sde", x, v, sigmas[j], sigmas[j + 1], eta=args.noise_level, sigma_max=sigmas[1],
-                next_sample=samples["next_latents"][rows, j].to(device),
+                "sde", x, v, sched.sigmas[j], sched.sigmas[j + 1], eta=args.noise_level, sigma_max=sched.sigmas[1],
+                next_sample=samples["next_latents"][rows, j],
             )  # fmt: skip
-            ratio = torch.exp(step.log_prob - samples["log_probs"][rows, j].to(device))
-            adv = samples["advantages"][rows].to(device)
+            ratio = torch.exp(step.log_prob - samples["log_probs"][rows, j])
+            adv = samples["advantages"][rows]
             loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - c, 1 + c)).mean()
-            (loss / (steps * batch / args.group_size)).backward()
+            (loss * len(rows) / (steps * total)).backward()
             dev = max(dev, float((ratio.detach() - 1).abs().max()))
-            ratios.append(ratio.detach().cpu())
-    return dev, torch.cat(ratios)
+    return dev
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = base_parser(__doc__.splitlines()[0], reporting=False)  # one step: no per-iteration reporting
+    from diffusers import StableDiffusion3Pipeline
+
+    p = base_parser(__doc__.splitlines()[0], reporting=False)
     p.add_argument("--guidance-scale", type=float, default=4.5)
     p.add_argument("--noise-level", type=float, default=0.7)
     p.add_argument("--clip-range", type=float, default=1e-4)
-    p.set_defaults(prompts=2, group_size=4)
+    p.add_argument("--max-sequence-length", type=int, default=128, help="T5 tokens of the trainer's encoding")
+    p.add_argument(
+        "--no-sync-weights",
+        dest="sync_weights",
+        action="store_false",
+        help="leave the server's weights alone",
+    )
+    p.set_defaults(prompts=2, group_size=4, iterations=3)
     args = parse_with_config(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = trainer_device(args)
-    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.prompts)]
-    n = args.prompts * args.group_size
+    dtype = trainer_dtype(args, device)
+    width = args.width or args.size
+    height = args.height or args.size
+    history: list[dict[str, Any]] = []
+    run: dict[str, Any] = {"recipe": "flow_grpo_dropin", "settings": vars(args), "environment": environment()}
     with (
         rollout_server(args) as server,
-        RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client,
+        RolloutClient(
+            server.url, admin_key=server.admin_key, max_concurrency=args.prompts * args.group_size
+        ) as client,
     ):
         wait_ready(client)
-        # The trainer's copy in the server's dtype: the same bits on both sides.
-        dtype = getattr(torch, client.model_info()["dtype"].removeprefix("torch."))
-        transformer = load_trainer_transformer(server.model_path, device=device, dtype=dtype)
-        optimizer = torch.optim.AdamW(add_lora(transformer, args.lora_rank, dtype), lr=args.lr)
-        images, latents, log_probs, outputs = pipeline_with_logprob(
-            client, prompt=prompts, height=args.size, width=args.size,
-            num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-            num_images_per_prompt=args.group_size, output_type="pt", noise_level=args.noise_level,
-            generator=[torch.Generator().manual_seed(args.seed * 10_000 + k) for k in range(n)],
-            extra_fields={"rollout_return_denoising_env": True}, return_outputs=True,
-        )  # fmt: skip
-    latents = torch.stack(latents, dim=1)  # [B, T + 1, C, h, w]
-    log_probs = torch.stack(log_probs, dim=1)  # [B, T]
-    trajectory = outputs[0].dit_trajectory
-    sigmas = trajectory.sigmas.to(device)  # the schedule the server used (T + 1 values)
-    rewards = images.float().mean(dim=(1, 2, 3))  # a toy reward: brightness
-    samples = {
-        "timesteps": trajectory.timesteps[:-1].repeat(n, 1),  # [B, T]
-        "latents": latents[:, :-1],  # the latent entering each step
-        "next_latents": latents[:, 1:],  # the stored latent after it
-        "log_probs": log_probs,
-        "advantages": group_advantages(rewards, args.group_size),
-    }
-    envs = [o.denoising_env for o in outputs]
-    on_policy_dev, _ = flow_grpo_pass(transformer, samples, envs, sigmas, args, device)
-    optimizer.step()
-    optimizer.zero_grad()
-    _, after = flow_grpo_pass(transformer, samples, envs, sigmas, args, device)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(server.model_path), dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.transformer.requires_grad_(False)
+        if args.gradient_checkpointing:
+            pipe.transformer.enable_gradient_checkpointing()
+        optimizer = torch.optim.AdamW(add_lora(pipe.transformer, args.lora_rank, dtype), lr=args.lr)
+        pipeline = ServedPipeline(pipe, client, sync_weights=args.sync_weights)  # the wrapping line
+        neg_pe, neg_ppe = encode(pipe, [""], args.max_sequence_length)
+        for it in range(args.iterations):
+            group_prompts = [PROMPTS[(it * args.prompts + k) % len(PROMPTS)] for k in range(args.prompts)]
+            prompts = [q for q in group_prompts for _ in range(args.group_size)]
+            n = len(prompts)
+            pe, ppe = encode(pipe, prompts, args.max_sequence_length)
+            npe, nppe = neg_pe.repeat(n, 1, 1), neg_ppe.repeat(n, 1)
+            # same_latent: one generator seed per prompt, repeated over its group.
+            generator = [
+                torch.Generator().manual_seed(args.seed * 100_003 + it * 1_000 + k // args.group_size)
+                for k in range(n)
+            ]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                images, latents, log_probs, outs = pipeline_with_logprob(
+                    pipeline, prompt_embeds=pe, pooled_prompt_embeds=ppe, negative_prompt_embeds=npe,
+                    negative_pooled_prompt_embeds=nppe, num_inference_steps=args.steps,
+                    guidance_scale=args.guidance_scale, output_type="pt", height=height, width=width,
+                    noise_level=args.noise_level, generator=generator, return_outputs=True,
+                )  # fmt: skip
+            rollout_s = time.perf_counter() - t0
+            latents = torch.stack(latents, dim=1)  # [B, T + 1, C, h, w]
+            log_probs = torch.stack(log_probs, dim=1)  # [B, T]
+            timesteps = pipeline.scheduler.timesteps.repeat(n, 1)  # [B, T], as train_sd3 reads them
+            rewards = images.float().mean(dim=(1, 2, 3))  # a toy reward: brightness
+            samples = {
+                "prompt_embeds": pe, "pooled_prompt_embeds": ppe, "negative_prompt_embeds": npe,
+                "negative_pooled_prompt_embeds": nppe, "timesteps": timesteps, "latents": latents[:, :-1],
+                "next_latents": latents[:, 1:], "log_probs": log_probs,
+                "advantages": group_advantages(rewards, args.group_size).to(device),
+            }  # fmt: skip
+            index = {id(o): k for k, o in enumerate(outs)}
+            batches = [[index[id(o)] for o in group] for group in group_by_server_batch(outs)]
+            t0 = time.perf_counter()
+            dev = flow_grpo_pass(pipe, samples, batches, args)
+            optimizer.step()
+            optimizer.zero_grad()
+            record = {
+                "iteration": it,
+                "first_step_ratio_max_dev": dev,
+                "weight_pushes": pipeline.follower.pushes if pipeline.follower else 0,
+                "server_batches": [len(b) for b in batches],
+                "reward_mean": float(rewards.mean()),
+                "rollout_s": rollout_s,
+                "train_s": time.perf_counter() - t0,
+            }
+            history.append(record)
+            print(json.dumps(record), flush=True)
+            write_run(args.out, {**run, "history": history})
     summary = {
         "images": list(images.shape),
         "latents": list(latents.shape),
         "log_probs": list(log_probs.shape),
-        "on_policy_ratio_max_dev": on_policy_dev,
-        "ratio_after_update": [float(after.min()), float(after.max())],
+        "first_step_ratio_max_dev": [r["first_step_ratio_max_dev"] for r in history],
+        "weight_pushes": history[-1]["weight_pushes"],
     }
+    write_run(args.out, {**run, "history": history, "summary": summary})
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -343,3 +343,37 @@ def test_unirl_nft_ode_request_and_sigma_check(served):
         {**body, "num_outputs_per_prompt": 1, "initial_noise_group_ids": ["s1"], "denoise_seeds": ["s1"]},
     )
     assert torch.equal(alone["dit_trajectory"]["latents"][0], x_t[1])
+
+
+def test_flow_grpo_embeddings_in_a_plain_msgpack_body(served):
+    """flow_grpo's conditioning as a foreign client would pack it: msgpack with safetensors envelopes
+    (the answers' own form), no prompt; the answer equals the one for the text that encoded them."""
+    from safetensors.torch import save as st_save
+
+    srv = served("sd3")
+    ode = {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True, "seed": 9, **IMAGE}
+    (text,) = post(srv, {"prompt": "a red cat", "rollout_return_denoising_env": True, **ode})
+    pos, neg = text["denoising_env"]["pos_cond_kwargs"], text["denoising_env"]["neg_cond_kwargs"]
+
+    def envelope(t: torch.Tensor) -> dict:
+        return {
+            "__tensor__": True,
+            "data": st_save({"t": t.contiguous()}),
+            "shape": list(t.shape),
+            "dtype": str(t.dtype),
+        }
+
+    body = {k: v for k, v in ode.items() if k != "max_sequence_length"}
+    body.update(
+        prompt_embeds=envelope(pos["encoder_hidden_states"]),
+        pooled_prompt_embeds=envelope(pos["pooled_projections"]),
+        negative_prompt_embeds=envelope(neg["encoder_hidden_states"]),
+        negative_pooled_prompt_embeds=envelope(neg["pooled_projections"]),
+    )
+    r = srv.client.post(
+        "/rollout/generate", content=msgpack.packb(body), headers={"Content-Type": "application/msgpack"}
+    )
+    assert r.status_code == 200, r.text[:500]
+    (out,) = decode_like_sglang_clients(msgpack.unpackb(r.content, raw=False))
+    assert out["prompt"] == ""
+    assert torch.equal(out["generated_output"], text["generated_output"])

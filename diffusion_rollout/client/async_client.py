@@ -180,7 +180,7 @@ class AsyncRolloutClient(_ClientBase):
 
     async def generate(
         self,
-        prompt: str,
+        prompt: str | None = None,
         *,
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,

@@ -134,13 +134,32 @@ def _abort_call(rid: str | None, abort_all: bool) -> _Call:
 
 
 # ---------------------------------------------------------------------------- rollouts
-def _generate_call(prompt: str, fields: Mapping[str, Any], timeout) -> tuple[_Call, ReplaySettings]:
-    body = {"prompt": prompt, **{k: _jsonable(v) for k, v in _drop_none(fields).items()}}
+# Request fields that carry tensors (precomputed conditioning): sent as tensors, not as lists.
+TENSOR_FIELDS = frozenset(
+    {"prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"}
+)
+
+
+def _generate_call(prompt: str | None, fields: Mapping[str, Any], timeout) -> tuple[_Call, ReplaySettings]:
+    values = _drop_none({"prompt": prompt, **fields})
+    tensors = {k: v.detach().cpu() for k, v in values.items() if k in TENSOR_FIELDS}
+    body = {k: _jsonable(v) for k, v in values.items() if k not in TENSOR_FIELDS}
+    if "prompt" not in body and not tensors:
+        raise ValueError("generate needs a prompt (or prompt_embeds)")
     if body.get("rollout_return_denoising_env") and "lean_response" not in body:
         # This client understands the lean form (lean.py): the shared conditioning travels once.
         body["lean_response"] = True
+    settings = ReplaySettings.from_request(body)
+    if tensors:  # a msgpack body: raw tensor bytes, no base64 (api.md, wire format)
+        content = wire.encode({**body, **tensors})
+        headers = {"Content-Type": wire.MSGPACK}
+        call = _Call(
+            "POST", "/rollout/generate", "api", "refused", content=content, headers=headers,
+            timeout=timeout, decode="wire",
+        )  # fmt: skip
+        return call, settings
     call = _Call("POST", "/rollout/generate", "api", "refused", json=body, timeout=timeout, decode="wire")
-    return call, ReplaySettings.from_request(body)
+    return call, settings
 
 
 def _outputs(decoded: Any, settings: ReplaySettings) -> list[RolloutOutput]:
@@ -168,8 +187,8 @@ def _merge_item(item: str | Mapping[str, Any], shared: Mapping[str, Any]) -> dic
         job["prompt"] = item
     elif isinstance(item, Mapping):
         job.update(item)
-        if "prompt" not in job:
-            raise ValueError(f"a generate_many item needs a 'prompt': {dict(item)!r}")
+        if "prompt" not in job and "prompt_embeds" not in job:
+            raise ValueError(f"a generate_many item needs a 'prompt' (or 'prompt_embeds'): {list(item)!r}")
     else:
         raise TypeError(f"a generate_many item is a prompt or a mapping of fields, not {type(item).__name__}")
     return job

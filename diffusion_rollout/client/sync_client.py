@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -58,6 +58,9 @@ from diffusion_rollout.client.segments import SEGMENTS
 from diffusion_rollout.client.stream import RolloutStream
 from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
 from diffusion_rollout.safetensors_layout import SafetensorsBody
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RolloutClient"]
 
@@ -197,9 +200,13 @@ class RolloutClient(_ClientBase):
     # ------------------------------------------------------------------ rollouts
     def generate(
         self,
-        prompt: str,
+        prompt: str | None = None,
         *,
         negative_prompt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        pooled_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_pooled_prompt_embeds: torch.Tensor | None = None,
         seed: int | None = None,
         seeds: Sequence[int] | None = None,
         initial_noise_seed: int | None = None,
@@ -240,7 +247,8 @@ class RolloutClient(_ClientBase):
         """``POST /rollout/generate``: one :class:`RolloutOutput` per output, in output order.
 
         Keyword arguments are api.md's request fields; ``None`` leaves a field out (the server's
-        default applies). ``extra_fields`` are sent as they are (the server rejects unknown names
+        default applies). ``prompt_embeds`` and friends (one prompt's row, the server's dtype) replace
+        the prompt text, which is then optional, a label; such a body travels as msgpack. ``extra_fields`` are sent as they are (the server rejects unknown names
         with 422). ``server`` pins the request to one of several servers (default: round-robin).
         """
         args = dict(locals())
@@ -249,7 +257,7 @@ class RolloutClient(_ClientBase):
         return self._generate(prompt, fields, server, timeout)
 
     def _generate(
-        self, prompt: str, fields: Mapping[str, Any], server: int | None, timeout
+        self, prompt: str | None, fields: Mapping[str, Any], server: int | None, timeout
     ) -> list[RolloutOutput]:
         call, settings = _generate_call(prompt, fields, timeout)
         url = self._rollout_url(server)

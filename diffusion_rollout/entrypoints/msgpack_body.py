@@ -1,11 +1,14 @@
 """msgpack request bodies for ``POST /rollout/generate``.
 
-A trainer on another host sends input images inline; in JSON they travel as base64 (a third larger),
-in a msgpack body as raw bytes. This pure ASGI middleware reads a body sent with
-``Content-Type: application/msgpack``, decodes it and hands the route the equivalent JSON body, bytes
-as base64 text, which ``image_data`` accepts. The route's typed model then validates both forms by
-the same rules (unknown fields, ranges, 422s). It sits inside the key gate and the body limits, so a
-refused or oversized body is never decoded. A body that is not msgpack, or not a map, is a 400.
+A trainer on another host sends input images and precomputed conditioning (``prompt_embeds``...)
+inline; in JSON they travel as base64 (a third larger), in a msgpack body as raw bytes. This pure
+ASGI middleware reads a body sent with ``Content-Type: application/msgpack``, decodes it and hands
+the route the equivalent JSON body: loose bytes as base64 text, which ``image_data`` accepts, and
+each tensor envelope decoded into a tensor right away (one copy of its bytes, never base64) and
+replaced by a reference to it (``entrypoints/request_tensors.py``). The route's typed model then
+validates both forms by the same rules (unknown fields, ranges, 422s). It sits inside the key gate
+and the body limits, so a refused or oversized body is never decoded. A body that is not msgpack,
+or not a map, or holds a malformed tensor envelope (named by its path), is a 400.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 
 import msgpack
 
+from diffusion_rollout import wire
 from diffusion_rollout.entrypoints.http_errors import error_body
+from diffusion_rollout.entrypoints.request_tensors import holding
 
 MSGPACK_PATHS = frozenset({"/rollout/generate"})
 
@@ -28,13 +33,20 @@ def _content_type(scope) -> str:
     return ""
 
 
-def _json_ready(obj: Any) -> Any:
+def _json_ready(obj: Any, tensors: list, path: str = "body") -> Any:
+    """``obj`` as JSON values; tensor envelopes are decoded into ``tensors`` and referenced."""
     if isinstance(obj, (bytes, bytearray)):
         return base64.b64encode(bytes(obj)).decode("ascii")
     if isinstance(obj, dict):
-        return {k: _json_ready(v) for k, v in obj.items()}
+        if obj.get(wire.TENSOR_KEY) is True:
+            try:
+                tensors.append(wire.envelope_to_tensor(obj))
+            except wire.WireFormatError as exc:
+                raise ValueError(f"{path}: {exc}") from None
+            return {wire.TENSOR_KEY: True, "ref": len(tensors) - 1}
+        return {k: _json_ready(v, tensors, f"{path}.{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_ready(v) for v in obj]
+        return [_json_ready(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
     return obj
 
 
@@ -60,11 +72,13 @@ class MsgpackBodyMiddleware:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        tensors: list = []
         try:
             decoded = msgpack.unpackb(b"".join(chunks), raw=False)
+            chunks.clear()
             if not isinstance(decoded, dict):
                 raise ValueError(f"the body is a msgpack {type(decoded).__name__}, not a map")
-            data = json.dumps(_json_ready(decoded)).encode()
+            data = json.dumps(_json_ready(decoded, tensors)).encode()
         except Exception as exc:  # any malformed body (msgpack raises several types) is the client's
             await _answer_400(send, f"body: not a valid msgpack map ({type(exc).__name__}: {exc})"[:500])
             return
@@ -79,7 +93,8 @@ class MsgpackBodyMiddleware:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()  # after the body: only the disconnect the route watches for
 
-        await self.app({**scope, "headers": headers}, replay_receive, send)
+        with holding(tensors):
+            await self.app({**scope, "headers": headers}, replay_receive, send)
 
 
 async def _answer_400(send, message: str) -> None:

@@ -7,6 +7,11 @@ same rules (and the same unknown-field check). Fields that SGLang or its trainer
 but that have no effect here are dropped first and reported (``ignored_fields``, see
 ``entrypoints/dialects.py``), as is a ``rollout`` inside ``extra_sampling_params``: the top-level
 flag wins there, as in SGLang.
+
+Precomputed conditioning (``prompt_embeds``, ``pooled_prompt_embeds`` and their negatives) arrives
+as tensor envelopes (``entrypoints/request_tensors.py``); ``prompt`` is then optional and only a
+label echoed back. Whether the tensors suit the loaded model is checked by the planner
+(``server/prompt_embeds.py``), a 400 naming the field and the expected shape.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
 from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
+from diffusion_rollout.entrypoints.request_tensors import WireTensor
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import RolloutSettings
 from diffusion_rollout.server.params import GenerateParams
@@ -27,6 +33,12 @@ from diffusion_rollout.server.speed import CACHE_KINDS, FeatureCacheSettings
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
 NoiseKey = Annotated[str, Field(max_length=1024)] | int
+EMBEDDING_FIELDS = (
+    "prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+)
 
 
 class FeatureCacheRequest(BaseModel):
@@ -47,8 +59,13 @@ class FeatureCacheRequest(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    prompt: str
+    prompt: str | None = None
     negative_prompt: str | None = None
+    # Precomputed conditioning (ext, diffusers' names): one row, the pipeline's own encoding's shape.
+    prompt_embeds: WireTensor | None = None
+    pooled_prompt_embeds: WireTensor | None = None
+    negative_prompt_embeds: WireTensor | None = None
+    negative_pooled_prompt_embeds: WireTensor | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     seeds: list[int] | None = None
     initial_noise_seed: int | None = Field(None, ge=0, lt=2**63)
@@ -133,6 +150,8 @@ class GenerateRequest(BaseModel):
             ignored = sorted(ignored + overridden)
         model = handler(data)
         model._ignored_fields = ignored
+        if model.prompt is None and model.prompt_embeds is None:
+            raise ValueError("prompt: field required (or prompt_embeds, precomputed conditioning)")
         return model
 
     @classmethod
@@ -174,8 +193,10 @@ class GenerateRequest(BaseModel):
             else None,
             debug=self.rollout_debug_mode,
         )
+        embeds = {name: getattr(self, name) for name in EMBEDDING_FIELDS if getattr(self, name) is not None}
         return GenerateParams(
-            prompt=self.prompt,
+            prompt=self.prompt if self.prompt is not None else "",
+            embeds=embeds or None,
             negative_prompt=self.negative_prompt,
             seed=self.seed,
             seeds=self.seeds,

@@ -460,6 +460,8 @@ class Engine:
 
     def _encodings(self, plan: Plan, a: FamilyAdapter) -> dict[str, torch.Tensor]:
         p = plan.params
+        if p.embeds:  # sent by the trainer (server/prompt_embeds.py): used as sent, never cached
+            return a.embeddings(p.embeds)
         key = (p.prompt, p.negative_prompt, a.encoding_cache_key(plan.call))
         # Another lane may take the cached encodings: they must be complete before they are shared.
         shared = finish_before_sharing if len(self._lanes) > 1 else (lambda v: v)
@@ -484,8 +486,11 @@ class Engine:
             if len(self._lanes) > 1:
                 share_tensors(encodings)
             groups: dict[tuple, list[int]] = {}
-            for i, enc in enumerate(encodings):
-                groups.setdefault(lane.adapter.encoding_group_key(enc), []).append(i)
+            for i, (job, enc) in enumerate(zip(jobs, encodings, strict=True)):
+                key = lane.adapter.encoding_group_key(enc)
+                if job.payload.params.embeds:  # sent embeddings may differ in length (tokens)
+                    key = (key, tuple((k, tuple(v.shape)) for k, v in enc.items()))
+                groups.setdefault(key, []).append(i)
             for rows in groups.values():
                 self._run_call([jobs[i] for i in rows], [encodings[i] for i in rows], lane)
 

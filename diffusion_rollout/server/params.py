@@ -20,6 +20,9 @@ from diffusion_rollout.server.speed import FeatureCacheSettings
 class GenerateParams:
     prompt: str
     negative_prompt: str | None = None
+    # Precomputed conditioning by diffusers' argument name (server/prompt_embeds.py); with it the
+    # prompt text is a label only and the prompt cache is not used.
+    embeds: dict[str, torch.Tensor] | None = None
     seed: int | None = None
     seeds: list[int] | None = None
     initial_noise_seed: int | None = None

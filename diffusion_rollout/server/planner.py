@@ -21,6 +21,7 @@ from diffusion_rollout.server import initial_noise
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
 from diffusion_rollout.server.params import GenerateParams
+from diffusion_rollout.server.prompt_embeds import check_embeddings
 from diffusion_rollout.server.prompt_limits import check_prompt_limits
 from diffusion_rollout.server.speed import check_feature_cache
 from diffusion_rollout.server.worker import Job
@@ -183,9 +184,10 @@ class RequestPlanner:
             guidance_scale_2=p.guidance_scale_2,
             num_frames=frames,
             max_sequence_length=p.max_sequence_length,
-            has_negative_prompt=p.negative_prompt is not None,
+            has_negative_prompt=p.negative_prompt is not None or "negative_prompt_embeds" in (p.embeds or {}),
         )
         a.validate(call)
+        check_embeddings(p, a, call)
         check_feature_cache(
             p.feature_cache,
             family=a.name,

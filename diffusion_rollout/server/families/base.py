@@ -165,6 +165,22 @@ class FamilyAdapter:
         """Pipeline ``__call__`` keyword arguments other than embeddings, generators and latents."""
         raise NotImplementedError
 
+    # ---------------------------------------------------------------- precomputed conditioning
+    def embedding_shapes(self) -> dict[str, tuple[int | None, ...]]:
+        """One prompt's row shape per conditioning tensor a request may send instead of text, by
+        the pipeline's argument name (``None``: any length, the tokens); empty: text only
+        (server/prompt_embeds.py)."""
+        return {}
+
+    def embedding_dtype(self) -> torch.dtype:
+        """The dtype sent embeddings must have: what the pipeline computes in."""
+        return self.pipe.transformer.dtype
+
+    def embeddings(self, embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sent embeddings as :meth:`encode` would have returned them (on the pipeline's device)."""
+        device = self.pipe._execution_device
+        return {name: t.to(device) for name, t in embeds.items()}
+
     # ---------------------------------------------------------------- noise
     def initial_latents(
         self, settings: CallSettings, generator: torch.Generator, dtype, device

@@ -57,6 +57,12 @@ class FluxAdapter(FamilyAdapter):
             enc.update(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
         return enc
 
+    def embedding_shapes(self):
+        config = self.pipe.transformer.config
+        tokens, pooled = (1, None, int(config.joint_attention_dim)), (1, int(config.pooled_projection_dim))
+        shapes = {"prompt_embeds": tokens, "pooled_prompt_embeds": pooled}
+        return {**shapes, **{f"negative_{k}": v for k, v in shapes.items()}}
+
     def call_kwargs(self, settings):
         kw = {
             "height": settings.height,

@@ -54,6 +54,12 @@ class SD3Adapter(FamilyAdapter):
             "negative_pooled_prompt_embeds": nppe if cfg else None,
         }
 
+    def embedding_shapes(self):
+        config = self.pipe.transformer.config
+        tokens, pooled = (1, None, int(config.joint_attention_dim)), (1, int(config.pooled_projection_dim))
+        shapes = {"prompt_embeds": tokens, "pooled_prompt_embeds": pooled}
+        return {**shapes, **{f"negative_{k}": v for k, v in shapes.items()}}
+
     def call_kwargs(self, settings):
         return {
             "height": settings.height,
