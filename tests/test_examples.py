@@ -280,9 +280,10 @@ def test_diffusion_nft_samples_from_old_and_holds_the_servers_old_policy(example
     assert run["summary"]["old_policy_max_dev"] == 0.0 and run["summary"]["checksums_ok"]
 
 
-def test_diffusion_nft_parity_and_checksum_fail_when_old_is_not_pushed(examples, monkeypatch):
-    """Negative control: the push of `old` after iteration 0 is skipped, so the server samples
-    iteration 1 from the previous `old` while the trainer's EMA moved on."""
+def test_diffusion_nft_repushes_an_old_adapter_that_did_not_arrive(examples, monkeypatch):
+    """The push of `old` after iteration 0 is skipped: the checksum check sees that the server's `old`
+    is not the trainer's, both adapters are pushed again, and iteration 1 samples from the trainer's
+    `old` (parity exactly 0) instead of the previous one; the recovery is recorded."""
     nft = examples("diffusion_nft")
     real_push, names = nft.push_lora, []
 
@@ -294,12 +295,13 @@ def test_diffusion_nft_parity_and_checksum_fail_when_old_is_not_pushed(examples,
 
     monkeypatch.setattr(nft, "push_lora", push_skipping_old_once)
     run = nft.main(SMALL)
-    assert names == ["default", "old"] * 3
+    assert names == ["default", "old"] * 4
+    [event] = run["recoveries"]
+    assert (event["iteration"], event["cause"], event["action"]) == (0, "push_not_verified", "re-pushed")
     first, second = run["history"]
-    assert first["old_policy_max_dev"] == 0.0 and first["checksum_ok"] is False
-    assert second["old_policy_max_dev"] > 0
-    assert second["checksum_ok"] is True  # the next sync pushed `old` again
-    assert run["summary"]["old_policy_max_dev"] > 0 and not run["summary"]["checksums_ok"]
+    assert first["recovered"] == ["push_not_verified"] and second["recovered"] == []
+    for h in (first, second):
+        assert h["old_policy_max_dev"] == 0.0 and h["checksum_ok"] is True
 
 
 # ---------------------------------------------------------------------------------------------- plots
