@@ -19,7 +19,7 @@ Design decisions:
   checksum is not the trainer's, the copy is replaced. Nothing about the server's state is assumed
   after a failure: it is read back.
 - **A batch is trained only when vouched for.** Rollouts whose ``weight_version`` is not the one
-  the trainer pushed are rejected and counted (``off_policy_rejected``, outputs), never trained
+  the trainer pushed are rejected and counted (``off_policy_rejected``, in groups), never trained
   on: the recipe's synchronous loop trains on-policy without TIS, so a batch from any other version
   is poison. (The asynchronous loop's stale batches are another matter: they carry their staleness
   and are trained with TIS, within ``--async-depth``.)
@@ -30,8 +30,9 @@ Design decisions:
 - **Every recovery is recorded**: the iteration, the cause (``rollout_connection_lost``,
   ``rollout_timeout``, ``rollout_server_unavailable``, ``off_policy_batch``, ``push_connection_lost``,
   ``push_timeout``, ``push_server_unavailable``, ``push_not_verified``), what happened (re-pushed or
-  found already held), the attempts and the seconds from the failed call to the server holding the
-  trainer's version again; the run record keeps them as ``recoveries``.
+  found already held), the attempts, the seconds from the failed call to the server holding the
+  trainer's version again and the wall-clock time it ended (``at``); the run record keeps them as
+  ``recoveries``, and a checkpoint keeps them for the run that resumes from it.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Recovery:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.events: list[dict[str, Any]] = []
-        self.off_policy_rejected = 0  # outputs from an unexpected weight version, never trained on
+        self.off_policy_rejected = 0  # groups (requests) from an unexpected weight version, never trained on
 
     # ---------------------------------------------------------------------------------- the phases
     def rollouts(
@@ -149,7 +150,7 @@ class Recovery:
             else:
                 versions = {o.weight_version for g in groups for o in g}
                 if versions != {version}:
-                    cause, rejected = "off_policy_batch", sum(len(g) for g in groups)
+                    cause, rejected = "off_policy_batch", len(groups)
                     detail = f"rollouts came from {sorted(map(str, versions))}, expected {version!r}"
             reports = self.ranks.gather((cause, detail, rejected))
             failed = [(c, d) for c, d, _ in reports if c is not None]
@@ -218,7 +219,7 @@ class Recovery:
             )
         event = {
             "iteration": iteration, "cause": cause, "detail": detail[:300], "action": action,
-            "attempts": attempt, "seconds": round(time.monotonic() - t0, 3),
+            "attempts": attempt, "seconds": round(time.monotonic() - t0, 3), "at": round(time.time(), 3),
         }  # fmt: skip
         self.events.append(event)
         logger.warning(
