@@ -13,6 +13,8 @@ same port, from the same checkpoint. Faults, each once, at a set count of matchi
 - a push's answer lost (``/lora/load`` forwarded whole, applied, the answer replaced by a reset);
 - an answer delayed past the trainer's ``--request-timeout``;
 - the server SIGKILLed mid-rollout and restarted (a fresh process: base weights, version 0);
+- the server restarted between a push and the next rollouts, which it answers from its base weights
+  (an off-policy batch: rejected, counted, never trained on);
 - the trainer SIGKILLed mid-push and restarted from its checkpoint;
 - a full disk during a checkpoint write (an ``OSError(ENOSPC)`` raised from inside the atomic
   checkpoint write of one iteration, after some bytes: the trainer exits and is restarted).
@@ -42,6 +44,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,32 +69,38 @@ GENERATE, PUSH = b"POST /rollout/generate", b"POST /lora/load"
 
 @dataclass
 class Fault:
-    """One injected fault: ``action`` on the ``nth`` request whose request line starts with ``match``
-    (or, for ``disk_full``, during the checkpoint write of iteration ``nth``)."""
+    """One injected fault, once: ``action`` on the first request of ``iteration`` whose request line
+    starts with ``match`` (a rollout of the iteration, or the push that ends it), or, for
+    ``disk_full``, during the checkpoint write after ``iteration``."""
 
     name: str
-    action: str  # reset | reset_mid_body | drop_answer | delay | kill_server | kill_trainer | disk_full
+    # reset | reset_mid_body | drop_answer | delay | kill_server | restart_server_first | kill_trainer | disk_full
+    action: str
     match: bytes | None
-    nth: int
+    iteration: int
     expect: str  # the recovery it should lead to: a recipe cause, or "trainer_restart"
     fired_at: float | None = None  # wall clock
-    fired_iteration: int | None = None
 
 
 def default_faults() -> list[Fault]:
-    """One fault of each kind over an 8-iteration run of 2 requests and 1 push per iteration, in
-    different iterations (the counts include the requests and pushes that recoveries repeat): a
-    trainer killed in the iteration of another fault would take that fault's recovery record, not
-    yet checkpointed, with it."""
+    """One fault of each kind over an 8-iteration run. The trainer is killed in an iteration of its
+    own: it would take the recovery records of that iteration (not yet checkpointed) with it."""
     return [
-        Fault("connection reset mid-request", "reset", GENERATE, 3, "rollout_connection_lost"),
-        Fault("connection reset mid-push", "reset_mid_body", PUSH, 3, "push_connection_lost"),
+        Fault("connection reset mid-request", "reset", GENERATE, 1, "rollout_connection_lost"),
+        Fault("connection reset mid-push", "reset_mid_body", PUSH, 1, "push_connection_lost"),
         Fault(
-            "server SIGKILLed mid-rollout, restarted", "kill_server", GENERATE, 9, "rollout_connection_lost"
+            "server SIGKILLed mid-rollout, restarted", "kill_server", GENERATE, 2, "rollout_connection_lost"
         ),
-        Fault("push answer lost (push applied)", "drop_answer", PUSH, 7, "push_connection_lost"),
-        Fault("answer delayed past the timeout", "delay", GENERATE, 13, "rollout_timeout"),
-        Fault("trainer SIGKILLed mid-push, restarted", "kill_trainer", PUSH, 9, "trainer_restart"),
+        Fault("push answer lost (push applied)", "drop_answer", PUSH, 2, "push_connection_lost"),
+        Fault(
+            "server restarted between push and rollouts",
+            "restart_server_first",
+            GENERATE,
+            3,
+            "off_policy_batch",
+        ),
+        Fault("answer delayed past the timeout", "delay", GENERATE, 4, "rollout_timeout"),
+        Fault("trainer SIGKILLed mid-push, restarted", "kill_trainer", PUSH, 5, "trainer_restart"),
         Fault("disk full during a checkpoint write", "disk_full", None, 6, "trainer_restart"),
     ]
 
@@ -117,13 +127,15 @@ class FaultProxy:
     """
 
     def __init__(
-        self, upstream: int, faults: list[Fault], *, delay_s: float, on_kill_server, on_kill_trainer
-    ):
+        self, upstream: int, faults: list[Fault], *, delay_s: float, on_kill_server, on_restart_server,
+        on_kill_trainer,
+    ):  # fmt: skip
         self.upstream = upstream
         self.faults = [f for f in faults if f.match is not None]
         self.delay_s = delay_s
-        self.on_kill_server, self.on_kill_trainer = on_kill_server, on_kill_trainer
-        self.counts: dict[bytes, int] = {}
+        self.on_kill_server, self.on_restart_server = on_kill_server, on_restart_server
+        self.on_kill_trainer = on_kill_trainer
+        self.version = 0  # the last weight version pushed (iter-N)
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -144,14 +156,26 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _fault_for(self, chunk: bytes) -> Fault | None:
+        """The fault this request triggers. The iteration is read from the weight versions the
+        trainer pushes (``iter-N``, in the push's query string): rollouts after a push of ``iter-N``
+        are iteration N's, a push of ``iter-N`` ends iteration N - 1 (or starts the run at 0)."""
+        line = chunk.split(b"\r\n", 1)[0]
         with self.lock:
-            for pattern in (GENERATE, PUSH):
-                if chunk.startswith(pattern):
-                    n = self.counts[pattern] = self.counts.get(pattern, 0) + 1
-                    for f in self.faults:
-                        if f.match == pattern and f.nth == n and f.fired_at is None:
-                            f.fired_at = time.time()
-                            return f
+            if line.startswith(PUSH):
+                m = re.search(rb"weight_version=iter-(\d+)", line)
+                pushed = int(m.group(1)) if m else None
+                if pushed is None:
+                    return None
+                self.version = pushed
+                for f in self.faults:
+                    if f.match == PUSH and f.iteration == pushed - 1 and f.fired_at is None:
+                        f.fired_at = time.time()
+                        return f
+            elif line.startswith(GENERATE):
+                for f in self.faults:
+                    if f.match == GENERATE and f.iteration == self.version and f.fired_at is None:
+                        f.fired_at = time.time()
+                        return f
         return None
 
     def _serve(self, client: socket.socket) -> None:
@@ -161,7 +185,8 @@ class FaultProxy:
         except OSError:  # the server is down (restarting): the client sees the connection close
             _reset(client)
             return
-        conn = {"answer": None}  # None | "drop" | seconds to delay
+        # answer: None | "drop" | seconds to delay; upstream: the one whose loss ends this connection.
+        conn: dict[str, Any] = {"answer": None, "upstream": upstream}
         threading.Thread(target=self._answers, args=(upstream, client, conn), daemon=True).start()
         try:
             while True:
@@ -172,8 +197,9 @@ class FaultProxy:
                 if fault is not None:
                     print(f"[chaos] injecting: {fault.name}", flush=True)
                     if fault.action == "reset":
+                        conn["answer"] = "drop"  # the server has started on it when the reset comes
                         upstream.sendall(chunk)
-                        time.sleep(0.2)  # the server has started on it
+                        time.sleep(0.02)
                         break
                     if fault.action == "reset_mid_body":
                         upstream.sendall(chunk[: len(chunk) // 2])
@@ -182,9 +208,21 @@ class FaultProxy:
                         conn["answer"] = "drop"
                     elif fault.action == "delay":
                         conn["answer"] = self.delay_s
+                    elif fault.action == "restart_server_first":
+                        # A server restarted between the push and this rollout: it answers, from its
+                        # base weights. The request goes to the new process on a new connection.
+                        conn["upstream"] = None
+                        self.on_restart_server()
+                        upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+                        upstream.settimeout(None)
+                        conn["upstream"] = upstream
+                        threading.Thread(
+                            target=self._answers, args=(upstream, client, conn), daemon=True
+                        ).start()
                     elif fault.action == "kill_server":
+                        conn["answer"] = "drop"
                         upstream.sendall(chunk)
-                        time.sleep(0.2)
+                        time.sleep(0.02)  # mid-rollout
                         self.on_kill_server()
                         break
                     elif fault.action == "kill_trainer":
@@ -211,7 +249,8 @@ class FaultProxy:
                 client.sendall(chunk)
         except OSError:
             pass
-        _reset(client)
+        if conn["upstream"] is upstream:
+            _reset(client)
         _reset(upstream)
 
 
@@ -227,6 +266,7 @@ class ServerSupervisor:
         ]  # fmt: skip
         self.env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key, "OMP_NUM_THREADS": "1"}
         self.log = log
+        self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -236,13 +276,23 @@ class ServerSupervisor:
                 self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def kill_and_restart(self) -> None:
-        """SIGKILL (no shutdown grace), then a new process on the same port, as a supervisor would."""
+    def kill_and_restart(self, wait_ready: bool = False, timeout_s: float = 120.0) -> None:
+        """SIGKILL (no shutdown grace), then at once a new process on the same port, as a supervisor
+        would; ``wait_ready``: return once it answers ``/health_generate``."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.restarts += 1
         self.start()
+        deadline = time.monotonic() + timeout_s
+        while wait_ready and time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/health_generate", timeout=5) as r,
+            ):
+                if r.status == 200:
+                    return
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -250,13 +300,26 @@ class ServerSupervisor:
 
 
 def trainer_command(args: argparse.Namespace, url: str, checkpoint: Path, out: Path) -> list[str]:
+    """The recipe as a user runs it against ``url``; ``--ranks N`` under torchrun (rank 0 decides
+    and pushes, every rank redoes its rollouts)."""
+    launch = [sys.executable, "-m", "benchmarks.chaos_train"]
+    if args.ranks > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                  str(args.ranks), str(Path(__file__).resolve())]  # fmt: skip
     return [
-        sys.executable, "-m", "benchmarks.chaos_train", "trainer", "--url", url, "--model", str(args.model),
+        *launch, "trainer", "--url", url, "--model", str(args.model),
         "--cpu", "--iterations", str(args.iterations), "--prompts", str(args.prompts),
         "--group-size", str(args.group_size), "--steps", "4", "--size", "32", "--lora-rank", "4",
         "--seed", str(args.seed), "--checkpoint", str(checkpoint), "--out", str(out),
         "--request-timeout", str(args.request_timeout), "--recover-timeout", str(args.recover_timeout),
     ]  # fmt: skip
+
+
+def _checkpointed(checkpoint: Path) -> int:
+    try:
+        return int(json.loads((checkpoint / "state.json").read_text())["next_iteration"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def _history_len(out: Path) -> int:
@@ -283,7 +346,8 @@ def run_training(
 
     proxy = FaultProxy(
         port, faults, delay_s=args.request_timeout * 1.5,
-        on_kill_server=lambda: threading.Thread(target=server.kill_and_restart, daemon=True).start(),
+        on_kill_server=server.kill_and_restart,
+        on_restart_server=lambda: server.kill_and_restart(wait_ready=True),
         on_kill_trainer=kill_trainer,
     )  # fmt: skip
     checkpoint, out = work / f"{name}-checkpoint", work / f"{name}.json"
@@ -291,7 +355,7 @@ def run_training(
     env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     if disk_full is not None:
-        env["CHAOS_DISK_FULL_AT"] = str(disk_full.nth)
+        env["CHAOS_DISK_FULL_AT"] = str(disk_full.iteration)
         env["CHAOS_DISK_FULL_MARK"] = str(work / f"{name}-disk-full.fired")
     cmd = trainer_command(args, f"http://127.0.0.1:{proxy.port}", checkpoint, out)
     t0 = time.monotonic()
@@ -316,8 +380,10 @@ def run_training(
             cause = "trainer_killed" if proc.returncode < 0 else "trainer_failed"
             if "No space left on device" in tail.rsplit("resumed from", 1)[-1]:
                 cause = "checkpoint_disk_full"
+            # Iterations recorded but not checkpointed are redone (the one in flight when the
+            # checkpoint write failed); an iteration killed before its record is simply redone.
             death = {"cause": cause, "returncode": proc.returncode, "at": time.time(),
-                     "iterations_done": _history_len(out)}  # fmt: skip
+                     "iterations_recorded": _history_len(out), "iterations_checkpointed": _checkpointed(checkpoint)}  # fmt: skip
             trainer_deaths.append(death)
             print(
                 f"[chaos] trainer exited ({cause}, {proc.returncode}); restarting from its checkpoint",
@@ -403,9 +469,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="folder for chaos_train.json (default: none)")
     p.add_argument("--work", default=None, help="folder for checkpoints and logs (default: a temporary one)")
     p.add_argument("--iterations", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument(
+        "--prompts", type=int, default=1, help="requests per iteration (restart_server_first assumes 1)"
+    )
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=1, help="trainer ranks (torchrun; gloo on the CPU)")
     p.add_argument(
         "--request-timeout", type=float, default=10.0, help="the trainer's; the delay fault is 1.5x"
     )
@@ -451,6 +520,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "trained_off_policy": sum(h["first_ratio_max_dev"] != 0 for h in history),
             "server_restarts": chaos["server_restarts"],
             "trainer_restarts": len(chaos["trainer_deaths"]),
+            # Per trainer restart: recorded iterations it redid (at most the one in flight).
+            "iterations_redone": [
+                d["iterations_recorded"] - d["iterations_checkpointed"] for d in chaos["trainer_deaths"]
+            ],
             "final_adapter_equals_fault_free": bool(equal),
             "rewards_equal_fault_free": [h["rewards"] for h in history]
             == [h["rewards"] for h in clean["record"]["history"]],
@@ -461,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  ("recovered_by", "recovered by", ""), ("seconds_lost", "s lost", ".3g")])  # fmt: skip
     print(json.dumps(summary, indent=1), flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "work", "model")}
-    settings["faults"] = [{"name": f.name, "action": f.action, "nth": f.nth,
+    settings["faults"] = [{"name": f.name, "action": f.action, "iteration": f.iteration,
                            "match": f.match.decode() if f.match else "checkpoint write"} for f in faults]  # fmt: skip
     ok = (
         summary["completed"]
