@@ -184,9 +184,8 @@ class Recovery:
         rank calls this together. Records and returns the event."""
         t0 = time.monotonic() if since is None else since
         deadline = time.monotonic() + self.timeout_s
-        logger.warning(
-            "iteration %d: %s (%s); recovering weight version %r", iteration, cause, detail, version
-        )
+        log = logger.warning if self.ranks.is_main else logger.debug  # rank 0 speaks for the run
+        log("iteration %d: %s (%s); recovering weight version %r", iteration, cause, detail, version)
         action, last = None, detail
         for attempt in range(1, self.attempts + 1):
             state = self._main_state(version, holds, deadline) if self.ranks.is_main else None
@@ -222,7 +221,7 @@ class Recovery:
             "attempts": attempt, "seconds": round(time.monotonic() - t0, 3), "at": round(time.time(), 3),
         }  # fmt: skip
         self.events.append(event)
-        logger.warning(
+        log(
             "iteration %d: recovered from %s in %.1f s (%s, %d attempt(s))",
             iteration, cause, event["seconds"], action, attempt,
         )  # fmt: skip
