@@ -16,6 +16,8 @@ same port, from the same checkpoint. Faults, each once, at a set count of matchi
 - the server restarted between a push and the next rollouts, which it answers from its base weights
   (an off-policy batch: rejected, counted, never trained on);
 - the trainer SIGKILLed mid-push and restarted from its checkpoint;
+- with ``--ray``, in a run of its own: a replica of a 2-replica Ray pool SIGKILLed mid-rollout
+  (Ray restarts it; the front copies a peer's weights into it);
 - a full disk during a checkpoint write (an ``OSError(ENOSPC)`` raised from inside the atomic
   checkpoint write of one iteration, after some bytes: the trainer exits and is restarted).
 
@@ -74,7 +76,8 @@ class Fault:
     ``disk_full``, during the checkpoint write after ``iteration``."""
 
     name: str
-    # reset | reset_mid_body | drop_answer | delay | kill_server | restart_server_first | kill_trainer | disk_full
+    # reset | reset_mid_body | drop_answer | delay | kill_server | restart_server_first | kill_replica |
+    # kill_trainer | disk_full
     action: str
     match: bytes | None
     iteration: int
@@ -128,13 +131,13 @@ class FaultProxy:
 
     def __init__(
         self, upstream: int, faults: list[Fault], *, delay_s: float, on_kill_server, on_restart_server,
-        on_kill_trainer,
+        on_kill_trainer, on_kill_replica,
     ):  # fmt: skip
         self.upstream = upstream
         self.faults = [f for f in faults if f.match is not None]
         self.delay_s = delay_s
         self.on_kill_server, self.on_restart_server = on_kill_server, on_restart_server
-        self.on_kill_trainer = on_kill_trainer
+        self.on_kill_trainer, self.on_kill_replica = on_kill_trainer, on_kill_replica
         self.version = 0  # the last weight version pushed (iter-N)
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -225,6 +228,11 @@ class FaultProxy:
                         time.sleep(0.02)  # mid-rollout
                         self.on_kill_server()
                         break
+                    elif fault.action == "kill_replica":
+                        upstream.sendall(chunk)
+                        time.sleep(0.02)  # mid-rollout
+                        self.on_kill_replica()
+                        continue
                     elif fault.action == "kill_trainer":
                         self.on_kill_trainer()
                         break
@@ -258,12 +266,15 @@ class FaultProxy:
 class ServerSupervisor:
     """``diffusion-rollout serve`` on a fixed port, SIGKILLed and restarted on demand."""
 
-    def __init__(self, model: Path, port: int, admin_key: str, group_size: int, log: Path):
+    def __init__(self, model: Path, port: int, admin_key: str, group_size: int, log: Path, replicas: int = 1):
         self.cmd = [
             sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(model),
             "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--max-batch-size", str(group_size), "--log-level", "warning", "--shutdown-grace-s", "2",
+            *(["--replicas", str(replicas)] if replicas > 1 else []),
         ]  # fmt: skip
+        self.admin_key = admin_key
+        self.replicas_killed: list[dict[str, Any]] = []
         self.env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key, "OMP_NUM_THREADS": "1"}
         self.log = log
         self.url = f"http://127.0.0.1:{port}"
@@ -293,6 +304,22 @@ class ServerSupervisor:
                 if r.status == 200:
                     return
             time.sleep(0.2)
+
+    def kill_busy_replica(self) -> None:
+        """SIGKILL the process of the replica serving a request now (else replica 1): Ray restarts
+        it and the front copies a serving peer's weights into it (``cluster/recovery.py``)."""
+        req = urllib.request.Request(
+            f"{self.url}/server_info", headers={"Authorization": f"Bearer {self.admin_key}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            replicas = json.loads(r.read())["replicas"]
+        busy = [x for x in replicas if x.get("outstanding_requests")] or [
+            x for x in replicas if x["replica_id"] == 1
+        ]
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        self.replicas_killed.append(
+            {"replica_id": busy[0]["replica_id"], "pid": busy[0]["pid"], "at": time.time()}
+        )
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -330,12 +357,15 @@ def _history_len(out: Path) -> int:
 
 
 def run_training(
-    args: argparse.Namespace, work: Path, name: str, faults: list[Fault], admin_key: str, deadline: float
-) -> dict[str, Any]:
+    args: argparse.Namespace, work: Path, name: str, faults: list[Fault], admin_key: str, deadline: float,
+    replicas: int = 1,
+) -> dict[str, Any]:  # fmt: skip
     """One supervised run: server, proxy, trainer (restarted after each death until it completes)."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = ServerSupervisor(args.model, port, admin_key, args.group_size, work / f"{name}-server.log")
+    server = ServerSupervisor(
+        args.model, port, admin_key, args.group_size, work / f"{name}-server.log", replicas=replicas
+    )
     trainer: dict[str, subprocess.Popen | None] = {"proc": None}
     trainer_deaths: list[dict[str, Any]] = []
 
@@ -348,7 +378,7 @@ def run_training(
         port, faults, delay_s=args.request_timeout * 1.5,
         on_kill_server=server.kill_and_restart,
         on_restart_server=lambda: server.kill_and_restart(wait_ready=True),
-        on_kill_trainer=kill_trainer,
+        on_kill_trainer=kill_trainer, on_kill_replica=server.kill_busy_replica,
     )  # fmt: skip
     checkpoint, out = work / f"{name}-checkpoint", work / f"{name}.json"
     disk_full = next((f for f in faults if f.action == "disk_full"), None)
@@ -405,6 +435,7 @@ def run_training(
     return {
         "name": name, "completed": completed, "stopped": stopped, "wall_s": round(time.monotonic() - t0, 2),
         "record": record, "trainer_deaths": trainer_deaths, "server_restarts": server.restarts,
+        "replicas_killed": server.replicas_killed,
         "checkpoint": checkpoint,
     }  # fmt: skip
 
@@ -457,8 +488,59 @@ def fault_rows(faults: list[Fault], chaos: dict[str, Any]) -> list[dict[str, Any
                     row.update(recovered=chaos["completed"], recovered_by=f"{e['cause']} ({e['action']})",
                                seconds_lost=e["seconds"])  # fmt: skip
                     break
+            else:
+                if f.expect == "any" and chaos["completed"] and not chaos["trainer_deaths"]:
+                    # The server absorbed it (a replica's request answered by its peer or retried).
+                    row.update(
+                        recovered=True, recovered_by="server side, no trainer recovery", seconds_lost=0.0
+                    )
         rows.append(row)
     return rows
+
+
+def scenario(
+    args: argparse.Namespace, work: Path, name: str, faults: list[Fault], admin_key: str, deadline: float,
+    replicas: int = 1,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """The run under ``faults`` and the same run without them: each fault's row, and the summary."""
+    chaos = run_training(args, work, name, faults, admin_key, deadline, replicas)
+    clean = run_training(args, work, f"{name}-fault-free", [], admin_key, deadline, replicas)
+    rows = fault_rows(faults, chaos)
+    history = chaos["record"]["history"]
+    equal = (
+        chaos["completed"] and clean["completed"] and adapters_equal(chaos["checkpoint"], clean["checkpoint"])
+    )
+    by_cause = chaos["record"].get("recoveries_by_cause", {})
+    for d in chaos["trainer_deaths"]:
+        c = by_cause.setdefault(d["cause"], {"count": 0, "seconds": 0.0})
+        c["count"] += 1
+        c["seconds"] = round(c["seconds"] + (d.get("seconds_lost") or 0.0), 3)
+    summary = {
+        "replicas": replicas,
+        "completed": chaos["completed"],
+        "iterations_completed": len(history),
+        "iterations": args.iterations,
+        "faults_injected": sum(r["injected"] for r in rows),
+        "faults_recovered": sum(r["recovered"] for r in rows),
+        "recoveries_by_cause": by_cause,
+        "seconds_lost": round(sum(c["seconds"] for c in by_cause.values()), 3),
+        "off_policy_rejected_groups": chaos["record"].get("off_policy_rejected", 0),
+        "trained_off_policy": sum(h["first_ratio_max_dev"] != 0 for h in history),
+        "server_restarts": chaos["server_restarts"],
+        "replicas_killed": chaos["replicas_killed"],
+        "trainer_restarts": len(chaos["trainer_deaths"]),
+        # Per trainer restart: recorded iterations it redid (at most the one in flight).
+        "iterations_redone": [d["iterations_recorded"] - d["iterations_checkpointed"] for d in chaos["trainer_deaths"]],
+        "final_adapter_equals_fault_free": bool(equal),
+        "rewards_equal_fault_free": [h["rewards"] for h in history] == [h["rewards"] for h in clean["record"]["history"]],
+        "wall_s": chaos["wall_s"],
+        "fault_free_wall_s": clean["wall_s"],
+    }  # fmt: skip
+    summary["ok"] = bool(
+        summary["completed"] and summary["faults_recovered"] == len(faults) and summary["trained_off_policy"] == 0
+        and equal
+    )  # fmt: skip
+    return rows, summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -479,8 +561,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--request-timeout", type=float, default=10.0, help="the trainer's; the delay fault is 1.5x"
     )
     p.add_argument("--recover-timeout", type=float, default=120.0)
-    p.add_argument("--deadline-s", type=float, default=600.0, help="both runs together")
+    p.add_argument("--deadline-s", type=float, default=600.0, help="every run together")
     p.add_argument("--faults", default=None, help="comma-separated actions to inject (default: all)")
+    p.add_argument(
+        "--ray", action="store_true",
+        help="also: a replica SIGKILLed mid-rollout behind a 2-replica Ray pool (`serve --replicas 2`), "
+        "3 iterations, with its own fault-free run",
+    )  # fmt: skip
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
     with contextlib.ExitStack() as stack:
@@ -494,57 +581,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.faults:
             faults = [f for f in faults if f.action in args.faults.split(",")]
         admin_key = secrets.token_hex(16)
-        chaos = run_training(args, work, "chaos", faults, admin_key, deadline)
-        clean = run_training(args, work, "clean", [], admin_key, deadline)
-        rows = fault_rows(faults, chaos)
-        history = chaos["record"]["history"]
-        equal = (
-            chaos["completed"]
-            and clean["completed"]
-            and adapters_equal(chaos["checkpoint"], clean["checkpoint"])
-        )
-        by_cause = chaos["record"].get("recoveries_by_cause", {})
-        for d in chaos["trainer_deaths"]:
-            c = by_cause.setdefault(d["cause"], {"count": 0, "seconds": 0.0})
-            c["count"] += 1
-            c["seconds"] = round(c["seconds"] + (d.get("seconds_lost") or 0.0), 3)
-        summary = {
-            "completed": chaos["completed"],
-            "iterations_completed": len(history),
-            "iterations": args.iterations,
-            "faults_injected": sum(r["injected"] for r in rows),
-            "faults_recovered": sum(r["recovered"] for r in rows),
-            "recoveries_by_cause": by_cause,
-            "seconds_lost": round(sum(c["seconds"] for c in by_cause.values()), 3),
-            "off_policy_rejected_groups": chaos["record"].get("off_policy_rejected", 0),
-            "trained_off_policy": sum(h["first_ratio_max_dev"] != 0 for h in history),
-            "server_restarts": chaos["server_restarts"],
-            "trainer_restarts": len(chaos["trainer_deaths"]),
-            # Per trainer restart: recorded iterations it redid (at most the one in flight).
-            "iterations_redone": [
-                d["iterations_recorded"] - d["iterations_checkpointed"] for d in chaos["trainer_deaths"]
-            ],
-            "final_adapter_equals_fault_free": bool(equal),
-            "rewards_equal_fault_free": [h["rewards"] for h in history]
-            == [h["rewards"] for h in clean["record"]["history"]],
-            "wall_s": chaos["wall_s"],
-            "fault_free_wall_s": clean["wall_s"],
-        }
+        rows, summary = scenario(args, work, "chaos", faults, admin_key, deadline)
+        ray_faults: list[Fault] = []
+        if args.ray:
+            ray_faults = [ray_fault()]
+            ray_args = argparse.Namespace(**{**vars(args), "iterations": 3})
+            ray_rows, ray_summary = scenario(
+                ray_args, work, "ray", ray_faults, admin_key, deadline, replicas=2
+            )
+            rows += ray_rows
+            summary["ray"] = ray_summary
     print_table("faults", rows, [("fault", "fault", ""), ("injected", "injected", ""), ("recovered", "recovered", ""),
                                  ("recovered_by", "recovered by", ""), ("seconds_lost", "s lost", ".3g")])  # fmt: skip
     print(json.dumps(summary, indent=1), flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "work", "model")}
     settings["faults"] = [{"name": f.name, "action": f.action, "iteration": f.iteration,
-                           "match": f.match.decode() if f.match else "checkpoint write"} for f in faults]  # fmt: skip
-    ok = (
-        summary["completed"]
-        and summary["faults_recovered"] == len(faults)
-        and summary["trained_off_policy"] == 0
-    )
-    doc = document("chaos_train", "cpu", settings, rows, ok=bool(ok and equal))
+                           "match": f.match.decode() if f.match else "checkpoint write"} for f in faults + ray_faults]  # fmt: skip
+    ok = summary["ok"] and summary.get("ray", {}).get("ok", True)
+    doc = document("chaos_train", "cpu", settings, rows, ok=bool(ok))
     doc["summary"] = summary
     write_json(args.out, "chaos_train", doc)
     return doc
+
+
+def ray_fault() -> Fault:
+    return Fault("replica SIGKILLed mid-rollout (Ray, 2 replicas)", "kill_replica", GENERATE, 1, "any")
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -29,7 +29,8 @@ Design decisions:
   on batches of different versions.
 - **Every recovery is recorded**: the iteration, the cause (``rollout_connection_lost``,
   ``rollout_timeout``, ``rollout_server_unavailable``, ``off_policy_batch``, ``push_connection_lost``,
-  ``push_timeout``, ``push_server_unavailable``, ``push_not_verified``), what happened (re-pushed or
+  ``push_timeout``, ``push_server_unavailable``, ``push_not_verified``, ``push_replicas_diverged``: a
+  replica of a pool died during the push and the pool asks for the weights again), what happened (re-pushed or
   found already held), the attempts, the seconds from the failed call to the server holding the
   trainer's version again and the wall-clock time it ended (``at``); the run record keeps them as
   ``recoveries``, and a checkpoint keeps them for the run that resumes from it.
@@ -68,6 +69,9 @@ def failure_cause(exc: BaseException, phase: str) -> str | None:
         return f"{phase}_connection_lost"
     if isinstance(exc, RolloutHTTPError) and exc.status_code in _TRANSIENT_STATUSES:
         return f"{phase}_server_unavailable"
+    if isinstance(exc, RolloutHTTPError) and exc.error_type == "replicas_diverged":
+        # A replica died during a change and the pool asks for the weights again.
+        return f"{phase}_replicas_diverged"
     if isinstance(exc, ChecksumMismatchError):
         return f"{phase}_not_verified"
     return None
@@ -188,7 +192,9 @@ class Recovery:
         log("iteration %d: %s (%s); recovering weight version %r", iteration, cause, detail, version)
         action, last = None, detail
         for attempt in range(1, self.attempts + 1):
-            state = self._main_state(version, holds, deadline) if self.ranks.is_main else None
+            # Diverged replicas may each answer differently: push again rather than ask.
+            check = None if cause.endswith("replicas_diverged") else holds
+            state = self._main_state(version, check, deadline) if self.ranks.is_main else None
             state = self.ranks.broadcast(state)
             if state == "held":
                 action = "already held"
@@ -227,15 +233,15 @@ class Recovery:
         )  # fmt: skip
         return event
 
-    def _main_state(self, version: Any, holds: Callable[[Any], bool], deadline: float) -> str | None:
-        """Rank 0: ``held`` or ``lost`` once the server is ready; None while it is not (yet);
-        ``gone`` past the deadline."""
+    def _main_state(self, version: Any, holds: Callable[[Any], bool] | None, deadline: float) -> str | None:
+        """Rank 0: ``held`` or ``lost`` once the server is ready (``holds`` None: ``lost``); None
+        while it is not (yet); ``gone`` past the deadline."""
         left = deadline - time.monotonic()
         if left <= 0:
             return "gone"
         try:
             self.client.wait_until_ready(timeout_s=left)
-            return "held" if holds(version) else "lost"
+            return "held" if holds is not None and holds(version) else "lost"
         except Exception as exc:
             if failure_cause(exc, "check") is None:
                 raise

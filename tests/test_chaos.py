@@ -82,3 +82,19 @@ def test_chaos_run_recovers_every_fault_and_ends_on_the_fault_free_adapter(tmp_p
     assert all(n <= 1 for n in summary["iterations_redone"])
     assert summary["final_adapter_equals_fault_free"] and summary["rewards_equal_fault_free"]
     assert doc["ok"] is True
+
+
+def test_a_replica_killed_behind_a_ray_pool_is_recovered_and_ends_on_the_fault_free_adapter(tmp_path):
+    """`serve --replicas 2` (Ray, CPU): replica 1's process is SIGKILLed mid-rollout in iteration 1.
+    Ray restarts it and the pool copies a peer's weights into it; the push that meets the dead
+    replica is refused as `replicas_diverged`, which the trainer answers by pushing again. The run
+    ends on the adapter of the same run without the fault."""
+    doc = chaos_train.main(
+        ["--work", str(tmp_path), "--faults", "none", "--ray", "--iterations", "3", "--deadline-s", "400"]
+    )
+    [row] = doc["results"]
+    assert row["fault"] == chaos_train.ray_fault().name and row["injected"] and row["recovered"], row
+    ray = doc["summary"]["ray"]
+    assert ray["replicas"] == 2 and len(ray["replicas_killed"]) == 1 and ray["server_restarts"] == 0
+    assert ray["completed"] and ray["iterations_completed"] == 3 and ray["trained_off_policy"] == 0
+    assert ray["final_adapter_equals_fault_free"] and ray["ok"]
