@@ -581,7 +581,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.faults:
             faults = [f for f in faults if f.action in args.faults.split(",")]
         admin_key = secrets.token_hex(16)
-        rows, summary = scenario(args, work, "chaos", faults, admin_key, deadline)
+        rows: list[dict[str, Any]] = []
+        summary: dict[str, Any] = {}
+        if faults:  # (--faults none: only the --ray run)
+            rows, summary = scenario(args, work, "chaos", faults, admin_key, deadline)
         ray_faults: list[Fault] = []
         if args.ray:
             ray_faults = [ray_fault()]
@@ -597,7 +600,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "work", "model")}
     settings["faults"] = [{"name": f.name, "action": f.action, "iteration": f.iteration,
                            "match": f.match.decode() if f.match else "checkpoint write"} for f in faults + ray_faults]  # fmt: skip
-    ok = summary["ok"] and summary.get("ray", {}).get("ok", True)
+    ok = summary.get("ok", True) and summary.get("ray", {}).get("ok", True)
     doc = document("chaos_train", "cpu", settings, rows, ok=bool(ok))
     doc["summary"] = summary
     write_json(args.out, "chaos_train", doc)
