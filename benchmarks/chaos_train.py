@@ -34,7 +34,8 @@ Design decisions:
   was injected. A trainer restart's seconds lost run from the kill to the first iteration the
   restarted trainer completes.
 - **Trained off-policy** counts iterations whose first replay pass was not exactly on-policy
-  (``first_ratio_max_dev`` not 0): a batch from any other weights than the trainer's shows there.
+  (``first_ratio_max_dev`` not 0) and not TIS-weighted: a batch from any other weights than the
+  trainer's shows there (``--async-depth``'s stale batches are TIS-weighted and counted apart).
 - Bounded: every wait has a deadline, and a run that does not finish in ``--deadline-s`` is stopped
   and reported as such.
 """
@@ -339,6 +340,7 @@ def trainer_command(args: argparse.Namespace, url: str, checkpoint: Path, out: P
         "--group-size", str(args.group_size), "--steps", "4", "--size", "32", "--lora-rank", "4",
         "--seed", str(args.seed), "--checkpoint", str(checkpoint), "--out", str(out),
         "--request-timeout", str(args.request_timeout), "--recover-timeout", str(args.recover_timeout),
+        *(["--async-depth", str(args.async_depth)] if args.async_depth else []),
     ]  # fmt: skip
 
 
@@ -525,7 +527,9 @@ def scenario(
         "recoveries_by_cause": by_cause,
         "seconds_lost": round(sum(c["seconds"] for c in by_cause.values()), 3),
         "off_policy_rejected_groups": chaos["record"].get("off_policy_rejected", 0),
-        "trained_off_policy": sum(h["first_ratio_max_dev"] != 0 for h in history),
+        # Not exactly on-policy and not TIS-weighted (a stale --async-depth batch is, and may differ).
+        "trained_off_policy": sum(h["first_ratio_max_dev"] != 0 and not h.get("tis_weighted") for h in history),
+        "trained_stale_with_tis": sum(bool(h.get("staleness")) for h in history),
         "server_restarts": chaos["server_restarts"],
         "replicas_killed": chaos["replicas_killed"],
         "trainer_restarts": len(chaos["trainer_deaths"]),
@@ -557,6 +561,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", type=int, default=1, help="trainer ranks (torchrun; gloo on the CPU)")
+    p.add_argument(
+        "--async-depth", type=int, default=0,
+        help="the recipe's --async-depth (the final adapter then depends on the staleness each batch met)",
+    )  # fmt: skip
     p.add_argument(
         "--request-timeout", type=float, default=10.0, help="the trainer's; the delay fault is 1.5x"
     )

@@ -136,11 +136,14 @@ class Recovery:
 
     # ---------------------------------------------------------------------------------- the phases
     def rollouts(
-        self, iteration: int, version: Any, make: Callable[[], list], sync: Callable[[Any], bool | None],
-        holds: Callable[[Any], bool],
-    ) -> list:  # fmt: skip
+        self, iteration: int, version: Any, make: Callable[[], Any], sync: Callable[[Any], bool | None],
+        holds: Callable[[Any], bool], *, expect_version: bool = True, reset: Callable[[], None] | None = None,
+    ) -> Any:  # fmt: skip
         """This rank's groups from ``make()``, all made under ``version``; any rank's lost connection
-        or off-policy batch makes every rank recover and redo."""
+        or off-policy batch makes every rank recover and redo (``reset()`` first, on every rank, when
+        the source of the batches must be renewed). ``expect_version`` false: ``make()`` returns a
+        batch of its own kind whose versions are not checked here (the asynchronous stream's, whose
+        staleness rule decides)."""
         for _ in range(self.attempts + 1):
             t0 = time.monotonic()
             groups, cause, detail, rejected = None, None, "", 0
@@ -152,7 +155,7 @@ class Recovery:
                     raise
                 detail = exc.detail if isinstance(exc, ServerFailure) else f"{type(exc).__name__}: {exc}"
             else:
-                versions = {o.weight_version for g in groups for o in g}
+                versions = {o.weight_version for g in groups for o in g} if expect_version else {version}
                 if versions != {version}:
                     cause, rejected = "off_policy_batch", len(groups)
                     detail = f"rollouts came from {sorted(map(str, versions))}, expected {version!r}"
@@ -162,6 +165,8 @@ class Recovery:
                 return groups
             self.off_policy_rejected += sum(r for _, _, r in reports)
             self.recover(iteration, failed[0][0], failed[0][1], version, sync, holds, since=t0)
+            if reset is not None:
+                reset()
         raise RecoveryError(
             f"iteration {iteration}: rollouts failed {self.attempts + 1} times in a row ({failed[0][1]})"
         )

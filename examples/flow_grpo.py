@@ -369,26 +369,42 @@ def run(
                              None if window is None else sorted({*window, *(s + 1 for s in window)})})  # fmt: skip
         return ranks.share(jobs)
 
-    stream = None
-    if args.async_depth > 0 and not in_process:
-        # Iteration it + k is sent while the trainer trains on iteration it (k = --async-depth).
-        first_it = state["next_iteration"]
-        stream = client.rollout_stream(
+    def open_stream(first_it: int):
+        """Iteration it + k is sent while the trainer trains on iteration it (k = --async-depth)."""
+        opened = client.rollout_stream(
             lambda i: iteration_jobs(first_it + i), max_staleness=args.async_depth, on_stale="regenerate",
             max_batches=args.iterations - first_it, **shared,
         )  # fmt: skip
-        stream.pushed(version)
+        opened.pushed(version)
+        return opened
+
+    def next_batch(it: int):
+        """The stream's next batch. A lost server fails the stream: every rank recovers, then opens
+        a new stream from iteration ``it`` (its first batch made under the re-pushed version)."""
+
+        def reopen() -> None:
+            nonlocal stream
+            stream.close()
+            stream = open_stream(it)
+
+        # Staleness, not the version, is the stream's rule (stale batches are trained with TIS).
+        return recovery.rollouts(
+            it, version, lambda: next(stream), push, holds, expect_version=False, reset=reopen
+        )
+
+    stream = open_stream(state["next_iteration"]) if args.async_depth > 0 and not in_process else None
     # Rank 0's progress line per iteration, and --log-to's scalars and images.
     report = Report(args, "flow_grpo", "first_ratio_max_dev", enabled=ranks.is_main)
     # Closing the stream aborts what is in flight.
-    with stream if stream is not None else contextlib.nullcontext(), report:
+    with contextlib.ExitStack() as closing, report:
+        closing.callback(lambda: stream is not None and stream.close())
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()
             staleness, server_span, regenerated = None, None, False
             with phases("rollout"):
                 if stream is not None:
-                    batch = next(stream)
+                    batch = next_batch(it)
                     groups, staleness = batch.outputs, batch.staleness
                     server_span = [clock(batch.sent_at), clock(batch.answered_at)]
                     # One version per iteration on every rank: where the ranks' batches disagree
