@@ -77,8 +77,8 @@ class Fault:
     ``disk_full``, during the checkpoint write after ``iteration``."""
 
     name: str
-    # reset | reset_mid_body | drop_answer | delay | kill_server | restart_server_first | kill_replica |
-    # kill_trainer | disk_full
+    # reset | reset_mid_body | drop_answer | delay | kill_server | kill_server_for_good |
+    # restart_server_first | kill_replica | kill_trainer | disk_full
     action: str
     match: bytes | None
     iteration: int
@@ -223,11 +223,11 @@ class FaultProxy:
                         threading.Thread(
                             target=self._answers, args=(upstream, client, conn), daemon=True
                         ).start()
-                    elif fault.action == "kill_server":
+                    elif fault.action in ("kill_server", "kill_server_for_good"):
                         conn["answer"] = "drop"
                         upstream.sendall(chunk)
                         time.sleep(0.02)  # mid-rollout
-                        self.on_kill_server()
+                        self.on_kill_server(restart=fault.action == "kill_server")
                         break
                     elif fault.action == "kill_replica":
                         upstream.sendall(chunk)
@@ -288,12 +288,17 @@ class ServerSupervisor:
                 self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def kill_and_restart(self, wait_ready: bool = False, timeout_s: float = 120.0) -> None:
+    def kill_and_restart(
+        self, wait_ready: bool = False, timeout_s: float = 120.0, restart: bool = True
+    ) -> None:
         """SIGKILL (no shutdown grace), then at once a new process on the same port, as a supervisor
-        would; ``wait_ready``: return once it answers ``/health_generate``."""
+        would (``restart`` false: an unsupervised server, gone for good); ``wait_ready``: return once
+        it answers ``/health_generate``."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if not restart:
+            return
         self.restarts += 1
         self.start()
         deadline = time.monotonic() + timeout_s
@@ -360,9 +365,10 @@ def _history_len(out: Path) -> int:
 
 def run_training(
     args: argparse.Namespace, work: Path, name: str, faults: list[Fault], admin_key: str, deadline: float,
-    replicas: int = 1,
+    replicas: int = 1, max_trainer_restarts: int = 5,
 ) -> dict[str, Any]:  # fmt: skip
-    """One supervised run: server, proxy, trainer (restarted after each death until it completes)."""
+    """One supervised run: server, proxy, trainer (restarted after each death until it completes,
+    at most ``max_trainer_restarts`` times)."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     server = ServerSupervisor(
@@ -421,7 +427,7 @@ def run_training(
                 f"[chaos] trainer exited ({cause}, {proc.returncode}); restarting from its checkpoint",
                 flush=True,
             )
-            if len(trainer_deaths) > 5:
+            if len(trainer_deaths) > max_trainer_restarts:
                 stopped = "trainer kept dying"
                 break
             # The first iteration the restarted trainer completes ends this death's seconds lost.

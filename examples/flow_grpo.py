@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     max_concurrency=args.prompts,
                     **client_timeout(args),
                 ) as client:
-                    wait_ready(client)
+                    wait_ready(client, args.recover_timeout)
                     record = run(client, server.model_path, args, args.out, ranks)
     finally:
         ranks.close()

@@ -11,6 +11,7 @@ and seconds; and the run ends on the adapter of a fault-free run with the same s
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import time
 
@@ -28,7 +29,7 @@ def tiny_model(tmp_path_factory):
 
 
 def _args(model, **over) -> argparse.Namespace:
-    settings = dict(model=model, iterations=3, prompts=1, group_size=4, seed=0, ranks=1,
+    settings = dict(model=model, iterations=3, prompts=1, group_size=4, seed=0, ranks=1, async_depth=0,
                     request_timeout=10.0, recover_timeout=120.0)  # fmt: skip
     settings.update(over)
     return argparse.Namespace(**settings)
@@ -115,3 +116,22 @@ def test_the_asynchronous_loop_recovers_and_trains_only_on_batches_it_can_vouch_
     assert summary["completed"] and summary["iterations_completed"] == 4 and summary["server_restarts"] == 1
     assert summary["recoveries_by_cause"]["rollout_connection_lost"]["count"] >= 1
     assert summary["trained_off_policy"] == 0
+
+
+def test_a_server_that_never_comes_back_stops_the_run_with_the_cause(tiny_model, tmp_path):
+    """The server is SIGKILLed mid-rollout and nobody restarts it: the trainer waits up to
+    --recover-timeout, then stops with an error naming the iteration, the cause and the remedy,
+    and the record keeps the iteration it completed."""
+    fault = Fault("server killed for good", "kill_server_for_good", GENERATE, 1, "none")
+    args = _args(tiny_model, recover_timeout=4.0)
+    run = chaos_train.run_training(
+        args, tmp_path, "gone", [fault], secrets.token_hex(16), time.monotonic() + 120, max_trainer_restarts=0
+    )
+    assert not run["completed"] and [d["cause"] for d in run["trainer_deaths"]] == ["trainer_failed"]
+    log = (tmp_path / "gone-trainer.log").read_text()
+    assert re.search(
+        r"RecoveryError: iteration 1: rollout_connection_lost: http://127\.0\.0\.1:\d+ did not hold weight "
+        r"version 'iter-1' again within 4 s .* is `serve` supervised",
+        log,
+    ), log[-3000:]
+    assert [h["iteration"] for h in run["record"]["history"]] == [0]
