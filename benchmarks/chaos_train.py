@@ -510,14 +510,24 @@ def scenario(
     args: argparse.Namespace, work: Path, name: str, faults: list[Fault], admin_key: str, deadline: float,
     replicas: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """The run under ``faults`` and the same run without them: each fault's row, and the summary."""
+    """The run under ``faults`` and the same run without them: each fault's row, and the summary.
+    With ``--async-depth`` there is no fault-free run: which batches come out stale, and so the
+    final adapter, depends on timing (``None`` in the comparison fields)."""
     chaos = run_training(args, work, name, faults, admin_key, deadline, replicas)
-    clean = run_training(args, work, f"{name}-fault-free", [], admin_key, deadline, replicas)
+    clean = (
+        None
+        if args.async_depth
+        else run_training(args, work, f"{name}-fault-free", [], admin_key, deadline, replicas)
+    )
     rows = fault_rows(faults, chaos)
     history = chaos["record"]["history"]
-    equal = (
-        chaos["completed"] and clean["completed"] and adapters_equal(chaos["checkpoint"], clean["checkpoint"])
-    )
+    equal = None
+    if clean is not None:
+        equal = bool(
+            chaos["completed"]
+            and clean["completed"]
+            and adapters_equal(chaos["checkpoint"], clean["checkpoint"])
+        )
     by_cause = chaos["record"].get("recoveries_by_cause", {})
     for d in chaos["trainer_deaths"]:
         c = by_cause.setdefault(d["cause"], {"count": 0, "seconds": 0.0})
@@ -541,14 +551,14 @@ def scenario(
         "trainer_restarts": len(chaos["trainer_deaths"]),
         # Per trainer restart: recorded iterations it redid (at most the one in flight).
         "iterations_redone": [d["iterations_recorded"] - d["iterations_checkpointed"] for d in chaos["trainer_deaths"]],
-        "final_adapter_equals_fault_free": bool(equal),
-        "rewards_equal_fault_free": [h["rewards"] for h in history] == [h["rewards"] for h in clean["record"]["history"]],
+        "final_adapter_equals_fault_free": equal,
+        "rewards_equal_fault_free": None if clean is None else [h["rewards"] for h in history] == [h["rewards"] for h in clean["record"]["history"]],
         "wall_s": chaos["wall_s"],
-        "fault_free_wall_s": clean["wall_s"],
+        "fault_free_wall_s": None if clean is None else clean["wall_s"],
     }  # fmt: skip
     summary["ok"] = bool(
         summary["completed"] and summary["faults_recovered"] == len(faults) and summary["trained_off_policy"] == 0
-        and equal
+        and equal is not False
     )  # fmt: skip
     return rows, summary
 
