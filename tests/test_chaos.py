@@ -138,3 +138,20 @@ def test_a_server_that_never_comes_back_stops_the_run_with_the_cause(tiny_model,
         log,
     ), log[-3000:]
     assert [h["iteration"] for h in run["record"]["history"]] == [0]
+
+
+def test_two_ranks_recover_together_and_end_on_the_two_rank_fault_free_adapter(tmp_path):
+    """torchrun, 2 trainer ranks (gloo): the server SIGKILLed mid-rollout and restarted in iteration 2
+    fails one rank's request or both; rank 0 waits and re-pushes, every rank redoes its rollouts, and
+    the run ends on the adapter of the same 2-rank run without the fault."""
+    doc = chaos_train.main(
+        ["--work", str(tmp_path), "--faults", "kill_server", "--ranks", "2", "--prompts", "2",
+         "--iterations", "3", "--deadline-s", "300"]
+    )  # fmt: skip
+    [row] = doc["results"]
+    assert row["injected"] and row["recovered"] and "re-pushed" in row["recovered_by"], row
+    summary = doc["summary"]
+    assert (
+        summary["completed"] and summary["iterations_completed"] == 3 and summary["trained_off_policy"] == 0
+    )
+    assert summary["final_adapter_equals_fault_free"] and summary["rewards_equal_fault_free"]
