@@ -27,6 +27,9 @@ no SDE: any ODE sampler will do. Each iteration:
    H100: -232.7 -> -233.5); the ramp did, in the same run (-229.7 -> -179.4 kB, 29.7 standard
    errors over iteration means; benchmarks/RESULTS.md#train-nft).
 
+A lost server (restarted, unreachable, late) is waited for, both adapters re-pushed and verified
+and the rollouts redone (``_recovery.py``); rollouts from another version are never trained on.
+
 **Parity check** (the counterpart of Flow-GRPO's ratio of exactly 1 for deterministic rollouts): the
 trainer's ``old`` adapter recomputes one ODE step of every group from the returned trajectory entry,
 as one batch, and the result must equal the server's next entry bit for bit (``old_policy_max_dev``

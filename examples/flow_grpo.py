@@ -27,6 +27,11 @@ Each iteration:
 4. **Sync.** The adapter is pushed (``push_lora``: reloaded in place, activated, checksum verified)
    and the server's checksum read back and compared with the trainer's.
 
+**A lost server** (restarted with its base weights, a dropped connection, an answer later than
+``--request-timeout``) is waited for, the adapter re-pushed and verified and the iteration's
+rollouts redone (``_recovery.py``); rollouts from any other weight version are rejected, never
+trained on, and the record lists each recovery (``recoveries``).
+
 ``--async-depth k`` (k > 0) makes the rollouts of the next k iterations while the trainer trains
 (``RolloutClient.rollout_stream``): a batch is at most k pushes behind the trainer (older ones are
 regenerated), is trained with the truncated importance weight of ``tis_policy_loss`` when stale,
