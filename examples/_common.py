@@ -135,6 +135,19 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
         "--server-args", default="", help="extra `diffusion-rollout serve` options for a server started here"
     )
     g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds the trainer waits for any one answer before it recovers (default: the client's, 900)",
+    )
+    g.add_argument(
+        "--recover-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a lost server (restarting, unreachable) is waited for and re-pushed before the run "
+        "stops with an error naming the cause",
+    )
+    g.add_argument(
         "--release-memory",
         action="store_true",
         help="colocated: the server releases its GPU memory while the trainer trains",
@@ -386,6 +399,11 @@ def _start_rollout_server(args: argparse.Namespace, family: str) -> Iterator[Ser
             )
         with start:
             yield Server(f"http://127.0.0.1:{port}", admin_key, model_path)
+
+
+def client_timeout(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's ``timeout`` keyword for ``--request-timeout`` (none: the client's default)."""
+    return {"timeout": args.request_timeout} if args.request_timeout else {}
 
 
 def wait_ready(client, timeout_s: float = 600.0) -> None:

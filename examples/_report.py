@@ -58,6 +58,8 @@ def progress_line(
         f"{record['iteration_s']:.3g} s/it",
         f"ETA {duration(seconds_per_iteration * max(total - it, 0))}",
     ]
+    if record.get("recovered"):  # a lost server waited for, re-pushed, the rollouts redone (_recovery.py)
+        parts.append("recovered " + ",".join(record["recovered"]))
     return "  ".join(parts)
 
 

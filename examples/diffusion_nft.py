@@ -27,6 +27,9 @@ no SDE: any ODE sampler will do. Each iteration:
    H100: -232.7 -> -233.5); the ramp did, in the same run (-229.7 -> -179.4 kB, 29.7 standard
    errors over iteration means; benchmarks/RESULTS.md#train-nft).
 
+A lost server (restarted, unreachable, late) is waited for, both adapters re-pushed and verified
+and the rollouts redone (``_recovery.py``); rollouts from another version are never trained on.
+
 **Parity check** (the counterpart of Flow-GRPO's ratio of exactly 1 for deterministic rollouts): the
 trainer's ``old`` adapter recomputes one ODE step of every group from the returned trajectory entry,
 as one batch, and the result must equal the server's next entry bit for bit (``old_policy_max_dev``
@@ -50,6 +53,7 @@ from _common import (
     Phases,
     add_lora,
     base_parser,
+    client_timeout,
     environment,
     image_size,
     iteration_record,
@@ -64,6 +68,7 @@ from _common import (
 )
 from _config import parse_with_config
 from _ranks import Ranks
+from _recovery import Recovery, on_main, server_holds_lora
 from _report import Report
 from rewards import load_reward
 
@@ -217,19 +222,29 @@ def run(
 
     def sync(version: str) -> bool:
         """Rank 0 pushes both adapters; every rank leaves with its verdict once the server holds them."""
-        ok = None
-        if ranks.is_main:
+
+        def both() -> bool:
             push_lora(client, transformer, name="default", activate=False, weight_version=version)
             push_lora(client, transformer, name="old", activate=True, weight_version=version)
             served = adapter_checksums(client)
-            ok = all(
-                lora_checksum(transformer, adapter_name=a, dtype=dtype) == served[a]
+            return all(
+                lora_checksum(transformer, adapter_name=a, dtype=dtype) == served.get(a)
                 for a in ("default", "old")
             )
-        return ranks.broadcast(ok)
 
+        return on_main(ranks, both, "push")
+
+    def holds(version: str) -> bool:
+        """Rank 0: whether the server still holds both adapters at ``version``, ``old`` active."""
+        mine = {a: lora_checksum(transformer, adapter_name=a, dtype=dtype) for a in ("default", "old")}
+        return server_holds_lora(client, version, mine, "old")
+
+    # A lost server is waited for, both adapters re-pushed and verified, the rollouts redone
+    # (_recovery.py); every recovery is in the run record.
+    recovery = Recovery(client, ranks, timeout_s=args.recover_timeout)
+    recovery.restore(state)
     version = f"nft-{state['next_iteration']}"
-    sync(version)
+    recovery.push(state["next_iteration"], version, sync, holds)
     width, height = image_size(args)
     run_record: dict[str, Any] = {
         "recipe": "diffusion_nft", "layout": "server", "ranks": ranks.world, "args": vars(args),
@@ -249,16 +264,19 @@ def run(
                 for k in range(args.prompts)
             ]  # fmt: skip
             jobs = ranks.share(jobs)  # this rank's block of the iteration's groups
-            with phases("rollout"):
-                groups = client.generate_many(
-                    jobs, num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
+            request = dict(
+                    num_outputs_per_prompt=args.group_size, num_inference_steps=args.steps,
                     width=width, height=height, num_frames=args.frames, guidance_scale=1.0,
                     rollout_sde_step_indices=[], rollout_log_prob_no_const=True,
                     rollout_return_dit_trajectory=True,
                     rollout_return_step_indices=sorted({parity_step, parity_step + 1, args.steps}),
                     rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
                     generator_device="cuda" if device.type == "cuda" else "cpu",
-                )  # fmt: skip
+            )  # fmt: skip
+            with phases("rollout"):  # only a batch made under the pushed version is trained on
+                groups = recovery.rollouts(
+                    it, version, lambda j=jobs, r=request: client.generate_many(j, **r), sync, holds
+                )
             outputs = [o for g in groups for o in g]
             if any(o.sde_step_indices for o in outputs) or any(
                 bool(o.rollout_log_probs.any()) for o in outputs
@@ -288,21 +306,25 @@ def run(
                 ema_update(transformer, decay)
             version = f"nft-{it + 1}"
             with phases("push"):
-                checksum_ok = sync(version)
+                checksum_ok = recovery.push(it, version, sync, holds)
             all_rewards = torch.cat([q["rewards"] for q in seen])
             record = iteration_record(
                 it, version, all_rewards, outputs, phases, t_iter, images=len(all_rewards),
                 loss=loss, old_policy_max_dev=parity, checksum_ok=checksum_ok, ema_decay=decay,
             )  # fmt: skip
+            record["recovered"] = [e["cause"] for e in recovery.events if e["iteration"] == it]
             history.append(record)
             report.iteration(record, outputs)
             if ranks.is_main:
                 run_record["summary"] = summarize(history, "old_policy_max_dev")
+                run_record.update(recovery.record())
                 write_run(out_path, run_record)
                 checkpoint.save(
-                    transformer, optimizer, ["default", "old"], {"next_iteration": it + 1, "history": history}
-                )
+                    transformer, optimizer, ["default", "old"],
+                    {"next_iteration": it + 1, "history": history, **recovery.state()},
+                )  # fmt: skip
     run_record["summary"] = summarize(history, "old_policy_max_dev")
+    run_record.update(recovery.record())
     if ranks.is_main:
         run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]
         write_run(out_path, run_record)
@@ -319,9 +341,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         trainer_device(args, ranks)  # binds this rank's GPU before the first collective
         with (
             rollout_server(args, ranks=ranks) as server,
-            RolloutClient(server.url, admin_key=server.admin_key, max_concurrency=args.prompts) as client,
+            RolloutClient(
+                server.url, admin_key=server.admin_key, max_concurrency=args.prompts, **client_timeout(args)
+            ) as client,
         ):
-            wait_ready(client)
+            wait_ready(client, args.recover_timeout)
             record = run(client, server.model_path, args, args.out, ranks)
     finally:
         ranks.close()

@@ -27,6 +27,11 @@ Each iteration:
 4. **Sync.** The adapter is pushed (``push_lora``: reloaded in place, activated, checksum verified)
    and the server's checksum read back and compared with the trainer's.
 
+**A lost server** (restarted with its base weights, a dropped connection, an answer later than
+``--request-timeout``) is waited for, the adapter re-pushed and verified and the iteration's
+rollouts redone (``_recovery.py``); rollouts from any other weight version are rejected, never
+trained on, and the record lists each recovery (``recoveries``).
+
 ``--async-depth k`` (k > 0) makes the rollouts of the next k iterations while the trainer trains
 (``RolloutClient.rollout_stream``): a batch is at most k pushes behind the trainer (older ones are
 regenerated), is trained with the truncated importance weight of ``tis_policy_loss`` when stale,
@@ -67,6 +72,7 @@ from _common import (
     Phases,
     add_lora,
     base_parser,
+    client_timeout,
     clock,
     environment,
     image_size,
@@ -85,6 +91,7 @@ from _config import parse_with_config
 from _full import FullFinetune
 from _in_process import InProcessSampler
 from _ranks import Ranks
+from _recovery import Recovery, on_main, server_holds_lora
 from _report import Report
 from rewards import load_reward
 
@@ -305,18 +312,36 @@ def run(
         leaves with rank 0's verdict, i.e. only once the server holds ``version``."""
         if in_process:
             return None
-        if full is not None:
-            ok = full.push(client if ranks.is_main else None, version)
-        elif ranks.is_main:
+        if full is not None:  # (several ranks: a connection lost mid-gather is not recovered)
+            return on_main(
+                ranks, lambda: full.push(client, version), "push", others=lambda: full.push(None, version)
+            )
+
+        def lora() -> bool:
             result = push_lora(client, transformer, name="default", activate=True, weight_version=version)
             ok = lora_checksum(transformer, dtype=dtype) == server_adapter_checksum(client)
-            ok = ok and result.weight_version == version
-        return ranks.broadcast(ok if ranks.is_main else None)
+            return ok and result.weight_version == version
 
+        return on_main(ranks, lora, "push")
+
+    def holds(version: str) -> bool:
+        """Rank 0: whether the server still holds the trainer's weights at ``version`` (full
+        weights: never assumed; re-pushing the same weights is harmless)."""
+        if full is not None:
+            return False
+        return server_holds_lora(
+            client, version, {"default": lora_checksum(transformer, dtype=dtype)}, "default"
+        )
+
+    # A lost server (restarted, unreachable, answering late) is waited for, re-pushed and verified,
+    # and the iteration's rollouts redone (_recovery.py); every recovery is in the run record.
+    recovery = Recovery(client, ranks, timeout_s=args.recover_timeout)
+    recovery.restore(state)
     # lora_B starts at zero: the adapter changes nothing yet, so the first rollouts sample the base
     # policy with the adapter's structure in place, and later pushes reload it in place. Full
     # weights: the server already holds them; the push names the version and verifies the bytes.
-    push(version)
+    if not in_process:
+        recovery.push(state["next_iteration"], version, push, holds)
     width, height = image_size(args)
     run_record: dict[str, Any] = {
         "recipe": "flow_grpo", "layout": "in-process" if in_process else "server",
@@ -349,26 +374,42 @@ def run(
                              None if window is None else sorted({*window, *(s + 1 for s in window)})})  # fmt: skip
         return ranks.share(jobs)
 
-    stream = None
-    if args.async_depth > 0 and not in_process:
-        # Iteration it + k is sent while the trainer trains on iteration it (k = --async-depth).
-        first_it = state["next_iteration"]
-        stream = client.rollout_stream(
+    def open_stream(first_it: int):
+        """Iteration it + k is sent while the trainer trains on iteration it (k = --async-depth)."""
+        opened = client.rollout_stream(
             lambda i: iteration_jobs(first_it + i), max_staleness=args.async_depth, on_stale="regenerate",
             max_batches=args.iterations - first_it, **shared,
         )  # fmt: skip
-        stream.pushed(version)
+        opened.pushed(version)
+        return opened
+
+    def next_batch(it: int):
+        """The stream's next batch. A lost server fails the stream: every rank recovers, then opens
+        a new stream from iteration ``it`` (its first batch made under the re-pushed version)."""
+
+        def reopen() -> None:
+            nonlocal stream
+            stream.close()
+            stream = open_stream(it)
+
+        # Staleness, not the version, is the stream's rule (stale batches are trained with TIS).
+        return recovery.rollouts(
+            it, version, lambda: next(stream), push, holds, expect_version=False, reset=reopen
+        )
+
+    stream = open_stream(state["next_iteration"]) if args.async_depth > 0 and not in_process else None
     # Rank 0's progress line per iteration, and --log-to's scalars and images.
     report = Report(args, "flow_grpo", "first_ratio_max_dev", enabled=ranks.is_main)
     # Closing the stream aborts what is in flight.
-    with stream if stream is not None else contextlib.nullcontext(), report:
+    with contextlib.ExitStack() as closing, report:
+        closing.callback(lambda: stream is not None and stream.close())
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()
             staleness, server_span, regenerated = None, None, False
             with phases("rollout"):
                 if stream is not None:
-                    batch = next(stream)
+                    batch = next_batch(it)
                     groups, staleness = batch.outputs, batch.staleness
                     server_span = [clock(batch.sent_at), clock(batch.answered_at)]
                     # One version per iteration on every rank: where the ranks' batches disagree
@@ -380,8 +421,16 @@ def run(
                             0,
                             True,
                         )
-                else:
+                elif in_process:
                     groups = sampler.generate_many(iteration_jobs(it), **shared)
+                else:  # only a batch made under the pushed version is trained on
+                    groups = recovery.rollouts(
+                        it,
+                        version,
+                        lambda i=it: client.generate_many(iteration_jobs(i), **shared),
+                        push,
+                        holds,
+                    )
             outputs = [o for g in groups for o in g]
             versions = {o.weight_version for o in outputs}
             if stream is not None and len(versions) != 1:
@@ -406,7 +455,7 @@ def run(
                     client.resume_memory_occupation()
             version = f"iter-{it + 1}"
             with phases("push"):
-                checksum_ok = push(version)
+                checksum_ok = None if in_process else recovery.push(it, version, push, holds)
             if stream is not None:
                 stream.pushed(version)
             per_rank = ranks.gather(phases.record())
@@ -427,16 +476,19 @@ def run(
                 **({"server_span": server_span} if server_span else {}), **extra,
                 images=len(all_rewards), server_peak=max((q["server_peak"] for q in seen if q["server_peak"] is not None), default=None),
             )  # fmt: skip
+            record["recovered"] = [e["cause"] for e in recovery.events if e["iteration"] == it]
             history.append(record)
             report.iteration(record, outputs)
             if ranks.is_main:
                 if full is not None:
                     run_record["full_sync"] = full.record()
                 run_record["summary"] = summarize(history, "first_ratio_max_dev")
+                run_record.update(recovery.record())
                 write_run(out_path, run_record)
                 checkpoint.save(
-                    transformer, optimizer, ["default"], {"next_iteration": it + 1, "history": history}
-                )
+                    transformer, optimizer, ["default"],
+                    {"next_iteration": it + 1, "history": history, **recovery.state()},
+                )  # fmt: skip
     if full is not None:
         run_record["full_sync"] = full.record()
         full.close()
@@ -444,6 +496,7 @@ def run(
         run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=dtype)
         run_record["server_adapter_checksum"] = server_adapter_checksum(client)
     run_record["summary"] = summarize(history, "first_ratio_max_dev")
+    run_record.update(recovery.record())
     if ranks.is_main:
         write_run(out_path, run_record)
     return run_record
@@ -462,9 +515,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 record = run(None, server.model_path, args, args.out, ranks)
             else:
                 with RolloutClient(
-                    server.url, admin_key=server.admin_key, max_concurrency=args.prompts
+                    server.url,
+                    admin_key=server.admin_key,
+                    max_concurrency=args.prompts,
+                    **client_timeout(args),
                 ) as client:
-                    wait_ready(client)
+                    wait_ready(client, args.recover_timeout)
                     record = run(client, server.model_path, args, args.out, ranks)
     finally:
         ranks.close()

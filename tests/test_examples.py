@@ -211,9 +211,11 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint(examples, 
     assert _rewards(straight) == _rewards(resumed)
 
 
-def test_flow_grpo_checks_fail_when_the_server_keeps_stale_weights(examples, monkeypatch):
+def test_flow_grpo_stops_when_the_server_never_takes_its_weights(examples, monkeypatch, tmp_path):
     """Negative control: pushes after the first only relabel the server's adapter (its weights stay at
-    the initial zero adapter) -- the checksum check and the ratio check must both fail."""
+    the initial zero adapter). The checksum check catches it, the push is repeated a bounded number of
+    times, and the run stops with an error naming the cause, having trained on nothing it could not
+    vouch for."""
     flow_grpo = examples("flow_grpo")
     real_push, versions = flow_grpo.push_lora, []
 
@@ -224,34 +226,41 @@ def test_flow_grpo_checks_fail_when_the_server_keeps_stale_weights(examples, mon
         return client.lora_activate(name, weight_version=weight_version)
 
     monkeypatch.setattr(flow_grpo, "push_lora", stale_push)
-    run = flow_grpo.main(SMALL)
-    assert versions == ["iter-0", "iter-1", "iter-2"]
-    first, second = run["history"]
-    assert first["checksum_ok"] is False and second["checksum_ok"] is False
-    assert first["first_ratio_max_dev"] == 0.0  # both still held the zero adapter at iteration 0
-    assert second["first_ratio_max_dev"] > 0  # the server sampled from other weights than the trainer's
-    assert run["summary"]["first_ratio_max_dev"] > 0 and not run["summary"]["checksums_ok"]
-    assert run["final_adapter_checksum"] != run["server_adapter_checksum"]
+    out = tmp_path / "run.json"
+    with pytest.raises(RuntimeError, match=r"iteration 0: push_not_verified: .* does not take the trainer's"):
+        flow_grpo.main([*SMALL, "--out", str(out), "--recover-timeout", "30"])
+    assert versions[0] == "iter-0" and len(versions) > 2 and set(versions[1:]) == {"iter-1"}
+    assert not out.exists()  # iteration 0 never completed: its push was never verified
 
 
-def test_flow_grpo_stops_on_rollouts_from_an_old_weight_version(examples, monkeypatch, tmp_path):
-    """Negative control: pushes after the first never reach the server -- the iteration-0 record shows
-    the failed checksum and the next iteration refuses rollouts labelled with the old version."""
+def test_flow_grpo_repushes_a_lost_push_and_ends_where_a_clean_run_ends(examples, monkeypatch, tmp_path):
+    """The push after iteration 0 never reaches the server (it claims success, sends nothing): the
+    checksum check sees it, the adapter is pushed again and verified, and the run ends with the same
+    rewards and the same adapter as a run without the fault; the recovery is in the record."""
     flow_grpo = examples("flow_grpo")
+    clean = flow_grpo.main(SMALL)
     real_push, calls = flow_grpo.push_lora, []
 
     def lost_push(client, model, *, name="default", weight_version=None, **kw):
         calls.append(weight_version)
-        if len(calls) == 1:
-            return real_push(client, model, name=name, weight_version=weight_version, **kw)
-        return types.SimpleNamespace(weight_version=weight_version)  # claims success, sent nothing
+        if len(calls) == 2:
+            return types.SimpleNamespace(weight_version=weight_version)  # claims success, sent nothing
+        return real_push(client, model, name=name, weight_version=weight_version, **kw)
 
     monkeypatch.setattr(flow_grpo, "push_lora", lost_push)
     out = tmp_path / "run.json"
-    with pytest.raises(RuntimeError, match=r"rollouts came from \{'iter-0'\}, expected 'iter-1'"):
-        flow_grpo.main([*SMALL, "--out", str(out)])
-    [record] = json.loads(out.read_text())["history"]
-    assert record["checksum_ok"] is False and record["first_ratio_max_dev"] == 0.0
+    run = flow_grpo.main([*SMALL, "--out", str(out)])
+    assert calls == ["iter-0", "iter-1", "iter-1", "iter-2"]
+    [event] = run["recoveries"]
+    assert (
+        event["iteration"] == 0 and event["cause"] == "push_not_verified" and event["action"] == "re-pushed"
+    )
+    assert run["recoveries_by_cause"]["push_not_verified"]["count"] == 1 and run["off_policy_rejected"] == 0
+    assert [h["recovered"] for h in run["history"]] == [["push_not_verified"], []]
+    assert all(h["checksum_ok"] and h["first_ratio_max_dev"] == 0.0 for h in run["history"])
+    assert _rewards(run) == _rewards(clean)
+    assert run["final_adapter_checksum"] == clean["final_adapter_checksum"] == run["server_adapter_checksum"]
+    assert json.loads(out.read_text())["recoveries"] == run["recoveries"]
 
 
 # ---------------------------------------------------------------------------------------------- DiffusionNFT
@@ -271,9 +280,10 @@ def test_diffusion_nft_samples_from_old_and_holds_the_servers_old_policy(example
     assert run["summary"]["old_policy_max_dev"] == 0.0 and run["summary"]["checksums_ok"]
 
 
-def test_diffusion_nft_parity_and_checksum_fail_when_old_is_not_pushed(examples, monkeypatch):
-    """Negative control: the push of `old` after iteration 0 is skipped, so the server samples
-    iteration 1 from the previous `old` while the trainer's EMA moved on."""
+def test_diffusion_nft_repushes_an_old_adapter_that_did_not_arrive(examples, monkeypatch):
+    """The push of `old` after iteration 0 is skipped: the checksum check sees that the server's `old`
+    is not the trainer's, both adapters are pushed again, and iteration 1 samples from the trainer's
+    `old` (parity exactly 0) instead of the previous one; the recovery is recorded."""
     nft = examples("diffusion_nft")
     real_push, names = nft.push_lora, []
 
@@ -285,12 +295,13 @@ def test_diffusion_nft_parity_and_checksum_fail_when_old_is_not_pushed(examples,
 
     monkeypatch.setattr(nft, "push_lora", push_skipping_old_once)
     run = nft.main(SMALL)
-    assert names == ["default", "old"] * 3
+    assert names == ["default", "old"] * 4
+    [event] = run["recoveries"]
+    assert (event["iteration"], event["cause"], event["action"]) == (0, "push_not_verified", "re-pushed")
     first, second = run["history"]
-    assert first["old_policy_max_dev"] == 0.0 and first["checksum_ok"] is False
-    assert second["old_policy_max_dev"] > 0
-    assert second["checksum_ok"] is True  # the next sync pushed `old` again
-    assert run["summary"]["old_policy_max_dev"] > 0 and not run["summary"]["checksums_ok"]
+    assert first["recovered"] == ["push_not_verified"] and second["recovered"] == []
+    for h in (first, second):
+        assert h["old_policy_max_dev"] == 0.0 and h["checksum_ok"] is True
 
 
 # ---------------------------------------------------------------------------------------------- plots

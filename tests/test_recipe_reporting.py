@@ -59,6 +59,11 @@ def test_progress_line_formats_the_records_numbers(examples):
         "rollout 7.05s reward 0.01s train 3.19s push 0.38s  10.4 s/it  ETA 2m47s"
     )
     assert report.duration(3725) == "1h02m" and report.duration(59.4) == "59s"
+    # An iteration that recovered from a lost server says so, and with what cause.
+    recovered = report.progress_line({**record, "recovered": ["rollout_connection_lost", "off_policy_batch"]},
+                                     20, "first_ratio_max_dev", 9.8)  # fmt: skip
+    assert recovered == line + "  recovered rollout_connection_lost,off_policy_batch"
+    assert report.progress_line({**record, "recovered": []}, 20, "first_ratio_max_dev", 9.8) == line
 
 
 def test_diffusion_nft_print_json_prints_the_records(examples, capsys):
