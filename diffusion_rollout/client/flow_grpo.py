@@ -65,7 +65,7 @@ from diffusion_rollout.client.results import RolloutOutput
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.client.sync_client import RolloutClient
 
-__all__ = ["pipeline_with_logprob", "sample"]
+__all__ = ["RolloutClient", "ServedPipeline", "pipeline_with_logprob", "sample"]
 
 EMBEDDING_NAMES = (
     "prompt_embeds",

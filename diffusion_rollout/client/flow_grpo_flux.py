@@ -39,7 +39,7 @@ from diffusion_rollout.client.flow_grpo import (
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.client.sync_client import RolloutClient
 
-__all__ = ["pipeline_with_logprob"]
+__all__ = ["RolloutClient", "ServedPipeline", "pipeline_with_logprob"]
 
 
 def pipeline_with_logprob(
