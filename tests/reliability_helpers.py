@@ -100,3 +100,16 @@ def collect_logs(level: int = logging.DEBUG) -> Iterator[LogCollector]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+
+
+# A small deterministic rollout (ODE) whose answer shows which weights the server holds.
+PROBE = {
+    "prompt": "a red cube on a table",
+    "seed": 11,
+    "width": 32,
+    "height": 32,
+    "max_sequence_length": 16,
+    "num_inference_steps": 2,
+    "rollout_sde_type": "ode",
+    "rollout_log_prob_no_const": True,
+}

@@ -30,7 +30,7 @@ from diffusion_rollout.entrypoints.cli import build_parser
 from diffusion_rollout.entrypoints.upload_listener import MAX_HEADER_LINE, MAX_HEADERS, MAX_REQUEST_LINE
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 from diffusion_rollout.server.weights import get_weight_manager
-from tests.reliability_helpers import live_server, wait_until
+from tests.reliability_helpers import PROBE, live_server, wait_until
 
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -523,16 +523,6 @@ def test_parts_in_flight_on_several_connections_land_atomically(fresh_server):
 
 
 # ---------------------------------------------------------------------------- interrupted pushes
-PROBE = {
-    "prompt": "a red cube on a table",
-    "seed": 11,
-    "width": 32,
-    "height": 32,
-    "max_sequence_length": 16,
-    "num_inference_steps": 2,
-    "rollout_sde_type": "ode",
-    "rollout_log_prob_no_const": True,
-}
 
 
 def probe(client: RolloutClient) -> tuple[torch.Tensor, object]:

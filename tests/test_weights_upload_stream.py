@@ -23,7 +23,7 @@ from diffusion_rollout.safetensors_layout import SafetensorsBody
 from diffusion_rollout.server.weights import get_weight_manager
 from diffusion_rollout.server.weights.receive import BufferPool, parse_safetensors, unpooled
 from diffusion_rollout.server.weights.updater import finite_flags
-from tests.reliability_helpers import live_server, wait_until
+from tests.reliability_helpers import PROBE, live_server, wait_until
 
 
 def new_weights(server, seed: int) -> dict[str, torch.Tensor]:
@@ -309,16 +309,6 @@ def test_a_refused_part_among_concurrent_ones_fails_the_push_and_applies_nothing
 
 
 # ---------------------------------------------------------------------------- interrupted pushes
-PROBE = {
-    "prompt": "a red cube on a table",
-    "seed": 11,
-    "width": 32,
-    "height": 32,
-    "max_sequence_length": 16,
-    "num_inference_steps": 2,
-    "rollout_sde_type": "ode",
-    "rollout_log_prob_no_const": True,
-}
 
 
 def probe(server) -> tuple[torch.Tensor, object]:

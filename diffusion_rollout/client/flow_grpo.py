@@ -308,7 +308,7 @@ def pipeline_with_logprob(
         )  # fmt: skip
         x_t_dtype = prompt_embeds.dtype  # flow_grpo's prepare_latents draws in the embeddings' dtype
     elif prompt is not None:
-        conditioning = _texts(prompt, negative_prompt)
+        conditioning = text_rows(prompt, negative_prompt)
         fields["max_sequence_length"] = max_sequence_length
         x_t_dtype = served.transformer.dtype if served is not None else None
     else:
@@ -319,7 +319,8 @@ def pipeline_with_logprob(
     )  # fmt: skip
 
 
-def _texts(prompt: str | list[str], negative_prompt: str | list[str] | None) -> list[dict[str, Any]]:
+def text_rows(prompt: str | list[str], negative_prompt: str | list[str] | None) -> list[dict[str, Any]]:
+    """One conditioning row per prompt (the server encodes the text), with its negative if any."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     negatives = (
         list(negative_prompt)

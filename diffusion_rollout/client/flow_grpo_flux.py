@@ -35,6 +35,7 @@ from diffusion_rollout.client.flow_grpo import (
     sample,
     served_target,
     step_fields,
+    text_rows,
 )
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.client.sync_client import RolloutClient
@@ -126,16 +127,7 @@ def pipeline_with_logprob(
         conditioning = conditioning_rows(served, embeds, prompt_embeds.shape[0])
         x_t_dtype = prompt_embeds.dtype
     elif prompt is not None:
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        negatives = (
-            negative_prompt
-            if isinstance(negative_prompt, (list, tuple))
-            else [negative_prompt] * len(prompts)
-        )
-        if len(negatives) != len(prompts):
-            raise ValueError(f"negative_prompt has {len(negatives)} entries for {len(prompts)} prompts")
-        rows = [{"prompt": p, "negative_prompt": n} for p, n in zip(prompts, negatives, strict=True)]
-        conditioning = [{k: v for k, v in row.items() if v is not None} for row in rows]
+        conditioning = text_rows(prompt, negative_prompt)
         fields["max_sequence_length"] = max_sequence_length
         x_t_dtype = served.transformer.dtype if served is not None else None
     else:
