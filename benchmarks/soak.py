@@ -287,8 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     args.lora_updates = args.lora_updates if args.lora_updates is not None else (90 if gpu else 200)
     args.full_updates = args.full_updates if args.full_updates is not None else (10 if gpu else 20)
     args.size = args.size or (256 if gpu else 32)
-    torch.set_num_threads(1)  # the trainer side must not starve the server of cores
-    result = soak(args)
+    # The trainer side must not starve the server of cores; restored after, since a caller in this
+    # process (the test suite) keeps its own servers' threads at its own count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = soak(args)
+    finally:
+        torch.set_num_threads(threads)
     device = "cuda" if gpu else "cpu"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
     rows = [{"series": k, **s} for k, s in result["slopes"].items()]
