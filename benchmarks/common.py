@@ -268,6 +268,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_cli_server(
+    cmd: Sequence[str], log: Path, url: str, timeout_s: float, *, new_session: bool = False
+) -> subprocess.Popen:
+    """Start ``serve`` (``cmd``, its output into ``log``) and wait until ``url``'s ``/model_info`` says
+    ready; a server that exits or is not ready in ``timeout_s`` ends the benchmark with its log."""
+    import httpx
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen(
+        list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/model_info", timeout=2).json().get("status") == "ready":
+                return proc
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    if new_session:
+        stop_session(proc)
+    else:
+        proc.kill()
+    raise SystemExit(f"server did not become ready in {timeout_s:.0f} s")
+
+
 def stop_session(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
     """Stop a process started with ``start_new_session=True`` and everything it started (a CLI
     server's replicas, a recipe's server): ``sig`` to its process group, SIGKILL after ``timeout_s``."""

@@ -33,7 +33,6 @@ import argparse
 import collections
 import copy
 import json
-import os
 import random
 import signal
 import statistics
@@ -49,7 +48,7 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from benchmarks.common import document, free_port, write_json
+from benchmarks.common import document, free_port, start_cli_server, write_json
 from diffusion_rollout import wire
 
 API_KEY = "load-api-key"
@@ -100,21 +99,8 @@ def start_server(model: Path, args) -> tuple[subprocess.Popen, str, Path]:
         "--max-batch-size", str(args.max_batch_size), "--max-queue-depth", str(args.max_queue_depth),
         "--request-timeout-s", "120", "--shutdown-grace-s", "20", "--log-level", "warning",
     ]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/model_info", timeout=2).json().get("status") == "ready":
-                return proc, url, log
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not become ready in 180 s")
+    return start_cli_server(cmd, log, url, 180), url, log
 
 
 def payloads(model: Path, seed: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, tuple[dict, dict]]]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, free_port, print_table, stop_session, write_json
+from benchmarks.common import document, free_port, print_table, start_cli_server, stop_session, write_json
 
 GPU_MODEL = "sd3.5-medium"
 LORA_RANK = 8
@@ -137,7 +137,6 @@ def payloads(model: Path) -> tuple[list[dict[str, torch.Tensor]], list[dict[str,
 
 
 def start_server(model: Path, gpu: bool, log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
 
     port = free_port()
     device = ["--device", "cuda", "--dtype", "bfloat16"] if gpu else ["--device", "cpu", "--dtype", "float32"]
@@ -145,23 +144,8 @@ def start_server(model: Path, gpu: bool, log: Path) -> tuple[subprocess.Popen, s
         sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), *device, "--log-level", "warning",
     ]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/model_info", timeout=2).json().get("status") == "ready":
-                return proc, url
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    stop_session(proc)
-    raise SystemExit("server did not become ready in 600 s")
+    return start_cli_server(cmd, log, url, 600, new_session=True), url
 
 
 def every(total: int, count: int) -> int:

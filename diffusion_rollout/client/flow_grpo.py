@@ -307,16 +307,25 @@ def pipeline_with_logprob(
             negative_pooled_prompt_embeds, negative_prompt, cfg=guidance_scale > 1,
         )  # fmt: skip
         x_t_dtype = prompt_embeds.dtype  # flow_grpo's prepare_latents draws in the embeddings' dtype
-    elif prompt is not None:
-        conditioning = text_rows(prompt, negative_prompt)
-        fields["max_sequence_length"] = max_sequence_length
-        x_t_dtype = served.transformer.dtype if served is not None else None
     else:
-        raise ValueError("prompt or prompt_embeds is required")
+        conditioning, x_t_dtype = text_conditioning(
+            prompt, negative_prompt, max_sequence_length, served, fields
+        )
     return sample(
         pipeline, conditioning, per_row=num_images_per_prompt, generator=generator, fields=fields,
         extra_fields=extra_fields, output_type=output_type, x_t_dtype=x_t_dtype, return_outputs=return_outputs,
     )  # fmt: skip
+
+
+def text_conditioning(
+    prompt: str | list[str] | None, negative_prompt: Any, max_sequence_length: int, served: Any, fields: dict
+) -> tuple[list[dict[str, Any]], torch.dtype | None]:
+    """Text for the server to encode (no embeddings were given): the rows and the ``x_T`` dtype, the
+    pipeline's own; ``fields`` gets the encoder's token count."""
+    if prompt is None:
+        raise ValueError("prompt or prompt_embeds is required")
+    fields["max_sequence_length"] = max_sequence_length
+    return text_rows(prompt, negative_prompt), (served.transformer.dtype if served is not None else None)
 
 
 def text_rows(prompt: str | list[str], negative_prompt: str | list[str] | None) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from diffusion_rollout.client.flow_grpo import (
     sample,
     served_target,
     step_fields,
-    text_rows,
+    text_conditioning,
 )
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.client.sync_client import RolloutClient
@@ -126,12 +126,10 @@ def pipeline_with_logprob(
             )
         conditioning = conditioning_rows(served, embeds, prompt_embeds.shape[0])
         x_t_dtype = prompt_embeds.dtype
-    elif prompt is not None:
-        conditioning = text_rows(prompt, negative_prompt)
-        fields["max_sequence_length"] = max_sequence_length
-        x_t_dtype = served.transformer.dtype if served is not None else None
     else:
-        raise ValueError("prompt or prompt_embeds is required")
+        conditioning, x_t_dtype = text_conditioning(
+            prompt, negative_prompt, max_sequence_length, served, fields
+        )
     return sample(
         pipeline, conditioning, per_row=num_images_per_prompt, generator=generator, fields=fields,
         extra_fields=extra_fields, output_type=output_type, x_t_dtype=x_t_dtype, return_outputs=return_outputs,
