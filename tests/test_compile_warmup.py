@@ -176,10 +176,14 @@ def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_serve
     assert warm["cache"]["key"] == cold["cache"]["key"]
     assert cold["cache"]["artifacts_loaded"] == 0 and cold["cache"]["artifacts_saved_bytes"] > 0
     assert warm["cache"]["artifacts_loaded"] > 0
-    # The first process compiled every graph (misses only); the second found them all.
-    assert cold["warmup"]["fx_graph_cache_misses"] > 0 and cold["warmup"]["fx_graph_cache_hits"] == 0
-    assert warm["warmup"]["fx_graph_cache_hits"] >= cold["warmup"]["fx_graph_cache_misses"]
-    assert warm["warmup"]["fx_graph_cache_misses"] == 0
+
+    # The first process compiled every graph (cache misses); the second found them all.
+    def lookups(info: dict, what: str) -> int:
+        return info["warmup"][f"fx_graph_cache_{what}"] + info["warmup"][f"aot_autograd_cache_{what}"]
+
+    assert lookups(cold, "misses") > 0
+    assert lookups(warm, "hits") > 0 and lookups(warm, "misses") == 0, warm["warmup"]
+    assert warm["graphs_compiled"] == cold["graphs_compiled"]  # traced again, loaded from the cache
     # /health had an estimate from the first warm-up while the second ran.
     server = compiled_servers(1)
     assert all(h["warmup"]["estimate_remaining_s"] is not None for h, _, _ in server.warming)

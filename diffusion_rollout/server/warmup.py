@@ -18,9 +18,10 @@ Design decisions:
   counts every graph it is handed, and the seconds spent in it (:class:`CompileStats`): per engine,
   unlike Dynamo's process-wide counters. A graph compiled after the warm-up is a recompile
   (``/server_info`` ``speed.compile.recompiles``, ``/metrics``
-  ``diffusion_rollout_compile_recompiles_total``). Inductor's FX-graph cache hits and misses during
-  the warm-up are read from ``torch._dynamo.utils.counters`` (process-wide, but nothing else compiles
-  while a server warms up).
+  ``diffusion_rollout_compile_recompiles_total``); a cache hit still counts as a graph (Dynamo traces
+  it, inductor loads it). The FX-graph and AOTAutograd cache hits and misses during the warm-up are
+  read from ``torch._dynamo.utils.counters`` (process-wide, but nothing else compiles while a server
+  warms up).
 - **A request for a shape not warmed up** compiles in the foreground: it is answered once the
   compile is done (minutes for a large model on a GPU), and it is logged with the flag that would
   have warmed it. Running it eagerly instead would give it other numerics than the compiled requests
@@ -144,8 +145,8 @@ class Warmup:
     done: int = 0
     started_at: float | None = None
     seconds: float | None = None  # when done
-    cache_hits: int = 0
-    cache_misses: int = 0
+    # Cache lookups during the warm-up: {"fx_graph": (hits, misses), "aot_autograd": (hits, misses)}.
+    cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -175,8 +176,8 @@ class Warmup:
             "batch_sizes": self.batches,
             "elapsed_s": round(self.elapsed(), 3),
             "estimate_remaining_s": None if remaining is None else round(remaining, 1),
-            "fx_graph_cache_hits": self.cache_hits,
-            "fx_graph_cache_misses": self.cache_misses,
+            **{f"{kind}_cache_hits": hm[0] for kind, hm in self.cache.items()},
+            **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
             "calls": self.calls,
         }
 
@@ -190,10 +191,17 @@ class Warmup:
         )
 
 
-def _fx_cache_counts() -> tuple[int, int]:
+def _cache_counts() -> dict[str, tuple[int, int]]:
+    """Inductor's FX-graph cache and AOTAutograd's cache: (hits, misses) so far in this process."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return {
+        "fx_graph": (counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]),
+        "aot_autograd": (
+            counters["aot_autograd"]["autograd_cache_hit"],
+            counters["aot_autograd"]["autograd_cache_miss"],
+        ),
+    }
 
 
 def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
@@ -203,7 +211,7 @@ def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
     from diffusion_rollout.server.params import GenerateParams
 
     a = engine.adapter
-    hits0, misses0 = _fx_cache_counts()
+    counts0 = _cache_counts()
     warmup.state, warmup.started_at = "warming", time.monotonic()
     est = f"; the last one took {warmup.estimate_s:.0f} s" if warmup.estimate_s is not None else ""
     logger.info(
@@ -247,12 +255,15 @@ def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
                 warmup.done, warmup.total, shape, n, seconds, graphs, warmup.elapsed(),
                 f", about {left:.0f} s left" if left is not None else "",
             )  # fmt: skip
-    hits, misses = _fx_cache_counts()
-    warmup.cache_hits, warmup.cache_misses = hits - hits0, misses - misses0
+    warmup.cache = {
+        kind: (hits - counts0[kind][0], misses - counts0[kind][1])
+        for kind, (hits, misses) in _cache_counts().items()
+    }
     warmup.seconds = time.monotonic() - warmup.started_at
     warmup.state = "done"
     logger.info(
-        "warm-up done in %.1f s: %d graph(s) compiled, inductor cache %d hit(s), %d miss(es)",
-        warmup.seconds, stats.graphs if stats else 0, warmup.cache_hits, warmup.cache_misses,
+        "warm-up done in %.1f s: %d graph(s) compiled; cache hits/misses: %s",
+        warmup.seconds, stats.graphs if stats else 0,
+        ", ".join(f"{kind} {h}/{m}" for kind, (h, m) in warmup.cache.items()),
     )  # fmt: skip
     return warmed
