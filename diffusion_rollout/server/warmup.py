@@ -160,11 +160,12 @@ class Warmup:
 
     def remaining_s(self) -> float | None:
         elapsed = self.elapsed()
+        guesses = []
         if self.estimate_s is not None:
-            return max(0.0, self.estimate_s - elapsed)
-        if self.done:
-            return elapsed / self.done * (self.total - self.done)
-        return None
+            guesses.append(max(0.0, self.estimate_s - elapsed))
+        if self.done:  # the first call of a shape compiles, the rest are quick: an upper bound
+            guesses.append(elapsed / self.done * (self.total - self.done))
+        return min(guesses) if guesses else None
 
     def report(self) -> dict[str, Any]:
         remaining = self.remaining_s() if self.state == "warming" else None
