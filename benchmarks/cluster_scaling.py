@@ -181,6 +181,7 @@ def run_count(n: int, args, device: str, factory, body: dict[str, Any]) -> list[
         max_outputs_per_request=64,
         max_batch_size=args.group,
         log_level="warning",
+        pipeline_lanes=1,  # the baseline its rows were measured with (before --speed exact's lanes)
     )
     engine = ClusterEngine(config, pipeline_factory=factory)
     t0 = time.perf_counter()

@@ -808,6 +808,13 @@ class BenchModel:
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "max_outputs_per_request": 64,
                 "max_batch_size": 16,
+                # The rows measured before --speed existed ran one lane: keep that the baseline here
+                # (--speed exact would add a second lane on CUDA); variants ask for lanes explicitly.
+                "pipeline_lanes": 1,
+                # The phases time their own first (compiling) calls at their own sizes, on torch's
+                # default cache: no warm-up at the model's default size, no keyed compile cache.
+                "warmup_shapes": "none",
+                "compile_cache": "none",
                 **self.server_overrides,
                 **config_overrides,
             }

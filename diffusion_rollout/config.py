@@ -8,12 +8,15 @@ from these fields, and environment variables are read here and nowhere else
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 ENV_PREFIX = "DIFFUSION_ROLLOUT_"
+_SHAPE = r"\d+x\d+(?:x\d+)?"
+_WARMUP_SHAPES = re.compile(rf"\s*(?:none|{_SHAPE}(?:\s*,\s*{_SHAPE})*)\s*", re.IGNORECASE)
 
 
 def default_cache_dir() -> Path:
@@ -135,7 +138,27 @@ class ServerConfig(BaseModel):
     max_image_bytes: int = Field(32 * 2**20, ge=1, description="largest input image file")
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="most width*height of an input image")
 
-    # Speed (opt-in; the eager path is the bit-exact one)
+    # Speed (the default is the fastest exact set; the eager path is the bit-exact one)
+    speed: Literal["exact", "fast"] = Field(
+        "exact",
+        description="preset that fills in the speed options not given: exact = the fastest bit-exact set "
+        "measured on this device (CUDA: pipeline_lanes=2; CPU: plain eager), fast = quantize=fp8 + "
+        "compile (compile alone where FP8 cannot run); the choice and its RESULTS.md rows are logged and "
+        "shown in /server_info (speed_presets.py)",
+    )
+    warmup_shapes: str | None = Field(
+        None,
+        description="with compile: the request sizes to compile before /health_generate says ready, "
+        "WIDTHxHEIGHT[xFRAMES] comma-separated (e.g. 512x512,1024x768), each for batch sizes 1.."
+        "max_batch_size (one dynamic-batch compile); unset = the model's default size; none = no warm-up "
+        "(compile on the first request of each shape)",
+    )
+    compile_cache: str | None = Field(
+        None,
+        description="with compile: folder for torch's compile artifacts, reused by later starts with "
+        "the same torch, device, model, dtype and speed options (a keyed subfolder each); unset = "
+        "<cache_dir>/compile; none = torch's own temporary cache",
+    )
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
     attention_backend: str | None = Field(
         None,
@@ -211,6 +234,53 @@ class ServerConfig(BaseModel):
     cache_dir: str = Field(
         default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
     )
+
+    @field_validator("warmup_shapes")
+    @classmethod
+    def _warmup_shapes_parse(cls, value: str | None) -> str | None:
+        if value is not None and not _WARMUP_SHAPES.fullmatch(value):
+            raise ValueError(
+                f"warmup_shapes={value!r}: expected WIDTHxHEIGHT[xFRAMES] sizes separated by commas "
+                "(e.g. 512x512,1024x768), or none"
+            )
+        return value
+
+    # What --speed chose (speed_presets.py), set once by _apply_speed_preset.
+    _speed_choice: object = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _apply_speed_preset(self) -> ServerConfig:
+        # First of the validators, so that they check the options as expanded. Written through
+        # __dict__: assignment would validate again, and the preset applies once.
+        if self._speed_choice is not None:
+            return self
+        from diffusion_rollout.speed_presets import choose
+
+        device = self.resolved_device()
+        fp8_reason = None
+        if self.speed == "fast" and "quantize" not in self.model_fields_set:
+            from diffusion_rollout.server.fast_tier import unsupported_reason
+
+            fp8_reason = unsupported_reason(
+                quantize="fp8", attention_backend=None, device=device, check_hardware=self.replicas is None
+            )
+        given = {n: getattr(self, n) for n in self.model_fields_set}
+        choice = choose(self.speed, device=device, given=given, fp8_unavailable=fp8_reason)
+        for name, value in choice.applied.items():
+            self.__dict__[name] = value
+        self._speed_choice = choice
+        return self
+
+    @property
+    def speed_choice(self):
+        """The :class:`~diffusion_rollout.speed_presets.SpeedChoice` behind the speed options."""
+        return self._speed_choice
+
+    def resolved_compile_cache(self) -> str | None:
+        """The compile cache's root folder, or None when it is off."""
+        if self.compile_cache is not None and self.compile_cache.lower() == "none":
+            return None
+        return self.compile_cache or str(Path(self.cache_dir) / "compile")
 
     @model_validator(mode="after")
     def _upload_port_differs(self) -> ServerConfig:

@@ -72,7 +72,7 @@ def served_demo(tmp_path_factory):
 
 def test_serve_demo_answers_health_and_model_info(served_demo):
     base, _proc, cache = served_demo
-    assert httpx.get(base + "/health", timeout=5).json() == {"status": "ok"}
+    assert httpx.get(base + "/health", timeout=5).json() == {"status": "ok", "state": "ready"}
     info = httpx.get(base + "/model_info", timeout=5).json()
     assert info["family"] == "sd3"
     assert info["model_path"].startswith(str(cache))

@@ -272,7 +272,8 @@ def test_the_readiness_probe_of_a_compiled_server_runs_eagerly(fresh_server):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # so that the request below compiles even if another test compiled these blocks
-    server = fresh_server("sd3", compile=True)
+    # No warm-up (nothing compiled yet) and no compile cache (nothing written under ~/.cache).
+    server = fresh_server("sd3", compile=True, warmup_shapes="none", compile_cache="none")
     before = counters["stats"]["unique_graphs"]
     assert server.client.get("/health_generate").status_code == 200
     assert counters["stats"]["unique_graphs"] == before  # nothing compiled for the probe

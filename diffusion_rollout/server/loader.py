@@ -20,9 +20,10 @@ Speed options (``ServerConfig.compile`` / ``attention_backend``), both off by de
   them: compile time is that of one or two blocks, not of the whole model, and the denoising loop,
   the scheduler and the rollout recording stay eager Python. Compiled (fused) kernels round
   differently from eager ones: **a compiled server is not bit-identical to the stock pipeline**; the
-  ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. Compilation
-  happens lazily on the first call of each new shape (batch size, resolution), so the first request
-  of each shape is slow.
+  ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. The blocks'
+  batch dimension is dynamic and the engine compiles them for ``warmup_shapes`` before it reports
+  ready (``server/warmup.py``); a shape not warmed up compiles on its first request. The compiled
+  artifacts persist in ``compile_cache`` (``server/compile_cache.py``).
 - ``quantize="fp8"`` / ``attention_backend="fa4"``: the fast tier (``server/fast_tier.py``): torchao
   FP8 linears (quantized here, before any compile) and FlashAttention-4 registered with diffusers'
   dispatcher. Checked first: without CUDA, on a GPU too old or without the package, loading fails
@@ -48,6 +49,7 @@ import torch
 from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
 from diffusion_rollout.server import fast_tier
 from diffusion_rollout.server.speed import SpeedOptions
+from diffusion_rollout.server.warmup import CompileStats, compile_block
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +218,7 @@ def apply_speed_options(
         if fast_tier.is_fa4(attention_backend):
             fast_tier.register_fa4()
     quantized: dict[str, Any] = {}
+    compile_stats = CompileStats() if compile else None
     if cuda_graphs:
         if not where.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device; this pipeline runs on {where}")
@@ -235,10 +238,11 @@ def apply_speed_options(
             if not blocks:
                 raise ValueError(f"{name} ({type(model).__name__}) has no repeated blocks to compile")
             for block in blocks:
-                block.compile()
+                compile_block(block, compile_stats)
             kinds = sorted({type(b).__name__ for b in blocks})
             logger.info(
-                "%s: regional torch.compile of %d blocks (%s); not bit-identical to eager",
+                "%s: regional torch.compile of %d blocks (%s), batch dimension dynamic; not "
+                "bit-identical to eager",
                 name,
                 len(blocks),
                 ", ".join(kinds),
@@ -261,4 +265,5 @@ def apply_speed_options(
         quantize=quantize,
         quantize_report=quantized or None,
         graphs=graphs,
+        compile_stats=compile_stats,
     )

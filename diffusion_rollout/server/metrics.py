@@ -18,6 +18,8 @@ Design decisions:
 - On a GPU, ``cuda_memory_allocated_bytes`` and ``cuda_memory_reserved_bytes`` are read from torch's
   allocator at scrape time: a long run's memory is watched from outside the process
   (``benchmarks/soak.py``) without a request of its own.
+- A compiled server adds ``compile_graphs_total``, ``compile_seconds_total``,
+  ``compile_recompiles_total``, ``warmup_seconds`` and ``warmed_shapes`` (``server/warmup.py``).
 - Label values are bounded sets (outcome and error types, route templates, status codes), never
   request ids or prompts, so the series count stays small.
 """
@@ -36,6 +38,24 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A compiled server's series (server/warmup.py): name, type, help, key of the engine's dict.
+COMPILE_SERIES = (
+    ("compile_graphs_total", "counter", "Graphs torch.compile compiled for the denoiser's blocks.", "graphs"),
+    ("compile_seconds_total", "counter", "Seconds inductor spent compiling those graphs.", "seconds"),
+    (
+        "compile_recompiles_total",
+        "counter",
+        "Graphs compiled after the warm-up ended (a shape or batch it did not cover).",
+        "recompiles",
+    ),
+    (
+        "warmup_seconds",
+        "gauge",
+        "Seconds the compile warm-up took (so far, while it runs).",
+        "warmup_seconds",
+    ),
+    ("warmed_shapes", "gauge", "Request shapes compiled before the server said ready.", "warmed_shapes"),
+)
 REQUEST_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
 
@@ -166,6 +186,7 @@ class Metrics:
         status: str,
         weight_version: Any,
         device_memory: dict[str, int] | None = None,
+        compile_stats: dict[str, float] | None = None,
     ) -> str:
         """The exposition text; the arguments are the engine's state at scrape time
         (``device_memory``: ``{"allocated": bytes, "reserved": bytes}`` on a GPU, else None)."""
@@ -268,6 +289,10 @@ class Metrics:
                     f"Bytes of GPU memory {kind} by torch's caching allocator.",
                     [((), value)],
                 )
+            if compile_stats is not None:
+                for name, kind, help_text, key in COMPILE_SERIES:
+                    if key in compile_stats:
+                        metric(name, kind, help_text, [((), compile_stats[key])])
             metric(
                 "http_responses_total",
                 "counter",

@@ -68,6 +68,7 @@ class SpeedOptions:
     quantize: str | None = None  # "fp8" (server/fast_tier.py)
     quantize_report: dict[str, Any] | None = None  # per denoiser: linears quantized and kept
     graphs: Any = None  # a CudaGraphRunner when cuda_graphs is on
+    compile_stats: Any = None  # server/warmup.py CompileStats when compile is on
     # Benchmarks switch graphs off and on to compare in one process; the server never does.
     use_graphs: bool = True
 
@@ -91,13 +92,19 @@ class SpeedOptions:
         return {
             "exact": self.exact,
             "inexact_options": self.inexact_options,
-            "compile": self.compile,
+            "compile": self.compile_report(),
             "attention_backend": self.attention_backend,
             "quantize": (
                 None if self.quantize is None else {"mode": self.quantize, "denoisers": self.quantize_report}
             ),
             "cuda_graphs": self.graphs.report() if self.graphs is not None else {"enabled": False},
         }
+
+    def compile_report(self) -> Any:
+        """False, or the compile counters (the engine adds the warm-up and the cache)."""
+        if not self.compile:
+            return False
+        return {"enabled": True, **(self.compile_stats.report() if self.compile_stats is not None else {})}
 
     def invalidate(self) -> None:
         """The weights or modules changed: captured graphs must not be replayed any more."""

@@ -32,7 +32,7 @@ router = APIRouter()
 # /health_generate trusts a generation that succeeded this recently instead of running another.
 READY_FRESH_S = 30.0
 # Engine states that are no fault (answered 503, logged once per change at info).
-EXPECTED_STATES = frozenset({"loading", "released", "stopping"})
+EXPECTED_STATES = frozenset({"loading", "warming", "released", "stopping"})
 
 
 def _versions() -> dict[str, str]:
@@ -57,8 +57,17 @@ def _versions() -> dict[str, str]:
 
 
 @router.get("/health")
-async def health() -> dict:
-    return {"status": "ok"}
+async def health(request: Request) -> dict:
+    """Liveness: 200 while the process serves HTTP. ``state`` is the engine's (``loading``,
+    ``warming``, ``ready``, ...); a compiled server adds ``warmup``: calls done / total, seconds so
+    far and an estimate of the rest (readiness itself is ``/health_generate``)."""
+    engine = get_engine(request)
+    out = {"status": "ok", "state": engine.status}
+    warmup = getattr(engine, "warmup_info", None)  # engines without a compile warm-up have none
+    info = warmup() if warmup is not None else None
+    if info is not None:
+        out["warmup"] = {k: v for k, v in info.items() if k != "calls"}
+    return out
 
 
 class ReadinessProbes:
@@ -90,11 +99,25 @@ def _has_key(request: Request) -> bool:
     return key_error(request.headers.get("authorization"), cfg, level) is None
 
 
+def _progress(engine) -> str:
+    """While a compiled server warms up: how far it got, for the 503's message."""
+    warmup = getattr(engine, "warmup_info", None)
+    info = warmup() if warmup is not None else None
+    if engine.status != "warming" or info is None:
+        return ""
+    left = info["estimate_remaining_s"]
+    return (
+        f" (compiling for the expected request shapes: {info['done']}/{info['total']} warm-up calls "
+        f"done, {info['elapsed_s']:.0f} s so far"
+        + (f", about {left:.0f} s left)" if left is not None else ")")
+    )
+
+
 @router.get("/health_generate")
 async def health_generate(request: Request) -> dict:
     engine = get_engine(request)
     if engine.status in EXPECTED_STATES:
-        raise NotReadyError(f"not ready: {engine.status}", state=engine.status)
+        raise NotReadyError(f"not ready: {engine.status}{_progress(engine)}", state=engine.status)
     if engine.status != "ready":  # "failed": the load or a context-parallel rank broke
         raise ServiceUnavailableError(f"not ready: {engine.status}")
     if engine.queue_stats().paused:

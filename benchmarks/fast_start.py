@@ -1,0 +1,217 @@
+"""Start-up of the fast tier through the real CLI (issue #43): start -> ready -> first answer, cold
+and from the compile cache, then 4-in-flight throughput against stock and against ``serve``'s defaults.
+
+Each server is ``python -m diffusion_rollout.entrypoints.cli serve`` in a process of its own on a
+saved model folder (the real architecture with random weights, built once under ``--work``):
+
+1. ``fast_cold``: ``--speed fast --warmup-shapes {size}x{size} --max-batch-size {group}`` with an
+   empty ``--compile-cache``: seconds from the process start to ``/health_generate`` 200 (the
+   warm-up included) and to the answer of the first Flow-GRPO request (one prompt x ``group``,
+   ``steps`` steps, SDE with log-probs, trajectory and ``denoising_env``, lean uint8), then
+   ``--in-flight`` such requests at once: images/s.
+2. ``fast_warm``: the same command again, on the cache the first run wrote.
+3. ``defaults``: ``serve`` with no speed flag (``--speed exact``: two pipeline lanes on CUDA).
+4. ``stock``: the stock diffusers pipeline from the same folder in this process, the same batches
+   back to back (precomputed embeddings, images on the device).
+
+Each server's ``/server_info`` (speed choice, compile counters, warm-up, cache) goes into the JSON.
+
+GPU (one command; about 15-25 minutes on an H100, most of it the cold compile)::
+
+    python -m benchmarks.fast_start --device cuda --out $OUT
+
+CPU smoke (tiny SD3, 32x32; minutes, compiling on the CPU)::
+
+    python -m benchmarks.fast_start --device cpu --model tiny-sd3 --size 32 --group 2 --steps 2 --out /tmp/fs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
+from benchmarks.common import (
+    RemoteClients,
+    document,
+    free_port,
+    log,
+    print_table,
+    stop_session,
+    write_json,
+)
+from benchmarks.train_recipes import model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def grpo_body(args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
+    return {
+        "prompt": GRPO_PROMPT,
+        "seed": seed,
+        "num_outputs_per_prompt": args.group,
+        "num_inference_steps": args.steps,
+        "guidance_scale": 4.5,
+        "height": args.size,
+        "width": args.size,
+        "output_dtype": "uint8",
+        "lean_response": True,
+        **SDE_ROLLOUT_ENV,
+    }
+
+
+def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str]) -> dict[str, Any]:
+    """Start ``serve`` with ``flags``, time ready and the first answer, then the in-flight batch."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(folder),
+        "--device", args.device, "--port", str(port), "--max-batch-size", str(args.group), *flags,
+    ]  # fmt: skip
+    logfile = Path(args.out) / f"fast_start_{name}.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{name}: {' '.join(cmd[2:])}")
+    with logfile.open("w") as out:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        row: dict[str, Any] = {"run": name, "flags": " ".join(flags) or "(defaults)"}
+        clients = None
+        try:
+            with httpx.Client(base_url=url, timeout=600) as c:
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name}: serve exited {proc.returncode}; see {logfile}")
+                    if time.monotonic() - t0 > args.ready_timeout_s:
+                        raise RuntimeError(f"{name}: not ready after {args.ready_timeout_s} s; see {logfile}")
+                    try:
+                        if c.get("/health_generate").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.5)
+                row["start_to_ready_s"] = time.monotonic() - t0
+                clients = RemoteClients(url)
+                clients.time_one(grpo_body(args))
+                row["start_to_first_answer_s"] = time.monotonic() - t0
+                clients.run([grpo_body(args, seed=i) for i in range(args.in_flight)], args.in_flight)  # warm
+                reply = clients.run(
+                    [grpo_body(args, seed=10 + i) for i in range(args.in_flight)], args.in_flight
+                )
+                row["images_per_s"] = args.in_flight * args.group / reply["seconds"]
+                row["server_info"] = c.get("/server_info").json().get("speed")
+        finally:
+            if clients is not None:
+                clients.close()
+            stop_session(proc)
+    compile_info = (row.get("server_info") or {}).get("compile") or {}
+    if isinstance(compile_info, dict) and compile_info.get("warmup"):
+        row["warmup_s"] = compile_info["warmup"]["elapsed_s"]
+        row["fx_cache_hits"] = compile_info["warmup"]["fx_graph_cache_hits"]
+        row["recompiles"] = compile_info.get("recompiles")
+    log(f"{name}: ready {row['start_to_ready_s']:.1f} s, first answer {row['start_to_first_answer_s']:.1f} s, "
+        f"{row['images_per_s']:.2f} img/s")  # fmt: skip
+    return row
+
+
+def stock_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The stock pipeline on the same folder, the in-flight batches back to back."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(str(folder), dtype=dtype).to(args.device)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        embeds = pipe.encode_prompt(GRPO_PROMPT, GRPO_PROMPT, GRPO_PROMPT, do_classifier_free_guidance=True)
+    names = (
+        "prompt_embeds",
+        "negative_prompt_embeds",
+        "pooled_prompt_embeds",
+        "negative_pooled_prompt_embeds",
+    )
+    kwargs = {n: t.repeat(args.group, *([1] * (t.dim() - 1))) for n, t in zip(names, embeds, strict=True)}
+
+    def batch(seed: int) -> None:
+        gens = [torch.Generator(args.device).manual_seed(seed + i) for i in range(args.group)]
+        with torch.inference_mode():
+            pipe(**kwargs, num_inference_steps=args.steps, guidance_scale=4.5, height=args.size,
+                 width=args.size, generator=gens, output_type="pt")  # fmt: skip
+
+    batch(0)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(args.in_flight):
+        batch(10 + i)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {
+        "run": "stock",
+        "flags": "diffusers pipeline",
+        "images_per_s": args.in_flight * args.group / seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="sd3.5-medium", help="a model_builders name, or tiny-<family>")
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--group", type=int, default=16, help="outputs per Flow-GRPO request")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--work", type=Path, default=Path("/tmp/fast_start"), help="model folder and caches")
+    p.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    folder = model_folder(args.model, args.work)
+    cache = args.work / "compile-cache"
+    shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
+    fast = ["--speed", "fast", "--warmup-shapes", f"{args.size}x{args.size}", "--compile-cache", str(cache)]
+    rows = [
+        serve_run("fast_cold", args, folder, fast),
+        serve_run("fast_warm", args, folder, fast),
+        serve_run("defaults", args, folder, []),
+        stock_run(args, folder),
+    ]
+    stock = rows[-1]["images_per_s"]
+    for row in rows:
+        row["ratio_vs_stock"] = row["images_per_s"] / stock
+    defaults = rows[2]["images_per_s"]
+    for row in rows:
+        row["ratio_vs_defaults"] = row["images_per_s"] / defaults
+    print_table(
+        f"fast-tier start-up and throughput ({args.model}, {args.size}², {args.steps} steps, "
+        f"{args.in_flight} x {args.group} in flight)",
+        rows,
+        [
+            ("run", "run", ""),
+            ("start_to_ready_s", "start->ready s", ".1f"),
+            ("start_to_first_answer_s", "start->first answer s", ".1f"),
+            ("warmup_s", "warm-up s", ".1f"),
+            ("fx_cache_hits", "cache hits", ""),
+            ("recompiles", "recompiles", ""),
+            ("images_per_s", "img/s", ".2f"),
+            ("ratio_vs_stock", "vs stock", ".3f"),
+            ("ratio_vs_defaults", "vs defaults", ".3f"),
+        ],
+    )
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = write_json(args.out, "fast_start", document("fast_start", args.device, settings, rows))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

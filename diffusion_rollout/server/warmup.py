@@ -1,0 +1,270 @@
+"""Compiled before ready: the warm-up of a ``--compile`` server (issue #43).
+
+Design decisions:
+
+- **One compile for every batch size.** Each compiled block marks dimension 0 of its tensor inputs
+  dynamic (``torch._dynamo.maybe_mark_dynamic``) before Dynamo sees them, so the graph compiled for
+  batch 2 serves every batch of 2 or more. Dynamo specialises a dimension of size 1, so a block
+  called with batch 1 (no CFG, one output) compiles once more. The warm-up therefore runs, for each
+  shape, a call of ``min(2, max_batch_size)`` outputs and one of 1: every batch size up to
+  ``max_batch_size`` (and beyond) then runs without compiling.
+- **Through the real path.** Warm-up calls are ordinary plans put on the worker (prompt encoding,
+  rollout scheduler, the pipeline call as requests make it), one denoising step each and latents
+  only. Requests are refused (503, state ``warming``) until the warm-up ends.
+- **Progress.** ``/health`` shows ``warmup``: shapes done / total, seconds so far, and an estimate
+  (the last warm-up's seconds from the compile cache, else the mean of the calls done so far); each
+  call is logged.
+- **Counted by the compiler itself.** The blocks compile through a backend that wraps inductor's and
+  counts every graph it is handed, and the seconds spent in it (:class:`CompileStats`): per engine,
+  unlike Dynamo's process-wide counters. A graph compiled after the warm-up is a recompile
+  (``/server_info`` ``speed.compile.recompiles``, ``/metrics``
+  ``diffusion_rollout_compile_recompiles_total``); a cache hit still counts as a graph (Dynamo traces
+  it, inductor loads it). The FX-graph and AOTAutograd cache hits and misses during the warm-up are
+  read from ``torch._dynamo.utils.counters`` (process-wide, but nothing else compiles while a server
+  warms up).
+- **A request for a shape not warmed up** compiles in the foreground: it is answered once the
+  compile is done (minutes for a large model on a GPU), and it is logged with the flag that would
+  have warmed it. Running it eagerly instead would give it other numerics than the compiled requests
+  next to it; a trainer that sends new sizes should list them in ``--warmup-shapes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from diffusion_rollout.server.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- compiling blocks
+class CompileStats:
+    """Graphs the blocks' backend compiled and the seconds it took (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.graphs = 0
+        self.seconds = 0.0
+        self.graphs_at_ready: int | None = None  # set when the warm-up ends
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """A ``torch.compile`` backend: inductor, counted."""
+        from torch._inductor.compile_fx import compile_fx
+
+        t0 = time.perf_counter()
+        try:
+            return compile_fx(gm, example_inputs)
+        finally:
+            with self._lock:
+                self.graphs += 1
+                self.seconds += time.perf_counter() - t0
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled after the warm-up ended (0 before it ends)."""
+        return 0 if self.graphs_at_ready is None else self.graphs - self.graphs_at_ready
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "graphs_compiled": self.graphs,
+            "compile_s": round(self.seconds, 3),
+            "recompiles": self.recompiles,
+        }
+
+
+def compile_block(block: torch.nn.Module, stats: CompileStats) -> None:
+    """Regional ``torch.compile`` of one block, its inputs' batch dimension marked dynamic."""
+    block.compile(backend=stats.backend)
+    compiled = block._compiled_call_impl  # what nn.Module.__call__ runs once compile() is set
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # Outside the compiled frame (Dynamo cannot trace the marking itself).
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(value, 0)
+        return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call
+
+
+# --------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    width: int
+    height: int
+    frames: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "")
+
+
+def parse_shapes(text: str | None) -> list[Shape] | None:
+    """``"512x512,1024x768x33"`` -> shapes; None for unset (the model's default); [] for ``none``."""
+    if text is None or not text.strip():
+        return None
+    if text.strip().lower() == "none":
+        return []
+    shapes = []
+    for part in text.split(","):
+        dims = part.strip().lower().split("x")
+        if len(dims) not in (2, 3) or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(
+                f"warmup_shapes: {part.strip()!r} is not WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES (e.g. 512x512)"
+            )
+        nums = [int(d) for d in dims]
+        shapes.append(Shape(nums[0], nums[1], nums[2] if len(nums) == 3 else None))
+    return shapes
+
+
+def shape_key(call: Any) -> tuple:
+    """What of a pipeline call sets the blocks' input shapes, batch aside: size, frames, text length."""
+    return (call.width, call.height, call.num_frames, call.max_sequence_length)
+
+
+def warmup_batches(max_batch_size: int) -> list[int]:
+    """Outputs per warm-up call: the dynamic-batch graph first, then batch 1 (module doc)."""
+    return [2, 1] if max_batch_size >= 2 else [1]
+
+
+# --------------------------------------------------------------------------- progress
+@dataclass
+class Warmup:
+    """The warm-up's plan and progress (what ``/health`` and ``/server_info`` show)."""
+
+    shapes: list[Shape]
+    batches: list[int]
+    estimate_s: float | None = None  # the last warm-up's seconds (compile cache), if known
+    state: str = "pending"  # pending, warming, done, off
+    done: int = 0
+    started_at: float | None = None
+    seconds: float | None = None  # when done
+    # Cache lookups during the warm-up: {"fx_graph": (hits, misses), "aot_autograd": (hits, misses)}.
+    cache: dict[str, tuple[int, int]] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return len(self.shapes) * len(self.batches)
+
+    def elapsed(self) -> float:
+        if self.seconds is not None:
+            return self.seconds
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+
+    def remaining_s(self) -> float | None:
+        elapsed = self.elapsed()
+        guesses = []
+        if self.estimate_s is not None:
+            guesses.append(max(0.0, self.estimate_s - elapsed))
+        if self.done:  # the first call of a shape compiles, the rest are quick: an upper bound
+            guesses.append(elapsed / self.done * (self.total - self.done))
+        return min(guesses) if guesses else None
+
+    def report(self) -> dict[str, Any]:
+        remaining = self.remaining_s() if self.state == "warming" else None
+        return {
+            "state": self.state,
+            "done": self.done,
+            "total": self.total,
+            "shapes": [str(s) for s in self.shapes],
+            "batch_sizes": self.batches,
+            "elapsed_s": round(self.elapsed(), 3),
+            "estimate_remaining_s": None if remaining is None else round(remaining, 1),
+            **{f"{kind}_cache_hits": hm[0] for kind, hm in self.cache.items()},
+            **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
+            "calls": self.calls,
+        }
+
+    def describe(self) -> str:
+        """The 503 message while warming."""
+        left = self.remaining_s()
+        about = f", about {left:.0f} s left" if left is not None else ""
+        return (
+            f"compiling for the expected request shapes before serving: {self.done}/{self.total} "
+            f"warm-up calls done, {self.elapsed():.0f} s so far{about}"
+        )
+
+
+def _cache_counts() -> dict[str, tuple[int, int]]:
+    """Inductor's FX-graph cache and AOTAutograd's cache: (hits, misses) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fx_graph": (counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]),
+        "aot_autograd": (
+            counters["aot_autograd"]["autograd_cache_hit"],
+            counters["aot_autograd"]["autograd_cache_miss"],
+        ),
+    }
+
+
+def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
+    """Compile the blocks for every warm-up shape and batch (on the caller's thread, through the
+    engine's worker), updating ``warmup`` as it goes; returns the ``(width, height, frames)`` of the
+    calls it made."""
+    from diffusion_rollout.server.params import GenerateParams
+
+    a = engine.adapter
+    counts0 = _cache_counts()
+    warmup.state, warmup.started_at = "warming", time.monotonic()
+    est = f"; the last one took {warmup.estimate_s:.0f} s" if warmup.estimate_s is not None else ""
+    logger.info(
+        "warm-up: compiling for %d shape(s) (%s) x batch %s before serving%s",
+        len(warmup.shapes), ", ".join(map(str, warmup.shapes)), warmup.batches, est,
+    )  # fmt: skip
+    stats = engine.loaded.speed.compile_stats
+    warmed: set[tuple] = set()
+    for shape in warmup.shapes:
+        for n in warmup.batches:
+            params = GenerateParams(
+                prompt="warm-up",
+                seed=0,
+                width=shape.width,
+                height=shape.height,
+                num_inference_steps=1,
+                num_outputs_per_prompt=n,
+                rollout=False,
+                return_generated_output=False,
+                request_id=f"warmup-{shape}-b{n}",
+            )
+            if a.is_video:
+                params.num_frames = shape.frames or a.default_frames()
+            if a.image_inputs:
+                from diffusion_rollout.server.images import probe_image_png
+
+                params.image_data = [probe_image_png(min(shape.width, shape.height))]
+            graphs0, t0 = stats.graphs if stats else 0, time.perf_counter()
+            plan = engine.plan(params)
+            warmed.add(shape_key(plan.call))
+            engine.worker.submit(plan.job(params.request_id)).result()
+            seconds = time.perf_counter() - t0
+            warmup.done += 1
+            graphs = (stats.graphs if stats else 0) - graphs0
+            warmup.calls.append(
+                {"shape": str(shape), "batch": n, "seconds": round(seconds, 3), "graphs": graphs}
+            )
+            left = warmup.remaining_s()
+            logger.info(
+                "warm-up %d/%d: %s batch %d in %.1f s (%d graph(s) compiled; %.1f s so far%s)",
+                warmup.done, warmup.total, shape, n, seconds, graphs, warmup.elapsed(),
+                f", about {left:.0f} s left" if left is not None else "",
+            )  # fmt: skip
+    warmup.cache = {
+        kind: (hits - counts0[kind][0], misses - counts0[kind][1])
+        for kind, (hits, misses) in _cache_counts().items()
+    }
+    warmup.seconds = time.monotonic() - warmup.started_at
+    warmup.state = "done"
+    logger.info(
+        "warm-up done in %.1f s: %d graph(s) compiled; cache hits/misses: %s",
+        warmup.seconds, stats.graphs if stats else 0,
+        ", ".join(f"{kind} {h}/{m}" for kind, (h, m) in warmup.cache.items()),
+    )  # fmt: skip
+    return warmed

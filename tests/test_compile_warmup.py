@@ -1,0 +1,241 @@
+"""Compiled before ready, a compile cache that survives restarts, and ``--speed`` (issue #43).
+
+Two real ``diffusion-rollout serve --speed fast`` processes on the tiny SD3 (32x32) share one
+``--compile-cache`` folder: the first compiles from nothing, the second, started after the first
+stopped, reads what the first wrote. Each is watched from outside while it starts:
+
+- it is not ready (``/health_generate`` 503, ``/health`` state ``warming`` with progress) until its
+  warm-up shapes are compiled, then ready;
+- requests of 1, 2 and 3 outputs compile nothing more (the blocks' own graph counter and the
+  recompile count in ``/server_info`` and ``/metrics``);
+- the second process's warm-up hits inductor's cache (counts, not times).
+
+The speed presets themselves (which options each adds on which device, and that fine flags win) are
+checked in process; the default choice is logged and reported by a plain CPU server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.speed_presets import choose
+from tests.test_cli_serve import _free_port
+
+START_TIMEOUT_S = 300
+
+
+class ServeProcess:
+    """``serve`` in a child process; its states as seen by ``/health`` while it started."""
+
+    def __init__(self, model: Path, cache: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        args = [
+            sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve",
+            "--model", str(model), "--device", "cpu", "--dtype", "float32", "--port", str(self.port),
+            "--speed", "fast", "--warmup-shapes", "32x32", "--max-batch-size", "4",
+            "--compile-cache", str(cache),
+        ]  # fmt: skip
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+        self._out = log.open("w")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        # Every /health answer while it warmed, and what /health_generate said at the same moment.
+        self.warming: list[tuple[dict, int, str]] = []
+        self.ready_after_warming = False
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(base_url=self.base, timeout=30) as c:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    health = c.get("/health").json()
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+                    continue
+                if health.get("state") == "warming":
+                    r = c.get("/health_generate")
+                    self.warming.append((health, r.status_code, r.text))
+                elif health.get("state") == "ready":
+                    self.ready_after_warming = bool(self.warming)
+                    return
+                time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"server did not become ready:\n{self.log.read_text()[-4000:]}")
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.base + path, timeout=60)
+
+    def info(self) -> dict:
+        return self.get("/server_info").json()
+
+    def generate(self, n: int) -> list[dict]:
+        from diffusion_rollout import wire
+
+        body = {"prompt": "a red square", "seed": n, "num_outputs_per_prompt": n, "width": 32, "height": 32}
+        body.update(num_inference_steps=2, guidance_scale=4.5, return_generated_output=False)
+        r = httpx.post(
+            self.base + "/rollout/generate", json=body, headers={"Accept": "application/msgpack"}, timeout=300
+        )
+        assert r.status_code == 200, r.text[:2000]
+        return wire.decode(r.content, r.headers["content-type"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
+@pytest.fixture(scope="module")
+def compiled_servers(tiny_model_path, tmp_path_factory):
+    """``start(i)``: the i-th server process (0, then 1), both on one compile cache; the earlier one
+    is stopped before the next starts."""
+    root = tmp_path_factory.mktemp("compile-warmup")
+    model = tiny_model_path("sd3")
+    started: dict[int, ServeProcess] = {}
+
+    def start(i: int) -> ServeProcess:
+        if i not in started:
+            for s in started.values():
+                s.stop()
+            started[i] = ServeProcess(model, root / "compile-cache", root / f"serve-{i}.log")
+        return started[i]
+
+    yield start
+    for s in started.values():
+        s.stop()
+
+
+def test_a_compiled_server_is_ready_only_after_its_warmup(compiled_servers):
+    server = compiled_servers(0)
+    assert server.warming, "never saw the warming state"
+    assert server.ready_after_warming
+    for health, code, text in server.warming:
+        assert code == 503 and "warming" not in health.get("status", "")
+        assert "compiling for the expected request shapes" in text
+        progress = health["warmup"]
+        assert (
+            progress["total"] == 2 and progress["shapes"] == ["32x32"] and progress["batch_sizes"] == [2, 1]
+        )
+        assert progress["done"] < progress["total"] and progress["elapsed_s"] >= 0
+    assert server.get("/health_generate").status_code == 200
+    warmup = server.info()["speed"]["compile"]["warmup"]
+    assert warmup["state"] == "done" and warmup["done"] == warmup["total"] == 2
+    # One dynamic-batch graph set from the first call; batch 1 (2 rows with CFG) needs none of its own.
+    first, second = warmup["calls"]
+    assert first["graphs"] > 0 and second["graphs"] == 0, warmup["calls"]
+    log = server.log.read_text()
+    assert re.search(r"warm-up 1/2: 32x32 batch 2 in [\d.]+ s", log)
+    assert "warm-up done in" in log
+
+
+def test_batch_sizes_one_two_three_do_not_recompile(compiled_servers):
+    server = compiled_servers(0)
+    before = server.info()["speed"]["compile"]
+    assert before["graphs_compiled"] > 0 and before["recompiles"] == 0
+    for n in (1, 2, 3):
+        out = server.generate(n)
+        assert len(out) == n and all(o["exact"] is False for o in out)
+        now = server.info()["speed"]["compile"]
+        assert now["recompiles"] == 0 and now["graphs_compiled"] == before["graphs_compiled"], n
+    metrics = server.get("/metrics").text
+    assert re.search(r"^diffusion_rollout_compile_recompiles_total 0$", metrics, re.M)
+    assert re.search(r"^diffusion_rollout_warmed_shapes 1$", metrics, re.M)
+    graphs = re.search(r"^diffusion_rollout_compile_graphs_total (\d+)$", metrics, re.M)
+    assert int(graphs.group(1)) == before["graphs_compiled"]
+
+
+def test_the_fast_preset_is_logged_and_reported(compiled_servers):
+    server = compiled_servers(0)
+    choice = server.info()["speed"]["choice"]
+    assert choice["preset"] == "fast" and choice["applied"] == {"compile": True}
+    assert "FP8 left out: quantize=fp8 needs a CUDA GPU" in choice["why"]
+    assert choice["results_rows"] == ["benchmarks/RESULTS.md#grpo-compiled"]
+    assert "speed: --speed fast on cpu: compile=True." in server.log.read_text()
+
+
+def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_servers):
+    cold = compiled_servers(0).info()["speed"]["compile"]
+    warm = compiled_servers(1).info()["speed"]["compile"]
+    assert warm["cache"]["key"] == cold["cache"]["key"]
+    assert cold["cache"]["artifacts_loaded"] == 0 and cold["cache"]["artifacts_saved_bytes"] > 0
+    assert warm["cache"]["artifacts_loaded"] > 0
+
+    # The first process compiled every graph (cache misses); the second found them all.
+    def lookups(info: dict, what: str) -> int:
+        return info["warmup"][f"fx_graph_cache_{what}"] + info["warmup"][f"aot_autograd_cache_{what}"]
+
+    assert lookups(cold, "misses") > 0
+    assert lookups(warm, "hits") > 0 and lookups(warm, "misses") == 0, warm["warmup"]
+    assert warm["graphs_compiled"] == cold["graphs_compiled"]  # traced again, loaded from the cache
+    # /health had an estimate from the first warm-up while the second ran.
+    server = compiled_servers(1)
+    assert all(h["warmup"]["estimate_remaining_s"] is not None for h, _, _ in server.warming)
+
+
+def test_the_cache_key_changes_with_dtype_options_and_model(tiny_model_path):
+    import torch
+
+    from diffusion_rollout.server.compile_cache import cache_key
+
+    base = {
+        "model_path": str(tiny_model_path("sd3")), "device": "cpu", "dtype": torch.float32,
+        "quantize": None, "attention_backend": None,
+    }  # fmt: skip
+    key, facts = cache_key(**base)
+    assert facts["torch"] == torch.__version__ and facts["model"]["config_sha256"]
+    assert cache_key(**base)[0] == key
+    for change in (
+        {"dtype": torch.bfloat16},
+        {"quantize": "fp8"},
+        {"attention_backend": "flash"},
+        {"model_path": str(tiny_model_path("flux"))},
+    ):
+        assert cache_key(**{**base, **change})[0] != key, change
+
+
+# --------------------------------------------------------------------------- speed presets
+def test_speed_presets_by_device_and_fine_flags_win():
+    exact_cuda = choose("exact", device="cuda", given={}, fp8_unavailable=None)
+    assert exact_cuda.applied == {"pipeline_lanes": 2} and "grpo-lanes2" in exact_cuda.results_rows
+    assert choose("exact", device="cpu", given={}, fp8_unavailable=None).applied == {}
+    kept = choose("exact", device="cuda", given={"pipeline_lanes": 1}, fp8_unavailable=None)
+    assert kept.applied == {} and kept.overridden == ("pipeline_lanes",)
+    # Lanes are for the plain eager path: an inexact option given leaves them out.
+    assert choose("exact", device="cuda", given={"compile": True}, fp8_unavailable=None).applied == {}
+    fast = choose("fast", device="cuda", given={}, fp8_unavailable=None)
+    assert fast.applied == {"compile": True, "quantize": "fp8"} and fast.results_rows[0] == "grpo-fast-all"
+    no_fp8 = choose("fast", device="cuda", given={}, fp8_unavailable="no torchao")
+    assert no_fp8.applied == {"compile": True} and "no torchao" in no_fp8.why
+
+    assert ServerConfig(device="cpu", speed="fast").compile is True
+    assert ServerConfig(device="cpu", speed="fast", compile=False).compile is False
+    assert ServerConfig(device="cpu").pipeline_lanes == 1
+    with pytest.raises(ValueError, match="warmup_shapes"):
+        ServerConfig(warmup_shapes="512")
+
+
+def test_the_default_speed_choice_is_logged_and_reported(fresh_server, caplog):
+    with caplog.at_level(logging.INFO, logger="diffusion_rollout.server.engine"):
+        server = fresh_server("sd3")
+    assert "speed: --speed exact on cpu: nothing added. the plain eager path" in caplog.text
+    speed = server.client.get("/server_info").json()["speed"]
+    assert speed["choice"]["preset"] == "exact" and speed["choice"]["applied"] == {}
+    assert speed["exact"] is True and speed["compile"] is False
+    assert server.client.get("/health").json() == {"status": "ok", "state": "ready"}
