@@ -16,9 +16,12 @@ saved model folder (the real architecture with random weights, built once under 
 
 Each server's ``/server_info`` (speed choice, compile counters, warm-up, cache) goes into the JSON.
 
-GPU (one command; about 15-25 minutes on an H100, most of it the cold compile)::
+GPU (about 15-25 minutes on an H100 before the warm-up, most of it the cold compile; a GPU call is at
+most 10 minutes, so the runs can be split over calls on the same machine, sharing ``--work``)::
 
     python -m benchmarks.fast_start --device cuda --out $OUT
+    python -m benchmarks.fast_start --device cuda --runs fast_cold --out $OUT
+    python -m benchmarks.fast_start --device cuda --runs fast_warm,defaults,stock --out $OUT
 
 CPU smoke (tiny SD3, 32x32; minutes, compiling on the CPU)::
 
@@ -49,6 +52,7 @@ from benchmarks.common import (
 from benchmarks.train_recipes import model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
+RUNS = ("fast_cold", "fast_warm", "defaults", "stock")
 
 
 def grpo_body(args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
@@ -171,26 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=4)
     p.add_argument("--work", type=Path, default=Path("/tmp/fast_start"), help="model folder and caches")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    p.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="which of the runs, in order (a GPU call is at most 10 minutes: the cold run can go in one "
+        "call and the rest in the next, on the same machine, which keeps --work)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:
+        p.error(f"--runs: unknown {unknown}; choose from {list(RUNS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     folder = model_folder(args.model, args.work)
     cache = args.work / "compile-cache"
-    shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
+    if "fast_cold" in runs:
+        shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
     fast = ["--speed", "fast", "--warmup-shapes", f"{args.size}x{args.size}", "--compile-cache", str(cache)]
-    rows = [
-        serve_run("fast_cold", args, folder, fast),
-        serve_run("fast_warm", args, folder, fast),
-        serve_run("defaults", args, folder, []),
-        stock_run(args, folder),
-    ]
-    stock = rows[-1]["images_per_s"]
-    for row in rows:
-        row["ratio_vs_stock"] = row["images_per_s"] / stock
-    defaults = rows[2]["images_per_s"]
-    for row in rows:
-        row["ratio_vs_defaults"] = row["images_per_s"] / defaults
+    flags = {"fast_cold": fast, "fast_warm": fast, "defaults": []}
+    rows = [stock_run(args, folder) if r == "stock" else serve_run(r, args, folder, flags[r]) for r in runs]
+    by_run = {row["run"]: row for row in rows}
+    for base in ("stock", "defaults"):
+        if base in by_run:
+            for row in rows:
+                row[f"ratio_vs_{base}"] = row["images_per_s"] / by_run[base]["images_per_s"]
     print_table(
         f"fast-tier start-up and throughput ({args.model}, {args.size}², {args.steps} steps, "
         f"{args.in_flight} x {args.group} in flight)",
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = write_json(args.out, "fast_start", document("fast_start", args.device, settings, rows))
+    name = "fast_start" if runs == list(RUNS) else "fast_start_" + "_".join(runs)
+    path = write_json(args.out, name, document("fast_start", args.device, settings, rows))
     log(f"wrote {path}")
     return 0
 
