@@ -148,6 +148,7 @@ class Warmup:
     # Cache lookups during the warm-up: {"fx_graph": (hits, misses), "aot_autograd": (hits, misses)}.
     cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (_PHASES)
 
     @property
     def total(self) -> int:
@@ -180,6 +181,7 @@ class Warmup:
             **{f"{kind}_cache_hits": hm[0] for kind, hm in self.cache.items()},
             **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
             "calls": self.calls,
+            "phases": self.phases,
         }
 
     def describe(self) -> str:
@@ -205,6 +207,34 @@ def _cache_counts() -> dict[str, tuple[int, int]]:
     }
 
 
+# Dynamo's own timers (``torch._dynamo.utils.compile_times``) for the phases that split a warm-up:
+# all of Dynamo's compile (``_compile.compile_inner``) = tracing the bytecode + the backend (AOTAutograd
+# and inductor, or their caches) + guards; ``async_compile.wait`` is inductor waiting for its kernels.
+# What the warm-up spends outside ``_compile.compile_inner`` is running: the first launches, Triton's
+# runtime autotuning, the eager parts of the pipeline.
+_PHASES = {
+    "_compile.compile_inner": "dynamo_total_s",
+    "bytecode_tracing": "dynamo_tracing_s",
+    "OutputGraph.call_user_compiler": "backend_s",
+    "create_aot_dispatcher_function": "aot_autograd_s",
+    "fx_codegen_and_compile": "inductor_codegen_s",
+    "async_compile.wait": "kernel_compile_wait_s",
+    "build_guards": "guards_s",
+}
+
+
+def _compile_phases() -> dict[str, float]:
+    """Seconds so far in this process per phase of ``_PHASES`` (0 for a phase not entered)."""
+    from torch._dynamo.utils import compile_times
+
+    try:
+        names, values = compile_times(repr="csv", aggregate=True)  # type: ignore[misc]
+    except Exception:  # a private API: its shape may change between torch versions
+        return {}
+    seconds = dict(zip(names, values, strict=False))
+    return {key: float(seconds.get(name, 0.0)) for name, key in _PHASES.items()}
+
+
 def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
     """Compile the blocks for every warm-up shape and batch (on the caller's thread, through the
     engine's worker), updating ``warmup`` as it goes; returns the ``(width, height, frames)`` of the
@@ -212,7 +242,7 @@ def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
     from diffusion_rollout.server.params import GenerateParams
 
     a = engine.adapter
-    counts0 = _cache_counts()
+    counts0, phases0 = _cache_counts(), _compile_phases()
     warmup.state, warmup.started_at = "warming", time.monotonic()
     est = f"; the last one took {warmup.estimate_s:.0f} s" if warmup.estimate_s is not None else ""
     logger.info(
@@ -261,10 +291,15 @@ def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
         for kind, (hits, misses) in _cache_counts().items()
     }
     warmup.seconds = time.monotonic() - warmup.started_at
+    phases = {k: round(v - phases0.get(k, 0.0), 3) for k, v in _compile_phases().items()}
+    if phases:
+        phases["outside_dynamo_s"] = round(warmup.seconds - phases["dynamo_total_s"], 3)
+    warmup.phases = phases
     warmup.state = "done"
     logger.info(
-        "warm-up done in %.1f s: %d graph(s) compiled; cache hits/misses: %s",
+        "warm-up done in %.1f s: %d graph(s) compiled; cache hits/misses: %s; seconds by phase: %s",
         warmup.seconds, stats.graphs if stats else 0,
         ", ".join(f"{kind} {h}/{m}" for kind, (h, m) in warmup.cache.items()),
+        ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "unknown",
     )  # fmt: skip
     return warmed
