@@ -25,7 +25,10 @@ One change to flow_grpo's recomputation: rows are replayed in the batches the se
 the ratio is 1 to the bit, not to 1e-3. The trainer computes in the server's dtype (bf16 on CUDA):
 flow_grpo's float32 transformer would be a different policy from the bf16 one that sampled.
 ``--no-sync-weights`` leaves the server on its first weights: the ratio then drifts, which is what
-the weights following the trainer prevents.
+the weights following the trainer prevents. ``--compare-replay`` asks for the ``denoising_env`` too and
+records, per iteration, which inputs of the recompute (timesteps, latents, embeddings) differ from
+those the server recorded, whether its model output equals the recipes' replay of the same rows
+(``replay_step``), and that replay's ratio: where a drift comes from.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from _common import (
 )
 from _config import parse_with_config
 
-from diffusion_rollout.client import RolloutClient, group_advantages, group_by_server_batch
+from diffusion_rollout.client import RolloutClient, group_advantages, group_by_server_batch, replay_step
 from diffusion_rollout.client.flow_grpo import pipeline_with_logprob
 from diffusion_rollout.client.served_pipeline import ServedPipeline
 from diffusion_rollout.scheduler_mixins import transition
@@ -66,12 +69,15 @@ def encode(pipe, prompts: list[str], tokens: int) -> tuple[torch.Tensor, torch.T
     return pe, ppe
 
 
-def flow_grpo_pass(pipe, samples, batches, args) -> float:
+def flow_grpo_pass(pipe, samples, batches, args, outs=None) -> tuple[float, dict[str, Any]]:
     """One pass over the batch: per server batch and timestep, the ratio loss and ``backward``.
-    Returns the largest ``|ratio - 1|``."""
+    Returns the largest ``|ratio - 1|``, and with ``outs`` (``--compare-replay``) how flow_grpo's
+    recompute compares with the project's replay of the same rows from the server's record."""
     sched, dtype, g, c = pipe.scheduler, pipe.transformer.dtype, args.guidance_scale, args.clip_range
     steps, total = samples["log_probs"].shape[1], samples["log_probs"].shape[0]
     dev = 0.0
+    cmp: dict[str, Any] = {"replay_ratio_max_dev": 0.0, "model_output_mismatches": 0, "timestep_mismatches": 0,
+                           "embeds_mismatches": 0, "latent_mismatches": 0, "compared": 0}  # fmt: skip
     for rows in batches:
         cond = torch.cat([samples["negative_prompt_embeds"][rows], samples["prompt_embeds"][rows]])
         pooled = torch.cat(
@@ -86,6 +92,10 @@ def flow_grpo_pass(pipe, samples, batches, args) -> float:
             )[0]  # fmt: skip
             uncond, text = pred.chunk(2)
             v = uncond + g * (text - uncond)
+            if outs is not None:
+                compare_with_replay(
+                    pipe, [outs[r] for r in rows], j, x, t, cond, v, samples["log_probs"][rows, j], cmp
+                )
             step = transition(
                 "sde", x, v, sched.sigmas[j], sched.sigmas[j + 1], eta=args.noise_level, sigma_max=sched.sigmas[1],
                 next_sample=samples["next_latents"][rows, j],
@@ -95,7 +105,30 @@ def flow_grpo_pass(pipe, samples, batches, args) -> float:
             loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - c, 1 + c)).mean()
             (loss * len(rows) / (steps * total)).backward()
             dev = max(dev, float((ratio.detach() - 1).abs().max()))
-    return dev
+    return dev, (cmp if outs is not None else {})
+
+
+def compare_with_replay(pipe, rows_outs, j, x, t, cond, v, old_log_prob, cmp: dict[str, Any]) -> None:
+    """Which input of flow_grpo's recompute differs from what the server recorded it ran with
+    (its trajectory and ``denoising_env``), and the ratio of the project's replay of the same rows."""
+    with torch.no_grad():
+        step = replay_step(pipe.transformer, rows_outs, j)
+    server_t = torch.stack([torch.as_tensor(o.dit_trajectory.timesteps[j]) for o in rows_outs])
+    envs = [o.denoising_env or {} for o in rows_outs]
+    try:
+        server_cond = torch.cat(
+            [torch.stack([e[k]["encoder_hidden_states"] for e in envs]) for k in ("neg_cond_kwargs", "pos_cond_kwargs")]
+        ).to(cond.device)  # fmt: skip
+        embeds_equal = torch.equal(server_cond.reshape(cond.shape), cond)
+    except (KeyError, TypeError, RuntimeError):
+        embeds_equal = False
+    cmp["compared"] += 1
+    cmp["timestep_mismatches"] += int(not torch.equal(server_t.to(t), t.float()))
+    cmp["latent_mismatches"] += int(not torch.equal(step.latents.float(), x.float()))
+    cmp["embeds_mismatches"] += int(not embeds_equal)
+    cmp["model_output_mismatches"] += int(not torch.equal(step.model_output.to(v.dtype), v.detach()))
+    ratio = torch.exp(step.log_prob - old_log_prob)
+    cmp["replay_ratio_max_dev"] = max(cmp["replay_ratio_max_dev"], float((ratio - 1).abs().max()))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -111,6 +144,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         dest="sync_weights",
         action="store_false",
         help="leave the server's weights alone",
+    )
+    p.add_argument(
+        "--compare-replay",
+        action="store_true",
+        help="also replay each step from the server's trajectory and denoising_env (the recipes' replay) "
+        "and record which inputs of the recompute differ from the server's (a diagnosis of ratio drift)",
     )
     p.set_defaults(prompts=2, group_size=4, iterations=3)
     args = parse_with_config(p, argv)
@@ -154,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     negative_pooled_prompt_embeds=nppe, num_inference_steps=args.steps,
                     guidance_scale=args.guidance_scale, output_type="pt", height=height, width=width,
                     noise_level=args.noise_level, generator=generator, return_outputs=True,
+                    extra_fields={"rollout_return_denoising_env": True} if args.compare_replay else None,
                 )  # fmt: skip
             rollout_s = time.perf_counter() - t0
             latents = torch.stack(latents, dim=1)  # [B, T + 1, C, h, w]
@@ -169,12 +209,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             index = {id(o): k for k, o in enumerate(outs)}
             batches = [[index[id(o)] for o in group] for group in group_by_server_batch(outs)]
             t0 = time.perf_counter()
-            dev = flow_grpo_pass(pipe, samples, batches, args)
+            dev, compared = flow_grpo_pass(
+                pipe, samples, batches, args, outs if args.compare_replay else None
+            )
             optimizer.step()
             optimizer.zero_grad()
             record = {
                 "iteration": it,
                 "first_step_ratio_max_dev": dev,
+                **({"compare_replay": compared} if compared else {}),
                 "weight_pushes": pipeline.follower.pushes if pipeline.follower else 0,
                 "server_batches": [len(b) for b in batches],
                 "reward_mean": float(rewards.mean()),

@@ -190,7 +190,7 @@ def test_example_runs_train_sd3_with_the_weights_following_the_trainer(examples,
         "--iterations",
         "2",
     ]
-    summary = dropin.main([*args, "--out", str(tmp_path / "run.json")])
+    summary = dropin.main([*args, "--compare-replay", "--out", str(tmp_path / "run.json")])
     assert summary["images"] == [4, 3, 32, 32] and summary["latents"] == [4, 4, 16, 8, 8]
     assert summary["log_probs"] == [4, 3]
     # Every iteration's first pass is on-policy to the bit: the LoRA updated by the previous
@@ -199,10 +199,22 @@ def test_example_runs_train_sd3_with_the_weights_following_the_trainer(examples,
     assert summary["weight_pushes"] == 2
     history = json.loads((tmp_path / "run.json").read_text())["history"]
     assert [r["first_step_ratio_max_dev"] for r in history] == [0.0, 0.0]
-    # Without the sync the second iteration samples with the old adapter: the check above is not vacuous.
-    stale = dropin.main([*args, "--no-sync-weights"])
+    # --compare-replay: flow_grpo's recompute ran on exactly the inputs the server recorded, and the
+    # recipes' replay of the same rows is on-policy too.
+    clean = {"replay_ratio_max_dev": 0.0, "model_output_mismatches": 0, "timestep_mismatches": 0,
+             "embeds_mismatches": 0, "latent_mismatches": 0, "compared": 6}  # fmt: skip
+    assert [r["compare_replay"] for r in history] == [clean, clean]
+    # Without the sync the second iteration samples with the old adapter: the checks above are not
+    # vacuous, and the comparison puts the drift in the weights, not in the inputs.
+    stale_out = tmp_path / "stale.json"
+    stale = dropin.main([*args, "--no-sync-weights", "--compare-replay", "--out", str(stale_out)])
     assert stale["weight_pushes"] == 0
     assert stale["first_step_ratio_max_dev"][0] == 0.0 and stale["first_step_ratio_max_dev"][1] > 1e-5
+    second = json.loads(stale_out.read_text())["history"][1]["compare_replay"]
+    assert second["replay_ratio_max_dev"] > 1e-5
+    assert {k: v for k, v in second.items() if k.endswith("mismatches")} == {
+        k: 0 for k in clean if k.endswith("mismatches")
+    }
 
 
 # ---------------------------------------------------------------------------- ServedPipeline
