@@ -43,7 +43,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -66,7 +65,7 @@ from diffusion_rollout.scheduler_mixins import (
     rollout_context,
 )
 from diffusion_rollout.server.batch_split import split_batch
-from diffusion_rollout.server.compile_cache import CompileCache, cache_key
+from diffusion_rollout.server.compiled_start import CompiledStart
 from diffusion_rollout.server.delivery import deliver
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
@@ -87,14 +86,6 @@ from diffusion_rollout.server.prompt_cache import PromptCache
 from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.result_copy import HostCopier
 from diffusion_rollout.server.speed import SUPPORTED_CACHES, feature_cache_applied
-from diffusion_rollout.server.warmup import (
-    Shape,
-    Warmup,
-    parse_shapes,
-    run_warmup,
-    shape_key,
-    warmup_batches,
-)
 from diffusion_rollout.server.worker import Job, Worker
 from diffusion_rollout.weight_versions import VersionGate, VersionHistory
 
@@ -124,10 +115,8 @@ class Engine:
             on_timeout=lambda: self.metrics.request_cancelled("timeout"),
         )
         self.loaded: LoadedPipeline | None = loaded
-        # A compiled server's warm-up and compile cache (server/warmup.py, server/compile_cache.py).
-        self.warmup: Warmup | None = None
-        self.compile_cache: CompileCache | None = None
-        self._warmed: set[tuple] = set()
+        # A compiled server's warm-up and compile cache (server/compiled_start.py).
+        self.compiled = CompiledStart()
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
         self.worker = Worker(
@@ -173,8 +162,8 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> None:
-        if self.config.compile and self.compile_cache is None:
-            self.compile_cache = self._open_compile_cache()
+        if self.config.compile:
+            self.compiled.open_cache(self.config, self.model_path, self.device, self.dtype)
         if self.loaded is None:
             if not self.model_path:
                 raise ServiceUnavailableError("no model path configured")
@@ -205,22 +194,6 @@ class Engine:
 
             self.context_parallel = start_for(self)
 
-    def _open_compile_cache(self) -> CompileCache | None:
-        """The keyed compile-cache folder (``server/compile_cache.py``), activated; None when off."""
-        root = self.config.resolved_compile_cache()
-        if root is None:
-            return None
-        key, facts = cache_key(
-            model_path=self.model_path,
-            device=self.device,
-            dtype=self.dtype,
-            quantize=self.config.quantize,
-            attention_backend=self.config.attention_backend,
-        )
-        cache = CompileCache(Path(root), key, facts)
-        cache.activate()
-        return cache
-
     def start(self) -> None:
         choice = self.config.speed_choice
         if choice is not None:
@@ -229,33 +202,9 @@ class Engine:
             self.load()
         self.worker.start()
         if self.loaded.speed.compile:
-            self._warm_up()
+            self.compiled.warm_up(self, on_warming=lambda: setattr(self, "status", "warming"))
         self.status = "ready"
         logger.info("engine ready: %s (%s) on %s, %s", self.family, self.model_path, self.device, self.dtype)
-
-    def _warm_up(self) -> None:
-        """Compile for the expected request shapes before saying ready (``server/warmup.py``)."""
-        shapes = parse_shapes(self.config.warmup_shapes)
-        if shapes is None:
-            height, width = self.adapter.default_size()
-            shapes = [Shape(width, height)]
-        cache = self.compile_cache
-        self.warmup = Warmup(
-            shapes=shapes,
-            batches=warmup_batches(self.config.max_batch_size),
-            estimate_s=cache.last_warmup_s() if cache is not None else None,
-        )
-        if not shapes:
-            self.warmup.state = "off"
-            logger.info("warm-up off (warmup_shapes=none): each new shape compiles on its first request")
-        else:
-            self.status = "warming"
-            self._warmed = run_warmup(self, self.warmup)
-            if cache is not None:
-                cache.save(self.warmup.seconds)
-        stats = self.loaded.speed.compile_stats
-        if stats is not None:
-            stats.graphs_at_ready = stats.graphs
 
     def begin_shutdown(self, grace_s: float | None = None) -> float:
         """From now on new rollouts get 503; returns the monotonic deadline for in-flight work."""
@@ -313,15 +262,14 @@ class Engine:
         if self.context_parallel is not None:
             info["context_parallel"] = self.context_parallel.stats()
         if isinstance(info["compile"], dict):
-            info["compile"]["warmup"] = self.warmup.report() if self.warmup is not None else None
-            info["compile"]["cache"] = self.compile_cache.report() if self.compile_cache else None
+            self.compiled.add_to(info["compile"])
         choice = self.config.speed_choice
         info["choice"] = choice.report() if choice is not None else None
         return info
 
     def warmup_info(self) -> dict[str, Any] | None:
         """The compile warm-up's progress (``/health``), or None when this server does not compile."""
-        return self.warmup.report() if self.warmup is not None else None
+        return self.compiled.warmup_report()
 
     # ------------------------------------------------------------------ router interface (engine_api)
     def queue_stats(self) -> QueueStats:
@@ -340,14 +288,7 @@ class Engine:
         )
 
     def _compile_metrics(self) -> dict[str, float] | None:
-        stats = self.loaded.speed.compile_stats if self.loaded is not None else None
-        if stats is None:
-            return None
-        out = {"graphs": stats.graphs, "seconds": stats.seconds, "recompiles": stats.recompiles}
-        if self.warmup is not None:
-            out["warmup_seconds"] = self.warmup.elapsed()
-            out["warmed_shapes"] = len(self.warmup.shapes) if self.warmup.state == "done" else 0
-        return out
+        return self.compiled.metrics(self.loaded.speed.compile_stats if self.loaded is not None else None)
 
     def _device_memory(self) -> dict[str, int] | None:
         if not self.device.startswith("cuda"):
@@ -503,7 +444,7 @@ class Engine:
         if self.status == "stopping":
             raise NotReadyError("server is shutting down", state="stopping")
         if self.status == "warming":
-            raise NotReadyError(self.warmup.describe(), state="warming")
+            raise NotReadyError(self.compiled.describe_warming(), state="warming")
         if self.status != "ready":  # "failed" (the load raised), or any state added later
             raise ServiceUnavailableError(f"model is not ready ({self.status}); see the server log")
 
@@ -588,7 +529,7 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
         version = self.weight_version
         if self.loaded.speed.compile and not first.eager and self.status == "ready":
-            self._note_new_shape(call)
+            self.compiled.note_new_shape(call)
 
         with torch.inference_mode():
             encs = []
@@ -684,19 +625,6 @@ class Engine:
             self._results.submit(self._deliver, *args)
         except RuntimeError:  # the results thread is shut down (a batch outlived stop()): finish here
             self._deliver(*args)
-
-    def _note_new_shape(self, call: Any) -> None:
-        """A shape the warm-up did not cover compiles now, in the foreground (server/warmup.py)."""
-        shape = shape_key(call)
-        if shape in self._warmed:
-            return
-        self._warmed.add(shape)
-        frames = f"x{call.num_frames}" if call.num_frames else ""
-        logger.info(
-            "first request at %dx%d%s (max_sequence_length=%s), which the warm-up did not cover: "
-            "compiling now, the request waits (add the size to --warmup-shapes to compile it before ready)",
-            call.width, call.height, frames, call.max_sequence_length,
-        )  # fmt: skip
 
     def _deliver(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
         """On the results thread: wait for the host copies, check them, answer the requests."""

@@ -1,0 +1,118 @@
+"""A compiled engine's start: its compile cache, its warm-up before ready, the shapes it warmed.
+
+Design decisions:
+
+- The engine holds one :class:`CompiledStart` and calls it at four points: ``load`` (open the keyed
+  cache before anything compiles), ``start`` (warm up, then mark the graphs compiled so far as the
+  baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
+  and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
+  ``server/warmup.py`` and ``server/compile_cache.py``; this module only keeps their state together,
+  so the engine stays about batches.
+- An engine that does not compile never fills it: every report is None and nothing is imported
+  beyond those two modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffusion_rollout.server.compile_cache import CompileCache, cache_key
+from diffusion_rollout.server.warmup import Shape, Warmup, parse_shapes, run_warmup, shape_key, warmup_batches
+
+if TYPE_CHECKING:
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.server.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledStart:
+    """The warm-up, the compile cache and the warmed shapes of one engine."""
+
+    def __init__(self) -> None:
+        self.warmup: Warmup | None = None
+        self.cache: CompileCache | None = None
+        self.warmed: set[tuple] = set()
+
+    def open_cache(
+        self, config: ServerConfig, model_path: str | None, device: str, dtype: torch.dtype
+    ) -> None:
+        """Open and activate the keyed compile-cache folder, unless it is off or already open."""
+        root = config.resolved_compile_cache()
+        if root is None or self.cache is not None:
+            return
+        key, facts = cache_key(
+            model_path=model_path,
+            device=device,
+            dtype=dtype,
+            quantize=config.quantize,
+            attention_backend=config.attention_backend,
+        )
+        self.cache = CompileCache(Path(root), key, facts)
+        self.cache.activate()
+
+    def warm_up(self, engine: Engine, on_warming: Callable[[], None]) -> None:
+        """Compile for the expected request shapes (``on_warming`` first, when there are any), save
+        the cache, and take the graphs compiled so far as the baseline for recompiles."""
+        shapes = parse_shapes(engine.config.warmup_shapes)
+        if shapes is None:
+            height, width = engine.adapter.default_size()
+            shapes = [Shape(width, height)]
+        self.warmup = Warmup(
+            shapes=shapes,
+            batches=warmup_batches(engine.config.max_batch_size),
+            estimate_s=self.cache.last_warmup_s() if self.cache is not None else None,
+        )
+        if not shapes:
+            self.warmup.state = "off"
+            logger.info("warm-up off (warmup_shapes=none): each new shape compiles on its first request")
+        else:
+            on_warming()
+            self.warmed = run_warmup(engine, self.warmup)
+            if self.cache is not None:
+                self.cache.save(self.warmup.seconds)
+        stats = engine.loaded.speed.compile_stats
+        if stats is not None:
+            stats.graphs_at_ready = stats.graphs
+
+    def note_new_shape(self, call: Any) -> None:
+        """A shape the warm-up did not cover compiles now, in the foreground (server/warmup.py)."""
+        shape = shape_key(call)
+        if shape in self.warmed:
+            return
+        self.warmed.add(shape)
+        frames = f"x{call.num_frames}" if call.num_frames else ""
+        logger.info(
+            "first request at %dx%d%s (max_sequence_length=%s), which the warm-up did not cover: "
+            "compiling now, the request waits (add the size to --warmup-shapes to compile it before ready)",
+            call.width, call.height, frames, call.max_sequence_length,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ reports
+    def describe_warming(self) -> str:
+        """The 503 message while warming."""
+        return self.warmup.describe() if self.warmup is not None else "compiling before serving"
+
+    def warmup_report(self) -> dict[str, Any] | None:
+        """The warm-up's progress (``/health``), or None when this server does not compile."""
+        return self.warmup.report() if self.warmup is not None else None
+
+    def add_to(self, compile_info: dict[str, Any]) -> None:
+        """Add the warm-up and the cache to ``/server_info``'s ``speed.compile``."""
+        compile_info["warmup"] = self.warmup_report()
+        compile_info["cache"] = self.cache.report() if self.cache is not None else None
+
+    def metrics(self, stats: Any) -> dict[str, float] | None:
+        """The compile series of ``/metrics`` from the blocks' ``CompileStats`` (None: no compile)."""
+        if stats is None:
+            return None
+        out = {"graphs": stats.graphs, "seconds": stats.seconds, "recompiles": stats.recompiles}
+        if self.warmup is not None:
+            out["warmup_seconds"] = self.warmup.elapsed()
+            out["warmed_shapes"] = len(self.warmup.shapes) if self.warmup.state == "done" else 0
+        return out
