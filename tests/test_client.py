@@ -111,7 +111,7 @@ def test_urls_and_keys_come_from_arguments_or_environment(monkeypatch):
 def test_info_calls(served):
     server = served("sd3")
     c = sync_client(server)
-    assert c.health() == {"status": "ok"}
+    assert c.health() == {"status": "ok", "state": "ready"}
     assert c.health_generate() == {"status": "ok"}
     c.wait_until_ready(timeout_s=30)
     info = c.model_info()
@@ -238,7 +238,7 @@ def test_async_client_reads_and_errors(served):
 
     async def go():
         async with AsyncRolloutClient("http://test", transport=httpx.ASGITransport(app=server.app)) as c:
-            assert await c.health() == {"status": "ok"}
+            assert await c.health() == {"status": "ok", "state": "ready"}
             assert await c.health_generate() == {"status": "ok"}
             await c.wait_until_ready(timeout_s=10)
             assert (await c.model_info())["family"] == "sd3"
