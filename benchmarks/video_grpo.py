@@ -13,7 +13,18 @@ families' (``speed_options``), side by side in one process, interleaved repeats,
   (each request is its own pipeline call: the server's ``max_batch_pixels`` keeps queued videos of
   this size from merging, as a served model does);
 - with ``--profile``, that iteration once more for stock and the server under the CUDA profiler
-  (``grpo_profile``): GPU busy seconds against wall seconds and the largest idle gaps.
+  (``grpo_profile``): GPU busy seconds against wall seconds and the largest idle gaps;
+- ``grpo_fast`` (issue #43): the fast tier, FP8 linears by the family's rule + regional compile
+  (``speed_options.grpo_fast``), one request and the iteration, against stock eager timed first in
+  the same process; where FP8 cannot run (a CPU) the compiled server alone (``grpo_compiled``), and
+  the JSON says why;
+- ``drift``: the fast tier's rollouts and ODE outputs against the eager server's (``speed_options
+  .drift``, only the compiled and FP8 + compiled options beside eager): how far the tier moves a
+  video.
+
+Not in the default phases: the fast tier compiles first (minutes on a GPU). One device call each::
+
+    python -m benchmarks.video_grpo --device cuda --models wan2.1-1.3b --phases grpo_fast,drift --out $OUT
 
 Ratios are throughput against stock (videos per second; higher is faster). Writes
 ``video_grpo.json`` under ``--out`` after every model.
@@ -33,9 +44,10 @@ from benchmarks import (
     per_model,
     speed_options,
 )
-from benchmarks.common import document, print_table, quiet_libraries, write_json
+from benchmarks.common import Deadline, document, print_table, quiet_libraries, write_json
 
 PHASES = ("grpo", "grpo_iteration")
+FAST_PHASES = ("grpo_fast", "drift")
 TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
 # Each builder's default size. They do not all fit one 10-minute device call. On an H200, with
 # --phases grpo_iteration: Wan 2.1 with --profile took 3.3 minutes, LTX-2 about 3 (its --profile did
@@ -45,12 +57,21 @@ TINY = ("tiny-wan", "tiny-wan2.2", "tiny-ltx2", "tiny-hunyuanvideo15")
 DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
 
 
+def fast_tier_gap(model) -> str | None:
+    """Why ``--quantize fp8`` cannot run on ``model``'s device, or None."""
+    from diffusion_rollout.server.fast_tier import unsupported_reason
+
+    return unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
+
+
 def run(args) -> int:
     device, names, dtype = per_model.choice(args, TINY, DEFAULT)
     phases = args.phases.split(",")
-    unknown = set(phases) - set(PHASES)
+    unknown = set(phases) - set(PHASES) - set(FAST_PHASES)
     if unknown:
-        raise SystemExit(f"unknown phase(s) {', '.join(sorted(unknown))}; expected {', '.join(PHASES)}")
+        raise SystemExit(
+            f"unknown phase(s) {', '.join(sorted(unknown))}; expected {', '.join(PHASES + FAST_PHASES)}"
+        )
     rows: list[dict[str, Any]] = []
     failures: list[dict[str, str]] = []
 
@@ -84,6 +105,26 @@ def run(args) -> int:
             save()
         if args.profile:
             rows.extend(speed_options.grpo_profile(model, group=group, groups=groups))
+        fp8_missing = fast_tier_gap(model)
+        if "grpo_fast" in phases:
+            if fp8_missing is None:
+                fast = speed_options.grpo_fast(model, group=group, groups=groups, reps=args.reps)
+            else:  # what --speed fast serves here: the compiled blocks alone
+                fast = speed_options.grpo_compiled(model, group=group, groups=groups, reps=args.reps)
+                for row in fast:
+                    row["note"] = "; ".join(filter(None, [row.get("note"), f"FP8 left out: {fp8_missing}"]))
+            rows.extend(fast)
+            save()
+        if "drift" in phases:
+            fp8 = fp8_missing is None
+            only = ["regional compile", *(["quantize fp8 + regional compile"] if fp8 else [])]
+            rows.extend(
+                speed_options.drift(
+                    model, reps=1, backends=(), caches=(), with_compile=True, deadline=Deadline(None),
+                    fp8=fp8, only=only,
+                )
+            )  # fmt: skip
+            save()
 
     def save() -> dict[str, Any]:
         doc = document(
@@ -95,9 +136,16 @@ def run(args) -> int:
             ok=not failures,
             notes=per_model.failure_notes(failures),
         )  # fmt: skip
+        drift_rows = [r for r in rows if "option" in r]  # speed_options.drift's rows
         doc["table"] = print_table(
-            "Video GRPO request vs the stock pipeline", rows, speed_options.THROUGHPUT_COLUMNS
+            "Video GRPO request vs the stock pipeline",
+            [r for r in rows if "option" not in r],
+            speed_options.THROUGHPUT_COLUMNS,
         )
+        if drift_rows:
+            doc["table"] += "\n" + print_table(
+                "Drift against the eager server", drift_rows, speed_options.DRIFT_COLUMNS
+            )
         write_json(args.out, "video_grpo", doc)
         return doc
 
@@ -116,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--frames", type=int, default=None, help="frames per video (default: each builder's)")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    p.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES + FAST_PHASES)}"
+    )
     # Where the server's GPU idles that stock's does not: the iteration once more, under the profiler.
     p.add_argument(
         "--whole-messages",

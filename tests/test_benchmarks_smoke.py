@@ -5,6 +5,7 @@ every served family and fails (exit 1) when the server differs from the stock pi
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -330,15 +331,16 @@ def test_fast_tier_figure_waits_for_its_run_and_draws_both_axes(tmp_path):
 
 
 def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
-    """The one-GPU video-vs-stock command (issue #27) on tiny video models: every variant of both
-    phases against stock, HunyuanVideo 1.5 with one video per request (its stock decode)."""
+    """The one-GPU video-vs-stock command (issue #27) on a tiny video model with one video per
+    request (HunyuanVideo 1.5's stock decode): every variant of both default phases against stock.
+    Wan's (two videos per request) are in ``test_video_grpo_phases_and_profile``."""
     from benchmarks import video_grpo
 
     argv = [
         "--device",
         "cpu",
         "--models",
-        "tiny-wan,tiny-hunyuanvideo15",
+        "tiny-hunyuanvideo15",
         "--reps",
         "1",
         "--iteration-groups",
@@ -348,7 +350,7 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
     ]
     assert video_grpo.main(argv) == 0
     doc = _doc(tmp_path, "video_grpo")
-    for model, group in (("tiny-wan", 2), ("tiny-hunyuanvideo15", 1)):
+    for model, group in (("tiny-hunyuanvideo15", 1),):
         rows = [r for r in doc["results"] if r["model"] == model]
         grpo = {r["variant"]: r for r in rows if r["phase"] == "grpo"}
         assert set(grpo) == {"stock", "server_plain_float32", "server_lean_float32", "server_lean_uint8"}
@@ -359,21 +361,40 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
 
 
 def test_video_grpo_phases_and_profile(tmp_path):
-    """``--phases grpo_iteration --profile --whole-messages --fresh-memory --socket-answers``: the
-    iteration (with the unsliced answer's variant, and the trainers decoding into fresh memory and
-    reading by the socket, one and two lanes each) and its GPU-gap rows only."""
+    """``--phases grpo_iteration,grpo_fast,drift --profile --whole-messages --fresh-memory
+    --socket-answers``: the iteration (with the unsliced answer's variant, and the trainers decoding
+    into fresh memory and reading by the socket, one and two lanes each), its GPU-gap rows, and the
+    fast tier's phases (on a CPU: the compiled server alone, saying why FP8 is left out, and its
+    drift against eager)."""
     from benchmarks import video_grpo
     from diffusion_rollout.entrypoints import buffers_response
 
     argv = ["--device", "cpu", "--models", "tiny-wan", "--reps", "1", "--iteration-groups", "2",
-            "--phases", "grpo_iteration", "--profile", "--frames", "9", "--whole-messages", "--fresh-memory",
+            "--phases", "grpo,grpo_iteration,grpo_fast,drift", "--profile", "--frames", "9", "--whole-messages", "--fresh-memory",
             "--socket-answers", "--out", str(tmp_path)]  # fmt: skip
     assert video_grpo.main(argv) == 0
     assert buffers_response.SEND_CHUNK == 1 << 20  # the variant put the slice size back
     doc = _doc(tmp_path, "video_grpo")
-    assert doc["settings"]["frames"] == 9 and doc["settings"]["phases"] == ["grpo_iteration"]
-    rows = doc["results"]
-    assert {r["phase"] for r in rows} == {"grpo_iteration", "grpo_profile"}
+    assert doc["settings"]["frames"] == 9
+    assert doc["settings"]["phases"] == ["grpo", "grpo_iteration", "grpo_fast", "drift"]
+    drift = [r for r in doc["results"] if "option" in r]
+    rows = [r for r in doc["results"] if "option" not in r]
+    assert {r["phase"] for r in rows} == {
+        "grpo", "grpo_iteration", "grpo_profile", "grpo_compiled", "grpo_iteration_compiled"
+    }  # fmt: skip
+    grpo = {r["variant"]: r for r in rows if r["phase"] == "grpo"}  # two videos per request
+    assert set(grpo) == {"stock", "server_plain_float32", "server_lean_float32", "server_lean_uint8"}
+    assert all(r["outputs"] == 2 and r["ratio"] > 0 for r in grpo.values())
+    fast = [r for r in rows if r["phase"].endswith("compiled")]
+    assert {r["variant"] for r in fast} == {
+        "stock", "server_lean_uint8_compiled", "server_lean_uint8_compiled_2_in_flight"
+    }  # fmt: skip
+    assert all("FP8 left out: quantize=fp8 needs a CUDA GPU" in r["note"] for r in fast)
+    assert all(r["ratio"] > 0 for r in fast)
+    assert [r["option"] for r in drift] == ["eager", "regional compile"]
+    assert drift[0]["exact"] and drift[0]["latent_max_abs_diff"] == 0.0
+    assert not drift[1]["exact"] and math.isfinite(drift[1]["latent_max_abs_diff"])  # says it is inexact
+    assert "Drift against the eager server" in doc["table"]
     variants = {r["variant"] for r in rows if r["phase"] == "grpo_iteration"}
     assert {"server_lean_uint8_whole_messages_2_in_flight", "server_lean_uint8_fresh_memory_2_in_flight",
             "server_lean_uint8_2_lanes_fresh_memory_2_in_flight", "server_lean_uint8_socket_2_in_flight",
