@@ -1,7 +1,7 @@
 """The last part of a batch, on the results thread: wait for its host copies and answer its requests.
 
-The GPU worker hands a finished batch over (``engine._run_call``) and starts the next one; here the
-side-stream copies are awaited (``result_copy.py``), the NaN/Inf flags read, the conditioning of
+The GPU worker hands a finished batch over (``server/batch_runner.py``) and starts the next one; here
+the side-stream copies are awaited (``result_copy.py``), the NaN/Inf flags read, the conditioning of
 outputs that share it made lean (``lean.py``), the batch counted in ``/metrics`` and every request's
 future answered with its own outputs. A failure while finishing answers every request of the batch
 with a ``GenerationError``: nothing is left waiting.

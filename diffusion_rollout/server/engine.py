@@ -22,8 +22,9 @@ Reliability (quality.md):
   (400 naming the limit), estimated from the family's exact latent shape (its own
   ``prepare_latents`` on the meta device: no memory, no RNG) times the entries it would return.
 - A failed batch fails only its own requests; the worker clears the failed call's frames, then
-  ``_after_batch_error`` collects garbage and empties the CUDA cache, so the next batch starts from a
-  clean allocator (CUDA OOM answers 503, anything else 500).
+  ``BatchRunner.after_error`` (``server/batch_runner.py``, the worker side) collects garbage and
+  empties the CUDA cache, so the next batch starts from a clean allocator (CUDA OOM answers 503,
+  anything else 500).
 - Every output is checked for NaN/Inf (generated output and log-probs) and flagged per sample
   (``nonfinite_output``), logged with its request id and counted in ``/metrics``.
 - ``min_weight_version``: a request waits (before it is queued, within the same
@@ -37,9 +38,6 @@ Reliability (quality.md):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -49,43 +47,25 @@ import torch
 
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import (
-    ContextParallelError,
     DiffusionRolloutError,
-    GenerationError,
     NotReadyError,
     RequestAbortedError,
     RequestError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffusion_rollout.logging_utils import request_id_var
-from diffusion_rollout.scheduler_mixins import (
-    RolloutSettings,
-    make_rollout_state,
-    rollout_context,
-)
-from diffusion_rollout.server.batch_split import split_batch
+from diffusion_rollout.server.batch_runner import BatchRunner
 from diffusion_rollout.server.compiled_start import CompiledStart
-from diffusion_rollout.server.delivery import deliver
 from diffusion_rollout.server.engine_api import QueueStats
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.images import probe_image_png
-from diffusion_rollout.server.initial_noise import sample_noise
-from diffusion_rollout.server.lanes import (
-    Lane,
-    finish_before_sharing,
-    make_lane,
-    on_lane_stream,
-    share_tensors,
-)
+from diffusion_rollout.server.lanes import Lane, make_lane
 from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
 from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.server.planner import Plan, RequestPlanner
 from diffusion_rollout.server.prompt_cache import PromptCache
-from diffusion_rollout.server.recorder import TransformerCallRecorder
-from diffusion_rollout.server.result_copy import HostCopier
-from diffusion_rollout.server.speed import SUPPORTED_CACHES, feature_cache_applied
+from diffusion_rollout.server.speed import SUPPORTED_CACHES
 from diffusion_rollout.server.worker import Job, Worker
 from diffusion_rollout.weight_versions import VersionGate, VersionHistory
 
@@ -119,13 +99,15 @@ class Engine:
         self.compiled = CompiledStart()
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
+        # The worker side: batches of planned jobs -> pipeline calls -> answers (server/batch_runner.py).
+        self.runner = BatchRunner(self)
         self.worker = Worker(
-            self._run_batch,
+            self.runner.run_batch,
             max_queue_depth=config.max_queue_depth,
             max_batch_samples=config.max_batch_size,
             max_batch_pixels=config.max_batch_pixels,
             batch_wait_s=config.batch_wait_ms / 1000.0,
-            on_batch_error=self._after_batch_error,
+            on_batch_error=self.runner.after_error,
             lanes=config.pipeline_lanes,
         )
         # Pipeline calls in flight at once (server/lanes.py); built by load().
@@ -136,9 +118,11 @@ class Engine:
         self.planner: RequestPlanner | None = None
         # Follower ranks of a context-parallel engine (server/context_parallel.py); None for k = 1.
         self.context_parallel = None
-        # Results of a batch are finished here (host copies landed, futures set) while the worker
-        # already runs the next batch (server/result_copy.py).
-        self._results = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-results")
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """The pipeline lanes (one per call in flight; built by ``load``)."""
+        return self._lanes
 
     @property
     def weight_version(self) -> Any:
@@ -224,7 +208,7 @@ class Engine:
         """Refuse new work, drain until the shutdown deadline, fail what is left with 503."""
         deadline = self.begin_shutdown(grace_s)
         self.worker.stop(max(0.0, deadline - time.monotonic()))
-        self._results.shutdown(wait=True)
+        self.runner.close()
         if self.context_parallel is not None:
             self.context_parallel.stop()
         logger.info("engine stopped")
@@ -469,168 +453,3 @@ class Engine:
 
             check_call(self, plan.call)
         return plan
-
-    # ------------------------------------------------------------------ the worker side
-    def _after_batch_error(self, exc: BaseException, jobs: list[Job]) -> None:
-        """Worker hook after a failed batch (its frames already cleared): count it, free memory."""
-        self.metrics.batch_failed(getattr(exc, "error_type", "internal_error"))
-        if isinstance(exc, ContextParallelError):
-            # A missing rank cannot be replaced in place: later batches would fail or hang the same way.
-            self.status = "failed"
-            logger.error("engine failed: %s", exc)
-        gc.collect()
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-
-    def _encodings(self, plan: Plan, a: FamilyAdapter) -> dict[str, torch.Tensor]:
-        p = plan.params
-        if p.embeds:  # sent by the trainer (server/prompt_embeds.py): used as sent, never cached
-            return a.embeddings(p.embeds)
-        key = (p.prompt, p.negative_prompt, a.encoding_cache_key(plan.call))
-        # Another lane may take the cached encodings: they must be complete before they are shared.
-        shared = finish_before_sharing if len(self._lanes) > 1 else (lambda v: v)
-        if not plan.images:
-            return self.prompt_cache.get_or_compute(
-                key, lambda: shared(a.encode(p.prompt, p.negative_prompt, plan.call))
-            )
-        if a.encoding_uses_images():
-            key = (*key, plan.image_key)
-        return self.prompt_cache.get_or_compute(
-            key, lambda: shared(a.encode_with_images(p.prompt, p.negative_prompt, plan.call, plan.images))
-        )
-
-    def _run_batch(self, jobs: list[Job]) -> None:
-        lane = self._lanes[self.worker.lane_index()]
-        with on_lane_stream(lane):
-            # Jobs of one batch share a batch key, but their prompt encodings can still differ in shape
-            # (Qwen-Image's text has the prompt's own length, and padding would change the numbers):
-            # those groups run as separate pipeline calls, in queue order.
-            with torch.inference_mode():
-                encodings = [self._encodings(j.payload, lane.adapter) for j in jobs]
-            if len(self._lanes) > 1:
-                share_tensors(encodings)
-            groups: dict[tuple, list[int]] = {}
-            for i, (job, enc) in enumerate(zip(jobs, encodings, strict=True)):
-                key = lane.adapter.encoding_group_key(enc)
-                if job.payload.params.embeds:  # sent embeddings may differ in length (tokens)
-                    key = (key, tuple((k, tuple(v.shape)) for k, v in enc.items()))
-                groups.setdefault(key, []).append(i)
-            for rows in groups.values():
-                self._run_call([jobs[i] for i in rows], [encodings[i] for i in rows], lane)
-
-    def _run_call(self, jobs: list[Job], encodings: list[dict[str, torch.Tensor]], lane: Lane) -> None:
-        a = lane.adapter
-        pipe = lane.pipe
-        plans: list[Plan] = [j.payload for j in jobs]
-        first = plans[0]
-        call = first.call
-        t0 = time.perf_counter()
-        if self.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats(self.device)
-        version = self.weight_version
-        if self.loaded.speed.compile and not first.eager and self.status == "ready":
-            self.compiled.note_new_shape(call)
-
-        with torch.inference_mode():
-            encs = []
-            for pl, enc in zip(plans, encodings, strict=True):
-                encs.extend([enc] * len(pl.seeds))
-            embeds = a.stack_encodings(encs)
-            # From one sample's encoding: a family may stack encodings into a list (Z-Image).
-            dtype = next(v for v in encs[0].values() if isinstance(v, torch.Tensor)).dtype
-            generators: list[torch.Generator] = []
-            step_generators: list = []
-            latents = []
-            for pl in plans:  # each output's x_T and noise sources: server/initial_noise.py
-                noise = sample_noise(pl.params, pl.seeds, a, call, dtype, self.device)
-                latents.extend(noise.latents)
-                generators.extend(noise.generators)
-                step_generators.extend(noise.step_generators)
-            batch = len(generators)
-            kwargs = a.call_kwargs(call)
-            kwargs.update(embeds)
-            if first.images:  # one batch, one set of images (the batch key includes their digests)
-                kwargs.update(a.image_call_kwargs(first.images))
-            kwargs["latents"] = torch.cat(latents, dim=0)
-            kwargs["generator"] = generators
-            kwargs["output_type"] = a.pipeline_output_type(decoded=first.params.return_generated_output)
-            if first.stock_sigmas is not None:
-                kwargs["sigmas"] = first.stock_sigmas
-
-            p0 = first.params
-            settings = p0.settings if p0.rollout else RolloutSettings(record=False)
-            need_state = p0.rollout or first.schedule is not None
-            state = (
-                make_rollout_state(
-                    settings,
-                    generators,
-                    streams=a.streams,
-                    sigmas=first.schedule,
-                    step_generators=step_generators if any(step_generators) else None,
-                )
-                if need_state
-                else None
-            )
-            recorder = TransformerCallRecorder((lambda: state.loop_index) if state else None)
-            # Two experts: always watched, so every response names the expert of every step.
-            watch = a.has_experts() or (
-                p0.rollout
-                and any(pl.params.return_denoising_env or pl.params.return_dit_trajectory for pl in plans)
-            )
-            if watch and state is None:
-                kwargs["callback_on_step_end"] = recorder.on_step_end
-            cache = p0.feature_cache
-            speed = self.loaded.speed
-            try:
-                with (
-                    a.scheduler_for(need_state),
-                    a.call_context(call),
-                    rollout_context(state),
-                    feature_cache_applied(a.transformers(), cache, call.num_inference_steps),
-                    speed.graphs_for_call(cache),
-                    # Process-wide, but a compiled server runs one call at a time (no lanes).
-                    torch.compiler.set_stance("force_eager")
-                    if first.eager and speed.compile
-                    else contextlib.nullcontext(),
-                ):
-                    if watch:
-                        with recorder.attach(a.transformers()):
-                            output = pipe(**kwargs)
-                    else:
-                        output = pipe(**kwargs)
-            except (RequestError, ContextParallelError):
-                raise
-            except torch.cuda.OutOfMemoryError as exc:
-                torch.cuda.empty_cache()
-                raise ServiceUnavailableError(f"CUDA out of memory in a batch of {batch}: {exc}") from exc
-            except Exception as exc:
-                raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
-            images = a.output_tensor(output, decoded=first.params.return_generated_output)
-
-        elapsed = time.perf_counter() - t0
-        peak = (
-            torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.startswith("cuda") else None
-        )
-        copier = HostCopier(self.device)
-        # Sharded attention (k GPUs) sums in another order than the stock pipeline on one.
-        cp_exact = self.context_parallel is None or self.context_parallel.exact
-        exact = speed.exact and cache is None and cp_exact
-        results, flags = split_batch(
-            a, plans, state, recorder, images, call, copier,
-            version=version, elapsed=elapsed, peak=peak, exact=exact, device=self.device,
-        )  # fmt: skip
-        copier.finish()
-        args = (jobs, plans, results, flags, copier, call, version, elapsed)
-        try:
-            self._results.submit(self._deliver, *args)
-        except RuntimeError:  # the results thread is shut down (a batch outlived stop()): finish here
-            self._deliver(*args)
-
-    def _deliver(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
-        """On the results thread: wait for the host copies, check them, answer the requests."""
-        token = request_id_var.set(",".join(j.request_id for j in jobs))  # log lines name the batch
-        try:
-            if deliver(jobs, plans, results, flags, copier, call, version, elapsed, self.metrics):
-                self.last_generate_ok_at = time.time()
-        finally:
-            request_id_var.reset(token)
