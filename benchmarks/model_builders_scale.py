@@ -106,6 +106,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "true_cfg_scale": 4.0,
         "negative_prompt": " ",
     },
+    # Wan 2.1 T2V 14B (WanTransformer3DModel's defaults: 40 layers, dim 5120, 40 heads), 480p.
+    "wan2.1-14b": {
+        "height": 480,
+        "width": 832,
+        "num_frames": 81,
+        "num_inference_steps": 2,
+        "guidance_scale": 5.0,
+    },
     "wan2.2-a14b": {
         "height": 480,
         "width": 832,
@@ -157,6 +165,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 FAMILY = {
     "qwen-image": "qwenimage",
+    "wan2.1-14b": "wan",
     "wan2.2-a14b": "wan2.2",
     "wan2.2-ti2v-5b": "wan",
     "wan2.2-ti2v-5b-i2v": "wan2.2-ti2v-i2v",
@@ -284,6 +293,22 @@ def _wan_experts(
     return pipeline_cls(**kwargs)
 
 
+def _wan21_14b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+    from diffusion_rollout.models.tokenizers import make_t5_tokenizer
+
+    tok = make_t5_tokenizer()
+    tcfg = {"in_channels": 16, **overrides}  # the rest: WanTransformer3DModel's 14B defaults
+    return WanPipeline(
+        transformer=build_module(lambda: WanTransformer3DModel(**tcfg), device, dtype, seed),
+        vae=build_module(lambda: AutoencoderKLWan(), device, dtype, seed + 1),
+        text_encoder=mb._t5(tok, umt5=True, seed=seed + 2, device=device, dtype=dtype),
+        tokenizer=tok,
+        scheduler=_wan_scheduler(5.0),  # Wan 2.1 T2V 14B's sample_shift
+    )
+
+
 def _wan22_a14b(device: str, dtype, seed: int, overrides: dict[str, Any]) -> Any:
     from diffusers import WanPipeline
 
@@ -365,6 +390,7 @@ def _flux1_kontext_dev(device: str, dtype, seed: int, overrides: dict[str, Any])
 
 BUILDERS = {
     "qwen-image": _qwen_image,
+    "wan2.1-14b": _wan21_14b,
     "wan2.2-a14b": _wan22_a14b,
     "wan2.2-ti2v-5b": _wan22_ti2v_5b,
     "wan2.2-ti2v-5b-i2v": _wan22_ti2v_5b_i2v,
