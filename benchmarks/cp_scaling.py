@@ -378,7 +378,13 @@ def _case(rank: int, world: int, case: Case, opts: dict[str, Any]) -> list[dict[
             )
             par = twin(module)
             if ring > 1:
+                from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+                # diffusers also makes it the process-wide default; the next case's masked
+                # attention (HunyuanVideo 1.5, LTX-2) must not inherit it.
+                default = _AttentionBackendRegistry._active_backend
                 par.set_attention_backend(RING_BACKEND)
+                _AttentionBackendRegistry.set_active_backend(default)
             enable_plan(
                 par, ContextParallelConfig(ring_degree=ring, ulysses_degree=uly, mesh=mesh["ring", "ulysses"])
             )
