@@ -42,11 +42,11 @@ CALLS_PER_ROLLOUT = 2 * T
 
 
 class Servers:
-    def __init__(self, path) -> None:
+    """A one-process server and a context-parallel one (k = 2 Ulysses unless ``layout`` says) on ``path``."""
+
+    def __init__(self, path, **layout) -> None:
         self.ref = ServedModel(path)
-        # Four ranks, 2 Ulysses x 2 ring (the tiny Wan's 2 heads allow no more Ulysses ranks): mirror
-        # mode runs every layout alike, and three followers show the lockstep is not a pair's.
-        self.cp = ServedModel(path, context_parallel=4, context_parallel_mode="hybrid")
+        self.cp = ServedModel(path, **(layout or {"context_parallel": 2}))
         self.closed = False
 
     def close(self) -> None:
@@ -58,7 +58,9 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_path):
-    s = Servers(tiny_model_path("wan2.2"))
+    # Four ranks, 2 Ulysses x 2 ring (the tiny Wan's 2 heads allow no more Ulysses ranks): mirror
+    # mode runs every layout alike, and three followers show the lockstep is not a pair's.
+    s = Servers(tiny_model_path("wan2.2"), context_parallel=4, context_parallel_mode="hybrid")
     yield s
     s.close()
 
