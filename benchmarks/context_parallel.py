@@ -38,8 +38,9 @@ stock pipeline on the same ranks, without the server, as the reference for that 
     python -m benchmarks.context_parallel --gpus 2 --model wan2.2-a14b --out $OUT   # 14B experts
     python -m benchmarks.context_parallel --device cpu --gpus 2 --tiny              # harness only
 
-The image-to-video rows (Ulysses only: the server refuses ring), one model per command (each builds
-its model twice: k = 1 and k = 2 share one build, the rest is the call), 480x832x81 on 2 GPUs:
+The image-to-video rows (Ulysses; the server serves ring too, not measured for them yet), one model
+per command (each builds its model twice: k = 1 and k = 2 share one build, the rest is the call),
+480x832x81 on 2 GPUs:
 
     python -m benchmarks.context_parallel --gpus 2 --model wan2.1-i2v-14b-480p --modes ulysses --out $OUT
     python -m benchmarks.context_parallel --gpus 2 --model wan2.2-i2v-a14b --modes ulysses --out $OUT

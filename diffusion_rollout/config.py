@@ -196,10 +196,18 @@ class ServerConfig(BaseModel):
         description="ranks per engine for one request's transformer calls (Wan families, LTX-2); "
         ">1 starts k-1 follower processes, one per GPU (a CPU engine mirrors them, for tests)",
     )
-    context_parallel_mode: Literal["ulysses", "ring"] = Field(
+    context_parallel_mode: Literal["ulysses", "ring", "hybrid"] = Field(
         "ulysses",
-        description="how diffusers shards attention over the ranks on CUDA: ulysses (ring is refused at "
-        "start-up: its served rollouts were non-finite on 2 GPUs, see benchmarks/RESULTS.md)",
+        description="how attention is sharded over the ranks on CUDA: ulysses (heads exchanged all-to-all; "
+        "heads must divide by k), ring (key/value blocks passed round all k ranks), hybrid (Ulysses groups "
+        "of k / context_parallel_ring_degree ranks, rings across them); ring and hybrid run the "
+        "_native_flash attention backend (bfloat16/float16 only) unless attention_backend is set, and "
+        "serve the Wan families only",
+    )
+    context_parallel_ring_degree: int | None = Field(
+        None,
+        description="hybrid only: ranks per ring (unset = 2); context_parallel must be a multiple of it and "
+        "larger, the Ulysses degree is context_parallel / it; a start-up error with another mode",
     )
     context_parallel_timeout_s: float = Field(
         600.0,
@@ -324,6 +332,37 @@ class ServerConfig(BaseModel):
                     f"{self.context_parallel} (got {gpus:g})"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _context_parallel_layout_fits(self) -> ServerConfig:
+        ring = self.context_parallel_ring_degree
+        if ring is not None and self.context_parallel_mode != "hybrid":
+            # Refused rather than ignored: a ring degree given with ring mode (where it is k) or with
+            # ulysses would otherwise look applied in the config and mean nothing.
+            raise ValueError(
+                f"context_parallel_ring_degree={ring} applies to context_parallel_mode=hybrid only "
+                f"(got context_parallel_mode={self.context_parallel_mode}; ring mode's degree is "
+                "context_parallel)"
+            )
+        if self.context_parallel_mode == "hybrid":
+            ring, k = self.context_parallel_degrees()[0], self.context_parallel
+            if not 1 < ring < k or k % ring:
+                raise ValueError(
+                    f"context_parallel_mode=hybrid needs 1 < context_parallel_ring_degree < context_parallel "
+                    f"and context_parallel divisible by it (got context_parallel_ring_degree={ring}, "
+                    f"context_parallel={k}); for one ring over every rank use context_parallel_mode=ring"
+                )
+        return self
+
+    def context_parallel_degrees(self) -> tuple[int, int]:
+        """``(ring degree, Ulysses degree)`` of ``context_parallel_mode``; their product is ``context_parallel``."""
+        k = self.context_parallel
+        if self.context_parallel_mode == "ring":
+            return k, 1
+        if self.context_parallel_mode == "hybrid":
+            ring = self.context_parallel_ring_degree or 2
+            return ring, max(k // ring, 1)
+        return 1, k
 
     @model_validator(mode="after")
     def _fast_tier_can_run(self) -> ServerConfig:

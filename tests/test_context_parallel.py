@@ -1,14 +1,17 @@
-"""Context parallelism's serving mechanics on the CPU: ``context_parallel=2`` in mirror mode over gloo.
+"""Context parallelism's serving mechanics on the CPU: ``context_parallel=4`` (hybrid, 2 Ulysses x
+2 ring) in mirror mode over gloo, ``context_parallel=2`` for the in-memory and Ray engines.
 
-On the CPU diffusers' context parallelism is unavailable, so the follower runs the whole transformer
-on every call rank 0 hands it (server/context_parallel.py). That makes the lockstep observable: the
+On the CPU diffusers' context parallelism is unavailable, so each follower runs the whole transformer
+on every call rank 0 hands it (server/context_parallel.py). That makes the lockstep observable: every
 follower must run exactly rank 0's calls, get exactly its outputs (checksums) and hold exactly its
 weights after every update, and rank 0's rollouts must equal a one-process server's bit for bit.
-The tiny Wan 2.2 model has two experts, so both denoisers are mirrored.
+The tiny Wan 2.2 model has two experts, so both denoisers are mirrored. The layout rules (which
+modes, degrees, dtypes and families are served) are checked without followers at the end.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -39,9 +42,11 @@ CALLS_PER_ROLLOUT = 2 * T
 
 
 class Servers:
-    def __init__(self, path) -> None:
+    """A one-process server and a context-parallel one (k = 2 Ulysses unless ``layout`` says) on ``path``."""
+
+    def __init__(self, path, **layout) -> None:
         self.ref = ServedModel(path)
-        self.cp = ServedModel(path, context_parallel=2)
+        self.cp = ServedModel(path, **(layout or {"context_parallel": 2}))
         self.closed = False
 
     def close(self) -> None:
@@ -53,7 +58,9 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_path):
-    s = Servers(tiny_model_path("wan2.2"))
+    # Four ranks, 2 Ulysses x 2 ring (the tiny Wan's 2 heads allow no more Ulysses ranks): mirror
+    # mode runs every layout alike, and three followers show the lockstep is not a pair's.
+    s = Servers(tiny_model_path("wan2.2"), context_parallel=4, context_parallel_mode="hybrid")
     yield s
     s.close()
 
@@ -71,8 +78,8 @@ def settled(read, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = read()
-        (follower,) = stats["followers"]
-        if follower["forwards"] == stats["forwards"] or time.monotonic() > deadline:
+        caught_up = all(f["forwards"] == stats["forwards"] for f in stats["followers"])
+        if caught_up or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
 
@@ -88,12 +95,14 @@ def assert_follower_ran_every_call(server, forwards: int) -> None:
     the last one bit for bit (same output checksum, same weights): it got rank 0's inputs and
     weights, not just a call."""
     stats = settled_stats(server)
-    (follower,) = stats["followers"]
-    assert stats["ranks"] == 2 and stats["mode"] == "mirror" and stats["error"] is None
+    ranks = server.config.context_parallel
+    assert stats["ranks"] == ranks == len(stats["followers"]) + 1
+    assert stats["mode"] == "mirror" and stats["error"] is None
     assert stats["forwards"] == forwards
-    assert follower["forwards"] == stats["forwards"] and follower["alive"]
-    assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0
-    assert follower["weights_digest"] == group(server).weights_digest()
+    for follower in stats["followers"]:
+        assert follower["forwards"] == stats["forwards"] and follower["alive"], follower
+        assert follower["last_output_checksum"] == stats["last_output_checksum"] != 0.0, follower
+        assert follower["weights_digest"] == group(server).weights_digest(), follower
 
 
 def update_both(servers, body=BODY, seed: int = 3) -> tuple[dict, dict, dict]:
@@ -107,7 +116,7 @@ def update_both(servers, body=BODY, seed: int = 3) -> tuple[dict, dict, dict]:
     }
     (old,) = servers.cp.generate(body)
     digest_before = group(servers.cp).weights_digest()
-    syncs_before = settled_stats(servers.cp)["followers"][0]["weight_syncs"]
+    syncs_before = [f["weight_syncs"] for f in settled_stats(servers.cp)["followers"]]
     for srv in (servers.ref, servers.cp):
         r = srv.client.post(
             "/update_weights", content=save(new), headers={"Content-Type": "application/octet-stream"}
@@ -118,10 +127,10 @@ def update_both(servers, body=BODY, seed: int = 3) -> tuple[dict, dict, dict]:
     ref, cp = both(servers, body)
     assert not torch.equal(cp["generated_output"], old["generated_output"])  # the update mattered
     stats = settled_stats(servers.cp)
-    (follower,) = stats["followers"]
-    assert follower["weight_syncs"] == syncs_before + 1
-    assert follower["weights_digest"] == digest_after
-    assert follower["last_output_checksum"] == stats["last_output_checksum"]
+    for follower, syncs in zip(stats["followers"], syncs_before, strict=True):
+        assert follower["weight_syncs"] == syncs + 1, follower
+        assert follower["weights_digest"] == digest_after, follower
+        assert follower["last_output_checksum"] == stats["last_output_checksum"], follower
     return old, ref, cp
 
 
@@ -138,7 +147,11 @@ def assert_dead_follower_fails_with_503(server, body=BODY) -> None:
 
 
 def test_rollouts_equal_one_process_and_the_follower_runs_every_call(servers):
-    before = settled_stats(servers.cp)["forwards"]
+    stats = settled_stats(servers.cp)
+    layout = (stats["configured_mode"], stats["ring_degree"], stats["ulysses_degree"])
+    assert layout == ("hybrid", 2, 2) and len(stats["followers"]) == 3
+    assert stats["attention_backend"] is None  # mirror mode shards nothing, so it sets no backend
+    before = stats["forwards"]
     ref, cp = both(servers)
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], cp[key]), key
@@ -170,18 +183,18 @@ def test_memory_release_reaches_the_follower_and_rollouts_match_after_resume(ser
     cp = servers.cp
     r = cp.client.post("/release_memory_occupation", json={})
     assert r.status_code == 200, r.text
-    # Answered after the follower met rank 0 past its release: no settling needed.
-    (follower,) = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
-    assert follower["released"] is True and follower["alive"]
+    # Answered after the followers met rank 0 past their release: no settling needed.
+    followers = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
+    assert all(f["released"] is True and f["alive"] for f in followers), followers
     r = cp.client.post("/resume_memory_occupation", json={})
     assert r.status_code == 200, r.text
-    (follower,) = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
-    assert follower["released"] is False
+    followers = cp.client.get("/server_info").json()["speed"]["context_parallel"]["followers"]
+    assert all(f["released"] is False for f in followers), followers
     ref, out = both(servers)
     for key in ("generated_output", "rollout_log_probs"):
         assert torch.equal(ref[key], out[key]), key
     stats = settled_stats(cp)
-    assert stats["followers"][0]["last_output_checksum"] == stats["last_output_checksum"]
+    assert all(f["last_output_checksum"] == stats["last_output_checksum"] for f in stats["followers"])
 
 
 def test_stop_ends_the_follower(servers):
@@ -235,13 +248,9 @@ def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_mode
     with pytest.raises(ContextParallelError, match="context_parallel=2 is not supported for family 'sd3'"):
         engine.load()
     assert engine.context_parallel is None  # refused before any follower was spawned
-    # Ring attention is refused before any follower starts (its served rollouts were NaN on 2 GPUs).
-    engine = Engine(
-        ServerConfig(
-            model=str(tiny_model_path("wan")), device="cpu", context_parallel=2, context_parallel_mode="ring"
-        )
-    )
-    with pytest.raises(ContextParallelError, match="context_parallel_mode='ring' is not served"):
+    # A layout the model cannot take is refused the same way: Ulysses k = 4 over the tiny Wan's 2 heads.
+    engine = Engine(ServerConfig(model=str(tiny_model_path("wan")), device="cpu", context_parallel=4))
+    with pytest.raises(ContextParallelError, match=r"num_attention_heads=2; .* divisible by 4"):
         engine.load()
     assert engine.context_parallel is None
     with pytest.raises(ValueError, match="context_parallel=2 cannot be combined with compile"):
@@ -282,3 +291,132 @@ def test_a_ray_replica_runs_its_own_follower(tiny_model_path, served):
         if engine is not None:
             engine.stop(grace_s=5)
         ray.shutdown()
+
+
+def test_the_three_layouts_resolve_their_degrees_and_bad_combinations_name_the_field():
+    from diffusion_rollout.entrypoints.cli import build_parser, main
+
+    def degrees(**kw):
+        return ServerConfig(device="cpu", **kw).context_parallel_degrees()
+
+    assert degrees(context_parallel=4) == (1, 4)  # ulysses, the default
+    assert degrees(context_parallel=4, context_parallel_mode="ring") == (4, 1)
+    assert degrees(context_parallel=4, context_parallel_mode="hybrid") == (2, 2)  # ring degree unset = 2
+    assert degrees(context_parallel=8, context_parallel_mode="hybrid", context_parallel_ring_degree=4) == (
+        4,
+        2,
+    )
+    refused = {
+        # hybrid needs 1 < ring degree < k, k a multiple of it
+        (2, "hybrid", None): "1 < context_parallel_ring_degree < context_parallel",
+        (8, "hybrid", 8): "got context_parallel_ring_degree=8, context_parallel=8",
+        (6, "hybrid", 4): "got context_parallel_ring_degree=4, context_parallel=6",
+        (4, "hybrid", 1): "got context_parallel_ring_degree=1",
+        # the ring degree belongs to hybrid only
+        (4, "ring", 2): "context_parallel_ring_degree=2 applies to context_parallel_mode=hybrid only",
+        (4, "ulysses", 2): "got context_parallel_mode=ulysses",
+    }
+    for (k, mode, ring), message in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ServerConfig(context_parallel=k, context_parallel_mode=mode, context_parallel_ring_degree=ring)
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--context-parallel",
+            "4",
+            "--context-parallel-mode",
+            "hybrid",
+            "--context-parallel-ring-degree",
+            "2",
+        ]
+    )
+    assert (args.context_parallel_mode, args.context_parallel_ring_degree) == ("hybrid", 2)
+    with pytest.raises(SystemExit) as exc:  # a one-line start-up error, before anything loads
+        main(["serve", "--context-parallel", "3", "--context-parallel-mode", "hybrid"])
+    assert "context_parallel_mode=hybrid needs 1 < context_parallel_ring_degree" in str(exc.value.code)
+
+
+def test_start_up_checks_refuse_layouts_the_model_or_dtype_cannot_serve():
+    """``check_start`` on real tiny transformers, without followers: the heads the Ulysses degree
+    splits, the half-precision backend of a ring on CUDA, and the server's own plans (Ulysses only)."""
+    from diffusion_rollout.models.tiny_video import (
+        _wan_transformer,
+        hunyuanvideo15_components,
+        ltx2_components,
+    )
+    from diffusion_rollout.server.cp_plans import RING_BACKEND, check_start, ring_backend
+
+    wan = {"transformer": _wan_transformer()}  # 2 heads
+
+    def check(modules, *, cuda=False, dtype=torch.float32, **kw):
+        check_start(modules, ServerConfig(device="cpu", **kw), cuda=cuda, dtype=dtype)
+
+    check(wan, context_parallel=2)
+    check(wan, context_parallel=4, context_parallel_mode="ring")  # a ring splits no heads
+    check(wan, context_parallel=4, context_parallel_mode="hybrid")  # Ulysses degree 2
+    with pytest.raises(
+        ContextParallelError,
+        match=r"context_parallel_mode=hybrid: .*over its 4 ranks, so they must be divisible by 4",
+    ):
+        check(wan, context_parallel=8, context_parallel_mode="hybrid", context_parallel_ring_degree=2)
+    check(wan, context_parallel=8, context_parallel_mode="hybrid", context_parallel_ring_degree=4)
+
+    # On CUDA a ring runs _native_flash unless a backend is set; it takes half precision only.
+    assert ring_backend(None, 2, cuda=True) == RING_BACKEND == "_native_flash"
+    assert ring_backend(None, 1, cuda=True) is None and ring_backend(None, 2, cuda=False) is None
+    assert ring_backend("flash", 2, cuda=True) == "flash"
+    for mode in ("ring", "hybrid"):
+        with pytest.raises(
+            ContextParallelError,
+            match=f"context_parallel_mode={mode} runs attention_backend=_native_flash.*dtype=bfloat16",
+        ):
+            check(wan, cuda=True, context_parallel=4, context_parallel_mode=mode)
+        check(wan, cuda=True, dtype=torch.bfloat16, context_parallel=4, context_parallel_mode=mode)
+        check(wan, context_parallel=4, context_parallel_mode=mode)  # float32 mirror mode: no backend
+        # A configured backend is left to diffusers (enable_parallelism refuses one without CP).
+        check(wan, cuda=True, context_parallel=4, context_parallel_mode=mode, attention_backend="flash")
+    check(wan, cuda=True, context_parallel=2)  # Ulysses in float32 on CUDA: no rule
+
+    for name, modules in (
+        ("LTX2VideoTransformer3DModel", {"transformer": ltx2_components(0)["transformer"]}),
+        ("HunyuanVideo15Transformer3DModel", {"transformer": hunyuanvideo15_components(0)["transformer"]}),
+    ):
+        check(modules, context_parallel=2)
+        for mode in ("ring", "hybrid"):
+            with pytest.raises(
+                ContextParallelError, match=f"{mode}: transformer \\({name}\\) runs the server's own"
+            ):
+                check(modules, context_parallel=4, context_parallel_mode=mode)
+
+
+def test_the_video_token_count_must_divide_by_k_for_wan_too():
+    """diffusers' Wan plan asserts an even split inside the call (a dead follower on CUDA): a 400 first."""
+    from types import SimpleNamespace
+
+    from diffusion_rollout.errors import RequestError
+    from diffusion_rollout.server.cp_plans import check_call, wan_video_tokens
+    from diffusion_rollout.server.families.base import CallSettings
+
+    patch = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2)))
+    adapter = SimpleNamespace(
+        name="wan",
+        transformers=lambda: {"transformer": patch},
+        noise_shape=lambda c: (16, (c.num_frames - 1) // 4 + 1, c.height // 8, c.width // 8),
+    )  # the real Wan 2.1's compression (8x, 4x in time)
+
+    def engine(k):
+        return SimpleNamespace(config=SimpleNamespace(context_parallel=k), adapter=adapter)
+
+    def call(h, w, f):
+        return CallSettings(
+            height=h, width=w, num_inference_steps=1, guidance_scale=5.0, true_cfg_scale=None,
+            guidance_scale_2=None, num_frames=f, max_sequence_length=None, has_negative_prompt=False,
+        )  # fmt: skip
+
+    assert wan_video_tokens(adapter, call(480, 832, 81)) == 21 * 30 * 52
+    for k in (2, 4, 8):
+        check_call(engine(k), call(480, 832, 81))
+    with pytest.raises(RequestError, match="75 video tokens, not divisible by context_parallel=2") as exc:
+        check_call(engine(2), call(80, 48, 17))  # 5 x 5 x 3
+    assert exc.value.field == "num_frames"

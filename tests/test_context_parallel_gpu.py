@@ -1,9 +1,10 @@
-"""Context parallelism on two GPUs: diffusers' Ulysses attention behind a served engine
-(ring is refused on every device: ``tests/test_context_parallel.py``).
+"""Context parallelism on GPUs: diffusers' Ulysses, ring and hybrid attention behind a served engine.
 
-Rank 0 is this process on cuda:0, its follower runs on cuda:1. Sharded attention sums in another
-order than one GPU, so a k = 2 rollout is compared with a k = 1 one within a float32 bound, not bit
-for bit (the test prints the distance it measured); the follower must still run every call.
+Rank 0 is this process on cuda:0, its followers run on the next GPUs. Sharded attention sums in
+another order than one GPU, so a k-rank rollout is compared with a k = 1 one within a bound, not bit
+for bit (the tests print the distance they measured); the followers must still run every call.
+Ulysses runs in float32 (bound 1e-3); ring and hybrid run ``_native_flash``, bfloat16 only, so they
+are compared with a bfloat16 k = 1 server within a bfloat16 bound. The hybrid test needs 4 GPUs.
 """
 
 from __future__ import annotations
@@ -111,3 +112,53 @@ def test_two_gpu_image_to_video_rollouts_match_one_gpu(tiny_model_path, tmp_path
         assert stats["mode"] == "ulysses" and stats["error"] is None and stats["followers"][0]["alive"]
     finally:
         cp.close()
+
+
+# bfloat16 has 8 mantissa bits: one rounding step of the tiny model's outputs (|x| ~ 1) is 2^-8 to
+# 2^-7; a ring merges partial attentions by their log-sum-exp (in float32) instead of one softmax,
+# and the difference compounds over the steps. The single-call ring test measured 0.0078 on the CPU
+# (tests/test_ring_attention_gpu.py bounds it by 0.05); a 3-step rollout gets twice that room.
+BF16_BOUND = 0.1
+
+
+def bf16_layout_against_k1(tiny_model_path, k: int, **layout) -> None:
+    """A bfloat16 k-rank server in ``layout`` against a bfloat16 one-GPU server on the tiny Wan:
+    finite, within ``BF16_BOUND`` (max |diff| in the message), every follower running every call."""
+    path = tiny_model_path("wan")
+    ref = ServedModel(path, device="cuda:0", dtype="bfloat16")
+    try:
+        (base,) = ref.generate(BODY)
+    finally:
+        ref.close()
+    cp = ServedModel(path, device="cuda:0", dtype="bfloat16", context_parallel=k, **layout)
+    try:
+        (out,) = cp.generate(BODY)
+        stats = settled(lambda: cp.client.get("/server_info").json()["speed"]["context_parallel"])
+    finally:
+        cp.close()
+    diffs = {
+        key: (out[key].float() - base[key].float()).abs().max().item()
+        for key in ("generated_output", "rollout_log_probs")
+    }
+    label = f"{layout['context_parallel_mode']} k={k} bf16 vs k=1: max |diff| {diffs}"
+    print(label)
+    for key in diffs:
+        assert torch.isfinite(out[key].float()).all(), f"{key} non-finite; {label}"
+    assert max(diffs.values()) <= BF16_BOUND, label
+    assert out["exact"] is False
+    assert stats["error"] is None and stats["mode"] == layout["context_parallel_mode"], stats
+    assert stats["attention_backend"] == "_native_flash", stats  # chosen for the ring: none was set
+    assert stats["ring_degree"] * stats["ulysses_degree"] == k, stats
+    calls = 2 * BODY["num_inference_steps"]
+    assert stats["forwards"] == calls and len(stats["followers"]) == k - 1, stats
+    assert all(f["forwards"] == calls and f["alive"] for f in stats["followers"]), stats
+
+
+def test_two_gpu_ring_rollouts_in_bfloat16_are_finite_and_close_to_one_gpu(tiny_model_path):
+    bf16_layout_against_k1(tiny_model_path, 2, context_parallel_mode="ring")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+def test_four_gpu_hybrid_rollouts_in_bfloat16_are_finite_and_close_to_one_gpu(tiny_model_path):
+    """2 Ulysses x 2 ring: the tiny Wan's 2 heads split over the Ulysses pairs, the rings pass the rest."""
+    bf16_layout_against_k1(tiny_model_path, 4, context_parallel_mode="hybrid", context_parallel_ring_degree=2)

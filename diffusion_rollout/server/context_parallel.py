@@ -1,7 +1,8 @@
 """Context parallelism: one request's transformer calls run on k ranks (``config.context_parallel``).
 
-diffusers' context parallelism (``enable_parallelism(config=ContextParallelConfig(ulysses_degree=k))``
-or ``ring_degree=k``) is SPMD: every rank must call the transformer's forward with the same full
+diffusers' context parallelism (``enable_parallelism(config=ContextParallelConfig(ring_degree=r,
+ulysses_degree=k / r))``: ``context_parallel_mode`` ulysses is r = 1, ring r = k, hybrid r =
+``context_parallel_ring_degree``) is SPMD: every rank must call the transformer's forward with the same full
 inputs; attention shards the token sequence over the ranks and the output is gathered, so every rank
 gets the same output. The engine process is rank 0 and runs the whole pipeline as usual; this module
 gives it k-1 *follower* processes that hold only the denoisers and run each transformer call with it.
@@ -32,6 +33,13 @@ Design decisions:
   rank 0 checks that every follower is alive before each op, and collectives time out after
   ``context_parallel_timeout_s``. Either raises ``ContextParallelError``, after which the engine
   reports itself failed (a rollout would otherwise hang or compute with a missing rank).
+- **A ring runs ``_native_flash`` unless a backend is configured.** Ring attention (ring and hybrid)
+  merges each key/value block's partial output by its log-sum-exp, which diffusers' default native
+  backend does not return; ``_native_flash`` does, in bfloat16 or float16 only, so a float32 CUDA
+  engine is refused at start-up. A configured ``attention_backend`` is left alone on every rank
+  (``enable_parallelism`` refuses one without context parallelism). The rules are
+  :func:`~diffusion_rollout.server.cp_plans.check_start`'s, on a CPU engine too (but the dtype's),
+  so one configuration is accepted or refused the same everywhere.
 - Exactness: k GPUs sum attention in another order than one, so a k-GPU rollout is not expected to be
   bit-identical to a 1-GPU one; a 1-GPU replay reproduces it to that distance
   (``benchmarks/context_parallel.py`` measures it).
@@ -54,7 +62,7 @@ from torch import nn
 
 from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.errors import ContextParallelError
-from diffusion_rollout.server.cp_plans import check_start, enable_plan
+from diffusion_rollout.server.cp_plans import check_start, enable_plan, ring_backend
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +161,13 @@ def _init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) 
     )
 
 
-def _enable(modules: dict[str, nn.Module], mode: str, world: int) -> None:
+def _enable(modules: dict[str, nn.Module], ring_degree: int, ulysses_degree: int) -> None:
     from diffusers import ContextParallelConfig
 
-    kw = {"ulysses_degree": world} if mode == "ulysses" else {"ring_degree": world}
     for module in modules.values():
-        enable_plan(module, ContextParallelConfig(**kw))  # diffusers' plan, or the server's (cp_plans)
+        # diffusers' mesh is (ring, ulysses): with both > 1, Ulysses groups of consecutive ranks, and
+        # each ring joins the ranks of one Ulysses position. Its plan, or the server's (cp_plans).
+        enable_plan(module, ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree))
 
 
 # ---------------------------------------------------------------------- follower side
@@ -205,7 +214,7 @@ def _follower_main(
         # too, once all followers are ready) must build together.
         events.put(("ready", rank, None))
         if cuda:
-            _enable(modules, spec["mode"], world)
+            _enable(modules, spec["ring_degree"], spec["ulysses_degree"])
     except BaseException as exc:
         events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
         return
@@ -279,6 +288,7 @@ class ContextParallelGroup:
         device: str,
         dtype: torch.dtype,
         model_path: str | None,
+        ring_degree: int = 1,
         attention_backend: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
@@ -287,16 +297,11 @@ class ContextParallelGroup:
         self.denoisers = denoisers
         self.ranks = ranks
         self.cuda = device.startswith("cuda")
+        self.configured_mode = mode
         self.mode = mode if self.cuda else "mirror"
-        if mode == "ring":  # refused on a CPU engine too, so one configuration means one thing
-            # Measured on 2x H200 (RESULTS.md): ring needs a backend that returns the log-sum-exp
-            # (half precision only), and served that way the tiny Wan model's rollouts were NaN while
-            # k = 1 was finite. Refused until that is understood, rather than serving NaN rollouts.
-            raise ContextParallelError(
-                "context_parallel_mode='ring' is not served: its rollouts were non-finite on "
-                "2 GPUs (benchmarks/RESULTS.md); use context_parallel_mode='ulysses' (bit-identical "
-                "to one GPU where measured)"
-            )
+        self.ring_degree, self.ulysses_degree = ring_degree, ranks // ring_degree
+        # Mirror mode shards nothing, so it sets no backend; on CUDA a ring needs the log-sum-exp.
+        self.attention_backend = ring_backend(attention_backend, ring_degree, self.cuda)
         self.timeout_s = timeout_s
         self.error: str | None = None
         self.forwards = 0
@@ -313,8 +318,9 @@ class ContextParallelGroup:
             "dtype": dtype,
             "cuda": self.cuda,
             "first_gpu": first_gpu,
-            "mode": mode,
-            "attention_backend": attention_backend,
+            "ring_degree": self.ring_degree,
+            "ulysses_degree": self.ulysses_degree,
+            "attention_backend": self.attention_backend,
             "threads": torch.get_num_threads(),
             "timeout_s": timeout_s,
         }
@@ -343,7 +349,10 @@ class ContextParallelGroup:
             _init_group(0, ranks, port, self.cuda, timeout_s)
             self._wait_ready()
             if self.cuda:
-                _enable(denoisers, mode, ranks)
+                if self.attention_backend != attention_backend:  # chosen here: rank 0's loader set none
+                    for module in denoisers.values():
+                        module.set_attention_backend(self.attention_backend)
+                _enable(denoisers, self.ring_degree, self.ulysses_degree)
             self._sync_weights()
         except BaseException as exc:
             self.stop()
@@ -478,8 +487,10 @@ class ContextParallelGroup:
                 row["last_output_checksum"] = s[_LAST_OUTPUT]
                 row["weights_digest"] = d.value.decode() or None
             followers.append(row)
-        out = {"ranks": self.ranks, "mode": self.mode, "forwards": self.forwards, "followers": followers,
-               "error": self.error}  # fmt: skip
+        out = {"ranks": self.ranks, "mode": self.mode, "configured_mode": self.configured_mode,
+               "ring_degree": self.ring_degree, "ulysses_degree": self.ulysses_degree,
+               "attention_backend": self.attention_backend, "forwards": self.forwards,
+               "followers": followers, "error": self.error}  # fmt: skip
         if not self.cuda:
             out["last_output_checksum"] = self.last_output
         return out
@@ -539,7 +550,8 @@ def start_for(engine: Any) -> ContextParallelGroup:
         )
     if family in _TIMESTEP_PER_TOKEN:
         _check_timestep_split(engine.adapter.transformers())
-    check_start(engine)  # per-family refusals (LTX-2's head counts), before any follower is spawned
+    # The layout's refusals (heads, dtype, server plans), before any follower is spawned.
+    check_start(engine.adapter.transformers(), cfg, cuda=engine.device.startswith("cuda"), dtype=engine.dtype)
     if engine.device.startswith("cuda"):
         first = torch.device(engine.device).index or 0
         if first + cfg.context_parallel > torch.cuda.device_count():
@@ -552,6 +564,7 @@ def start_for(engine: Any) -> ContextParallelGroup:
         dict(engine.adapter.transformers()),
         ranks=cfg.context_parallel,
         mode=cfg.context_parallel_mode,
+        ring_degree=cfg.context_parallel_degrees()[0],
         device=engine.device,
         dtype=engine.dtype,
         # A folder the followers can read; else (an in-memory pipeline) they build from the config.

@@ -44,6 +44,19 @@ HunyuanVideo 1.5's plan (:func:`hunyuanvideo15_plan`, :class:`HunyuanVideo15Ulys
   the all-to-all (heads -> tokens) and the text output is all-gathered over the heads, so every rank
   again holds the whole text. Heads must divide by k (:func:`check_start`), and the video token count
   too (:func:`check_call`, a 400).
+
+The attention layout's rules (:func:`check_start` at start-up, :func:`check_call` per request), for
+``context_parallel_mode`` ulysses (ring degree 1), ring (ring degree k) and hybrid (Ulysses degree
+k / ring degree):
+
+- Ulysses splits heads, so every sharded attention's head count must divide by the Ulysses degree
+  (k, k / ring degree, or no rule for ring).
+- Every layout shards the video tokens over all k ranks, so their count must divide by k, for Wan
+  too (diffusers' ``EquipartitionSharder`` asserts it inside the call, which would end a follower).
+- A ring (ring, hybrid) needs a backend that returns the log-sum-exp: ``_native_flash`` unless one
+  is configured (:func:`ring_backend`), bfloat16 or float16 only, so float32 on CUDA is refused.
+- The server's own plans (LTX-2, HunyuanVideo 1.5) exchange over the Ulysses group only: ring and
+  hybrid are refused for them.
 """
 
 from __future__ import annotations
@@ -232,34 +245,66 @@ def enable_plan(module: nn.Module, config: Any) -> None:
         module.enable_parallelism(config=config)
 
 
-def check_start(engine: Any) -> None:
-    """Start-up refusals (before any follower is spawned): LTX-2's and HunyuanVideo 1.5's head counts
-    must divide by k."""
-    k = engine.config.context_parallel
-    for name, module in engine.adapter.transformers().items():
-        if _is_hunyuanvideo15(module):
-            heads = int(module.config.num_attention_heads)
-            if heads % k:
+# Families whose transformers run a server plan (above): their processors exchange over the Ulysses
+# group only, so ring and hybrid layouts would shard the tokens without passing keys round the ring.
+_SERVER_PLAN_CLASSES = (LTX2_CLASS, HUNYUANVIDEO15_CLASS)
+# The attention backend ring and hybrid run on CUDA unless one is configured: ring attention merges
+# each block's partial output by its log-sum-exp, which diffusers' native backend does not return.
+RING_BACKEND = "_native_flash"
+
+
+def ring_backend(configured: str | None, ring_degree: int, cuda: bool) -> str | None:
+    """The attention backend every rank runs: the configured one, else :data:`RING_BACKEND` for a ring
+    on CUDA, else None (the model's default)."""
+    if configured or ring_degree == 1 or not cuda:
+        return configured
+    return RING_BACKEND
+
+
+def _split_heads(module: nn.Module) -> dict[str, int]:
+    """The head counts Ulysses splits over its ranks (LTX-2: the video and the audio stream's)."""
+    cfg = module.config
+    heads = {"num_attention_heads": int(cfg.num_attention_heads)}
+    if _is_ltx2(module):
+        heads["audio_num_attention_heads"] = int(cfg.audio_num_attention_heads)
+    return heads
+
+
+def check_start(modules: dict[str, nn.Module], config: Any, *, cuda: bool, dtype: torch.dtype) -> None:
+    """Start-up refusals (before any follower is spawned) of the attention layout ``config`` asks for
+    (``context_parallel``, ``context_parallel_mode``, ``context_parallel_degrees()``,
+    ``attention_backend``). The same on a CPU engine, where mirror mode does not shard, except the
+    dtype rule, which is the CUDA backend's."""
+    k, mode = config.context_parallel, config.context_parallel_mode
+    ring, ulysses = config.context_parallel_degrees()
+    where = f"context_parallel={k}, context_parallel_mode={mode}"
+    if ring > 1:
+        if (
+            cuda
+            and dtype == torch.float32
+            and ring_backend(config.attention_backend, ring, cuda) == RING_BACKEND
+        ):
+            raise ContextParallelError(
+                f"{where} runs attention_backend={RING_BACKEND} (ring attention merges by the log-sum-exp "
+                "it returns), which takes bfloat16 or float16 only: set dtype=bfloat16 (or float16), or "
+                "context_parallel_mode=ulysses for float32"
+            )
+        for name, module in modules.items():
+            if type(module).__name__ in _SERVER_PLAN_CLASSES:
                 raise ContextParallelError(
-                    f"context_parallel={k}: {name} ({HUNYUANVIDEO15_CLASS}) has num_attention_heads={heads}; "
-                    f"Ulysses splits the heads of every block's joint attention over the ranks, so they "
-                    f"must be divisible by {k}"
+                    f"{where}: {name} ({type(module).__name__}) runs the server's own context-parallel "
+                    "plan, whose attention exchanges over the Ulysses ranks only; use "
+                    "context_parallel_mode=ulysses"
                 )
-            continue
-        if not _is_ltx2(module):
-            continue
-        cfg = module.config
-        heads = {
-            "num_attention_heads": int(cfg.num_attention_heads),
-            "audio_num_attention_heads": int(cfg.audio_num_attention_heads),
-        }
-        bad = {key: n for key, n in heads.items() if n % k}
+    if ulysses == 1:
+        return
+    for name, module in modules.items():
+        bad = {key: n for key, n in _split_heads(module).items() if n % ulysses}
         if bad:
             listed = ", ".join(f"{key}={n}" for key, n in bad.items())
             raise ContextParallelError(
-                f"context_parallel={k}: {name} ({LTX2_CLASS}) has {listed}; Ulysses splits the heads of "
-                f"video self-attention and video-to-audio attention over the ranks, so they must be "
-                f"divisible by {k}"
+                f"{where}: {name} ({type(module).__name__}) has {listed}; Ulysses splits the heads of "
+                f"the sharded attentions over its {ulysses} ranks, so they must be divisible by {ulysses}"
             )
 
 
@@ -279,12 +324,26 @@ def hunyuanvideo15_video_tokens(adapter: Any, call: Any) -> int:
     return (f // pt) * (h // p) * (w // p)
 
 
-# Families whose video tokens the ranks shard evenly, and how to count them for one call.
-_VIDEO_TOKENS = {"ltx2": ltx2_video_tokens, "hunyuanvideo15": hunyuanvideo15_video_tokens}
+def wan_video_tokens(adapter: Any, call: Any) -> int:
+    """The video token count of one Wan call (latent frames x height x width / the patch)."""
+    denoiser = next(iter(adapter.transformers().values()))  # the experts of Wan 2.2 share a patch
+    pt, ph, pw = (int(n) for n in denoiser.config.patch_size)
+    _, f, h, w = adapter.noise_shape(call)
+    return (f // pt) * (h // ph) * (w // pw)
+
+
+# Families whose video tokens the ranks shard evenly, and how to count them for one call. diffusers'
+# Wan plan asserts the split inside the transformer, where it would end a follower mid-call.
+_VIDEO_TOKENS = {
+    "ltx2": ltx2_video_tokens,
+    "hunyuanvideo15": hunyuanvideo15_video_tokens,
+    **dict.fromkeys(("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v"), wan_video_tokens),
+}
 
 
 def check_call(engine: Any, call: Any) -> None:
-    """Request-time refusal (a 400): LTX-2's and HunyuanVideo 1.5's video token count must divide by k."""
+    """Request-time refusal (a 400): the video token count must divide by k (every layout shards the
+    tokens over all k ranks)."""
     k = engine.config.context_parallel
     count = _VIDEO_TOKENS.get(engine.adapter.name)
     if k <= 1 or count is None:
