@@ -1,11 +1,14 @@
-"""CPU dry runs of the two-GPU context-parallel measurements (issue #27): the image-to-video rows of
-``benchmarks/context_parallel.py`` and ``benchmarks/cp_tradeoff.py`` (2 replicas vs context parallel
-2, both served by the CLI), on the tiny zoo models; and the Wan 2.1 I2V 14B builder's architecture."""
+"""CPU dry runs of the multi-GPU context-parallel measurements (issues #27, #44): the image-to-video
+rows of ``benchmarks/context_parallel.py`` and ``benchmarks/cp_tradeoff.py`` (the layouts of two
+GPUs, 2x1 and 1x2, served by the CLI), on the tiny zoo models; the four-GPU layouts' plan, their
+check and the advice table without servers; and the Wan 2.1 I2V 14B builder's architecture."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -50,29 +53,155 @@ def test_wan21_i2v_14b_builder_architecture():
     assert tuple(embeds.shape) == (1, 257, 1280)
 
 
-def test_cp_tradeoff_dry_run_both_layouts(tmp_path):
-    """The trade-off command on the CPU: the CLI server with two CPU Ray replicas, then with
-    ``--context-parallel 2`` (mirror mode), each under the Flow-GRPO group load; both layouts answer
-    with checked outputs and the JSON holds videos/s, latency and the ratios."""
+def test_cp_tradeoff_dry_run_both_layouts(tmp_path, tiny_model_path):
+    """The trade-off command on the CPU for two "GPUs": the CLI server with two CPU Ray replicas
+    (``2x1``), then with ``--context-parallel 2`` (``1x2``, mirror mode), each under the same
+    Flow-GRPO group load (N clients; 2 requests here, not 2N, to keep it short); both answer with checked outputs, and the JSON
+    holds videos/s, latency, the ratios to ``2x1`` and the best layouts. (The session's tiny Wan is
+    the model folder: ``model_folder`` finds it under ``--work`` and builds nothing.)"""
     from benchmarks import cp_tradeoff
 
-    argv = ["--model", "tiny-wan", "--cpu", "--requests", "2", "--out", str(tmp_path), "--work", str(tmp_path / "w")]  # fmt: skip
+    work = tmp_path / "w"
+    (work / "models").mkdir(parents=True)
+    (work / "models" / "tiny-wan").symlink_to(tiny_model_path("wan"), target_is_directory=True)
+    argv = ["--model", "tiny-wan", "--cpu", "--requests", "2", "--out", str(tmp_path), "--work", str(work)]
     assert cp_tradeoff.main(argv) == 0
-    doc = json.loads((tmp_path / "cp_tradeoff_tiny-wan.json").read_text())
+    doc = json.loads((tmp_path / "cp_tradeoff_tiny-wan_x2.json").read_text())
     assert doc["benchmark"] == "cp_tradeoff" and doc["ok"] and doc["facts"]["commit"]
     assert doc["facts"]["versions"]["torch"] and doc["facts"]["versions"]["diffusers"]
+    settings = doc["settings"]
+    assert (settings["gpus"], settings["requests"], settings["clients"], settings["group"]) == (2, 2, 2, 4)
+    assert settings["layouts"] == ["2x1", "1x2"]
     rows = {r["layout"]: r for r in doc["results"]}
-    assert set(rows) == {"replicas", "context_parallel"}
+    assert list(rows) == ["2x1", "1x2"]
     for row in rows.values():
         assert "error" not in row and row["exit_code"] == 0, row
-        assert row["outputs_ok"] and row["outputs"] == doc["settings"]["group"] == 4, row
+        assert row["outputs_ok"] and row["layout_ok"] and row["outputs"] == 4, row
         assert row["videos"] == 2 * 4 and row["videos_per_s"] > 0 and row["latency_s"] > 0
+        assert row["ready_s"] > 0 and row["throughput_s"] > 0
         assert row["video_shape"][1:] == [5, 32, 32]  # C, F, H, W of the tiny Wan's uint8 video
-    assert rows["replicas"]["command"][-4:] == ["--replicas", "2", "--gpus-per-replica", "0"]
-    assert sum(rows["replicas"]["served_requests_per_replica"]) > 0
-    assert len(rows["replicas"]["served_requests_per_replica"]) == 2
-    assert rows["context_parallel"]["command"][-2:] == ["--context-parallel", "2"]
-    cp = rows["context_parallel"]["context_parallel"]
+    assert (rows["2x1"]["replicas"], rows["2x1"]["k"], rows["1x2"]["replicas"], rows["1x2"]["k"]) == (
+        2,
+        1,
+        1,
+        2,
+    )
+    assert rows["2x1"]["command"][-4:] == ["--replicas", "2", "--gpus-per-replica", "0"]
+    served = rows["2x1"]["served_requests_per_replica"]
+    # the readiness probe's generation, warm-up 2, latency 1, throughput 2: on both replicas
+    assert len(served) == 2 and sum(served) == 6 and min(served) > 0, served
+    assert "context_parallel" not in rows["2x1"]
+    assert (
+        rows["1x2"]["command"][-2:] == ["--context-parallel", "2"]
+        and "--replicas" not in rows["1x2"]["command"]
+    )
+    cp = rows["1x2"]["context_parallel"]
     assert cp["ranks"] == 2 and cp["mode"] == "mirror" and cp["follower_forwards"][0] > 0
     summary = doc["summary"]
-    assert summary["cp_over_replicas_throughput"] > 0 and summary["cp_over_replicas_latency"] > 0
+    assert summary["all_replicas"] == "2x1" and set(summary["layouts"]) == {"2x1", "1x2"}
+    base, other = summary["layouts"]["2x1"], summary["layouts"]["1x2"]
+    assert base["throughput_vs_all_replicas"] == 1.0 and base["latency_vs_all_replicas"] == 1.0
+    assert other["throughput_vs_all_replicas"] == rows["1x2"]["videos_per_s"] / rows["2x1"]["videos_per_s"]
+    assert other["latency_vs_all_replicas"] == rows["1x2"]["latency_s"] / rows["2x1"]["latency_s"]
+    fastest = max(rows.values(), key=lambda r: r["videos_per_s"])["layout"]
+    assert summary["best_throughput"] == fastest
+    assert summary["best_latency"] == min(rows.values(), key=lambda r: r["latency_s"])["layout"]
+
+
+def test_cp_tradeoff_layouts_of_four_gpus():
+    """``--gpus 4`` plans 4x1, 2x2 and 1x4 (no server started): the commands a user runs, and what
+    the CLI makes of ``--replicas 2 --context-parallel 2`` on a CUDA front: each Ray replica asks for
+    two GPUs and runs an engine of two context-parallel ranks."""
+    from benchmarks.cp_tradeoff import Layout, plan_layouts, serve_command
+    from diffusion_rollout.cluster import ClusterEngine
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.cli import build_parser
+
+    assert plan_layouts(2) == [Layout(2, 1), Layout(1, 2)]
+    four = plan_layouts(4)
+    assert [(lay.name, lay.replicas, lay.k, lay.gpus) for lay in four] == [
+        ("4x1", 4, 1, 4), ("2x2", 2, 2, 4), ("1x4", 1, 4, 4)
+    ]  # fmt: skip
+    assert plan_layouts(4, "replicas, 1x4") == [Layout(4, 1), Layout(1, 4)]
+    assert plan_layouts(4, "2x2,context_parallel,2x2") == [Layout(2, 2), Layout(1, 4)]
+    assert plan_layouts(2, "context_parallel") == [Layout(1, 2)]
+    for gpus, wanted in ((4, "2x1"), (2, "2x2"), (4, "4x4"), (4, " , ")):
+        with pytest.raises(ValueError, match=f"--layouts for --gpus {gpus}"):
+            plan_layouts(gpus, wanted)
+    with pytest.raises(ValueError, match="--gpus: one of 2, 4"):
+        plan_layouts(3)
+
+    tails = {lay.name: serve_command(lay, Path("/m"), 8000, cpu=False)[4:] for lay in four}
+    common = ["--model", "/m", "--port", "8000", "--host", "127.0.0.1", "--request-timeout-s", "3600",
+              "--dtype", "bfloat16"]  # fmt: skip
+    assert tails == {
+        "4x1": [*common, "--replicas", "4", "--gpus-per-replica", "1"],
+        "2x2": [*common, "--replicas", "2", "--context-parallel", "2"],
+        "1x4": [*common, "--context-parallel", "4"],
+    }
+    assert serve_command(Layout(2, 1), Path("/m"), 8000, cpu=True)[-4:] == [
+        "--replicas",
+        "2",
+        "--gpus-per-replica",
+        "0",
+    ]
+    for name, replicas, gpus_each, k in (("4x1", 4, 1, 1), ("2x2", 2, 2, 2), ("1x4", None, None, 4)):
+        args = build_parser().parse_args(["serve", *tails[name]])
+        values = {key: v for key, v in vars(args).items() if key != "command" and v is not None}
+        config = ServerConfig(**{**values, "device": "cuda"})  # what the front on the GPU host resolves
+        assert (config.replicas, config.context_parallel) == (replicas, k), name
+        if replicas:
+            assert config.resolved_gpus_per_replica() == gpus_each, name
+            replica = ClusterEngine(config).replica_config()
+            assert (replica.replicas, replica.device, replica.context_parallel) == (None, "cuda", k), name
+
+
+def test_cp_tradeoff_layout_check():
+    """``check_layout`` reads /server_info: a 2x2 whose replicas share a GPU, or whose follower ran
+    nothing, is not the layout asked for."""
+    from benchmarks.cp_tradeoff import Layout, check_layout
+
+    cp = {"ranks": 2, "mode": "ulysses", "followers": [{"forwards": 12}]}
+    info = {"replicas": [{"served_requests": 3, "gpu_uuids": ["a", "b"]},
+                         {"served_requests": 4, "gpu_uuids": ["c", "d"]}],
+            "speed": {"context_parallel": cp}}  # fmt: skip
+    good = check_layout(Layout(2, 2), info, cuda=True)
+    assert good["layout_ok"] and good["replica_gpus"] == [2, 2] and good["distinct_gpus"] == 4
+    assert good["served_requests_per_replica"] == [3, 4]
+    assert good["context_parallel"] == {"ranks": 2, "mode": "ulysses", "follower_forwards": [12]}
+    shared = {**info, "replicas": [info["replicas"][0], {"served_requests": 4, "gpu_uuids": ["b", "c"]}]}
+    bad = check_layout(Layout(2, 2), shared, cuda=True)
+    assert not bad["layout_ok"] and "3 distinct" in bad["layout_problems"][0]
+    idle = {**info, "speed": {"context_parallel": {**cp, "followers": [{"forwards": 0}]}}}
+    assert not check_layout(Layout(2, 2), idle, cuda=True)["layout_ok"]
+    assert not check_layout(Layout(4, 1), info, cuda=True)["layout_ok"]  # 2 replicas, ranks 2
+    alone = {"speed": {"context_parallel": {**cp, "ranks": 4, "followers": [{"forwards": 5}] * 3}}}
+    assert check_layout(Layout(1, 4), alone, cuda=True)["layout_ok"]
+
+
+def test_cp_tradeoff_advice_table():
+    """The README's advice table from hand-made rows: ratios over the all-replicas layout, a failed
+    layout marked, and no ratios when the all-replicas layout itself failed."""
+    from benchmarks.cp_tradeoff import advice_table, summary
+
+    rows = [
+        {"layout": "4x1", "replicas": 4, "k": 1, "videos_per_s": 0.8, "latency_s": 20.0},
+        {"layout": "2x2", "replicas": 2, "k": 2, "videos_per_s": 0.6, "latency_s": 11.0},
+        {"layout": "1x4", "replicas": 1, "k": 4, "error": "RuntimeError: out of memory"},
+    ]
+    assert advice_table(rows).splitlines() == [
+        "| layout | videos/s | latency s | videos/s vs 4x1 | latency vs 4x1 |",
+        "|---|---:|---:|---:|---:|",
+        "| 4x1 (4 replicas x 1 GPU) | 0.8 | 20 | 1.00x | 1.00x |",
+        "| 2x2 (2 replicas x 2 GPUs) | 0.6 | 11 | 0.75x | 0.55x |",
+        "| 1x4 (1 replica x 4 GPUs) | failed | - | - | - |",
+    ]
+    s = summary(rows)
+    assert (s["all_replicas"], s["best_throughput"], s["best_latency"]) == ("4x1", "4x1", "2x2")
+    assert s["layouts"]["2x2"]["throughput_vs_all_replicas"] == 0.6 / 0.8
+    no_base = [{**rows[0], "error": "TimeoutError"}, rows[1]]
+    assert advice_table(no_base).splitlines()[2:] == [
+        "| 4x1 (4 replicas x 1 GPU) | failed | - | - | - |",
+        "| 2x2 (2 replicas x 2 GPUs) | 0.6 | 11 | - | - |",
+    ]
+    assert summary(no_base)["all_replicas"] is None and summary([])["best_latency"] is None
