@@ -123,8 +123,8 @@ def plan_layouts(gpus: int, wanted: str | None = None) -> list[Layout]:
     return [lay for lay in every if lay.name in names]
 
 
-def serve_command(layout: Layout, folder: Path, port: int, cpu: bool) -> list[str]:
-    """The CLI command a user runs for ``layout``."""
+def serve_command(layout: Layout, folder: Path, port: int, cpu: bool, cp_mode: str = "ulysses") -> list[str]:
+    """The CLI command a user runs for ``layout`` (its k ranks in ``cp_mode``: ulysses, ring, hybrid)."""
     cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(folder),
            "--port", str(port), "--host", "127.0.0.1", "--request-timeout-s", "3600"]  # fmt: skip
     cmd += ["--device", "cpu", "--dtype", "float32"] if cpu else ["--dtype", "bfloat16"]
@@ -134,6 +134,8 @@ def serve_command(layout: Layout, folder: Path, port: int, cpu: bool) -> list[st
             cmd += ["--gpus-per-replica", "0" if cpu else "1"]
     if layout.k > 1:  # with --replicas, each replica then asks Ray for k GPUs (0 on a CPU front)
         cmd += ["--context-parallel", str(layout.k)]
+        if cp_mode != "ulysses":
+            cmd += ["--context-parallel-mode", cp_mode]
     return cmd
 
 
@@ -228,7 +230,7 @@ def run_layout(
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = serve_command(layout, folder, port, args.cpu)
+    cmd = serve_command(layout, folder, port, args.cpu, args.cp_mode)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.cpu:  # one thread per rank or replica: the dry run's two cores are not oversubscribed
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -236,6 +238,7 @@ def run_layout(
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus))))
     print(f"[cp_tradeoff] {layout.name}: {' '.join(cmd)}", flush=True)
     row: dict[str, Any] = {"layout": layout.name, "replicas": layout.replicas, "k": layout.k,
+                           "cp_mode": args.cp_mode if layout.k > 1 else None,
                            "command": cmd[cmd.index("serve") :]}  # fmt: skip
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
@@ -341,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default=None,
                    help="comma-separated RxK names (default: all of N GPUs, e.g. 4x1,2x2,1x4); "
                         "replicas = Nx1, context_parallel = 1xN")  # fmt: skip
+    p.add_argument("--cp-mode", default="ulysses", choices=["ulysses", "ring", "hybrid"],
+                   help="context_parallel_mode of the layouts with k > 1")  # fmt: skip
     p.add_argument("--group", type=int, default=4, help="videos per request (a Flow-GRPO group)")
     p.add_argument("--requests", type=int, default=None, help="group requests in the throughput phase (2N)")
     p.add_argument("--clients", type=int, default=None, help="concurrent clients in the throughput phase (N)")
@@ -375,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
              "decoded; *_vs_all_replicas: over the Nx1 layout's"]  # fmt: skip
     doc = document("cp_tradeoff", device, settings, rows, ok=ok, notes=notes)
     doc["summary"] = summary(rows)
-    write_json(args.out, f"cp_tradeoff_{args.model}_x{args.gpus}", doc)
+    mode = "" if args.cp_mode == "ulysses" else f"_{args.cp_mode}"
+    write_json(args.out, f"cp_tradeoff_{args.model}_x{args.gpus}{mode}", doc)
     print_table(f"{args.gpus} GPUs for Flow-GRPO video: {args.model}, group {args.group}", rows, COLUMNS)
     print(advice_table(rows), flush=True)
     s = doc["summary"]

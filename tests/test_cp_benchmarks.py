@@ -139,6 +139,15 @@ def test_cp_tradeoff_layouts_of_four_gpus():
         "2x2": [*common, "--replicas", "2", "--context-parallel", "2"],
         "1x4": [*common, "--context-parallel", "4"],
     }
+    assert serve_command(Layout(1, 2), Path("/m"), 8000, cpu=False, cp_mode="ring")[-4:] == [
+        "--context-parallel",
+        "2",
+        "--context-parallel-mode",
+        "ring",
+    ]
+    assert (
+        serve_command(Layout(2, 1), Path("/m"), 8000, cpu=False, cp_mode="ring")[-1] == "1"
+    )  # k = 1: no mode
     assert serve_command(Layout(2, 1), Path("/m"), 8000, cpu=True)[-4:] == [
         "--replicas",
         "2",
