@@ -369,19 +369,26 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     folder = model_folder(args.model, args.work)  # train_recipes': built once under --work
     body = request_body(args.model, args)
-    rows = [{"model": args.model, **run_layout(layout, folder, body, args)} for layout in layouts]
     device = "cpu" if args.cpu else "cuda"
-    ok = all("error" not in r and r.get("outputs_ok") and r.get("layout_ok") for r in rows)
     settings = {**vars(args), "work": str(args.work), "model_folder": str(folder),
                 "layouts": [lay.name for lay in layouts],
                 "body": {k: v for k, v in body.items() if k != "prompt"}}  # fmt: skip
     notes = ["videos_per_s: requests x group / wall seconds of the throughput phase (the same requests "
              "and clients for every layout); latency_s: one group request alone, until its response is "
              "decoded; *_vs_all_replicas: over the Nx1 layout's"]  # fmt: skip
-    doc = document("cp_tradeoff", device, settings, rows, ok=ok, notes=notes)
-    doc["summary"] = summary(rows)
     mode = "" if args.cp_mode == "ulysses" else f"_{args.cp_mode}"
-    write_json(args.out, f"cp_tradeoff_{args.model}_x{args.gpus}{mode}", doc)
+    rows: list[dict[str, Any]] = []
+    for layout in layouts:  # the JSON after every layout: a run cut short keeps the layouts it finished
+        rows.append({"model": args.model, **run_layout(layout, folder, body, args)})
+        ok = len(rows) == len(layouts) and all(
+            "error" not in r and r.get("outputs_ok") and r.get("layout_ok") for r in rows
+        )
+        doc = document("cp_tradeoff", device, settings, rows, ok=ok, notes=notes)
+        doc["summary"] = summary(rows)
+        write_json(args.out, f"cp_tradeoff_{args.model}_x{args.gpus}{mode}", doc)
+        print(f"[cp_tradeoff] {rows[-1]['layout']}: " + ", ".join(
+            f"{key} {rows[-1].get(key)}" for key in ("ready_s", "latency_s", "videos_per_s", "outputs_ok", "error")
+        ), flush=True)  # fmt: skip
     print_table(f"{args.gpus} GPUs for Flow-GRPO video: {args.model}, group {args.group}", rows, COLUMNS)
     print(advice_table(rows), flush=True)
     s = doc["summary"]

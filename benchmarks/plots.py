@@ -91,25 +91,41 @@ def speed_vs_stock(out: Path) -> Path:
     return path
 
 
+# (JSON under h200x4/cp_scaling/, model, size, legend) for the context-parallel scaling plot.
+CP_SCALING_CASES = [
+    ("cp_scaling_wan_t2v_ti2v.json", "wan2.1-1.3b", "832x480x81", "Wan 2.1 1.3B 480p"),
+    ("cp_scaling_wan_t2v_ti2v.json", "wan2.1-14b", "832x480x81", "Wan 14B 480p"),
+    ("cp_scaling_wan_t2v_ti2v.json", "wan2.1-14b", "1280x720x81", "Wan 14B 720p (A14B expert)"),
+    ("cp_scaling_wan_t2v_ti2v.json", "wan2.2-ti2v-5b", "1280x704x121", "TI2V-5B 704p x121"),
+    ("cp_scaling_wan_i2v.json", "wan2.1-i2v-14b-480p", "832x480x81", "Wan 2.1 I2V 14B"),
+    ("cp_scaling_wan_i2v.json", "wan2.2-i2v-a14b", "832x480x81", "Wan 2.2 I2V-A14B"),
+    (
+        "cp_scaling_hunyuanvideo15_ltx2.json",
+        "hunyuanvideo-1.5-480p",
+        "1280x720x33",
+        "HunyuanVideo 1.5 720p x33",
+    ),
+    ("cp_scaling_hunyuanvideo15_ltx2.json", "ltx-2", "1280x704x121", "LTX-2 704p x121"),
+]
+
+
 def scaling(out: Path) -> Path:
+    """Speedup of one transformer call over k = 1 against k (Ulysses), every video family, 4x H200."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for rel, name in [
-        ("h200/context_parallel_wan2.1-1.3b_x2.json", "Wan 2.1 1.3B"),
-        ("h200/context_parallel_wan2.2-a14b_x2.json", "Wan 2.2 A14B"),
-    ]:
-        rows = _load(rel)["results"]
-        one = _pick(rows, mode="single_gpu")["ms_per_step"]
-        for mode, style in [("ulysses", "-o"), ("ring", "--s")]:
-            k2 = _pick(rows, mode=mode)["ms_per_step"]
-            ax.plot([1, 2], [one / one, one / k2], style, label=f"{name}, {mode}")
-    ax.plot([1, 2], [1, 2], ":", color="gray", label="linear")
-    ax.set_xticks([1, 2])
-    ax.set_xlabel("GPUs for one video (context parallel k)")
-    ax.set_ylabel("speedup vs one GPU (ms/step)")
-    ax.set_title("One 480x832x81 video over GPUs, 2x H200")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for rel, model, size, name in CP_SCALING_CASES:
+        rows = _load(f"h200x4/cp_scaling/{rel}")["results"]
+        ks = [1, 2, 4]
+        layouts = ["k1", "ulysses2", "ulysses4"]
+        speedups = [_pick(rows, model=model, size=size, layout=lay)["speedup_vs_k1"] for lay in layouts]
+        ax.plot(ks, speedups, "-o", label=name)
+    ax.plot([1, 4], [1, 4], ":", color="gray", label="linear")
+    ax.set_xticks([1, 2, 4])
+    ax.set_xlabel("GPUs for one video (context parallel k, Ulysses)")
+    ax.set_ylabel("speedup vs one GPU (one transformer call)")
+    ax.set_title("One video over GPUs, 4x H200 (benchmarks/cp_scaling.py)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     path = out / "scaling.png"
     _save(fig, path)
     return path
