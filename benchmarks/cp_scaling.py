@@ -31,6 +31,10 @@ How, and why this way:
   rollouts decode on rank 0), and its share of a whole rollout of ``--rollout-steps`` steps at each
   layout's ms/step.
 
+- **What bounds a layout** (``--profile``): one more call per layout under ``torch.profiler``, its
+  device time summed by kernel family (communication, attention, matmul, other; the kernels' own
+  time, nothing counted twice) next to the call's wall time.
+
 Ring attention needs a backend that returns the log-sum-exp: ``ring*`` and ``usp*`` layouts set
 ``_native_flash`` on the twin. LTX-2 and HunyuanVideo 1.5 run the server's Ulysses-only plans, so
 their ring layouts are rows that say so.
@@ -308,6 +312,48 @@ def _timed(
     return out, times
 
 
+# Kernel families of a profiled call, by substring of the kernel's name (first match wins).
+KERNEL_KINDS = (
+    ("communication", ("nccl", "all_to_all", "alltoall", "allgather", "all_gather", "gloo")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("matmul", ("gemm", "cutlass", "xmma", "matmul", "_mm", "linear", "addmm")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``communication``, ``attention``, ``matmul`` or ``other`` for a kernel (or CPU op) name."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_call(module: nn.Module, call: tuple[list[Any], dict[str, Any]], device: str) -> dict[str, float]:
+    """One more call under ``torch.profiler``: milliseconds of device time (CPU time on a CPU) by
+    kernel family, summed over the kernels themselves (``self`` time: nothing counted twice), and
+    the call's wall milliseconds. What bounds a layout: its communication's share, next to the
+    attention and matmuls that shrink with k."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    args, kwargs = call
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof, torch.inference_mode():
+        module(*args, **kwargs)
+        _sync(device)
+    wall_ms = 1000.0 * (time.perf_counter() - t0)
+    out = {"communication_ms": 0.0, "attention_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0 and (not cuda or event.device_type.name == "CUDA"):
+            out[f"{kernel_kind(event.key)}_ms"] += us / 1000.0
+    out["device_total_ms"] = sum(out.values())
+    out["wall_ms"] = wall_ms
+    return out
+
+
 def _heads(module: nn.Module) -> int | None:
     cfg = module.config
     return int(cfg["num_attention_heads"]) if "num_attention_heads" in cfg else None
@@ -350,11 +396,14 @@ def _case(rank: int, world: int, case: Case, opts: dict[str, Any]) -> list[dict[
         torch.cuda.reset_peak_memory_stats(device)
     ref, times = _timed(module, call, device, opts["repeats"])
     k1_ms = statistics.median(times)
+    k1_profile = profile_call(module, call, device) if opts.get("profile") else None
     row = {**base, "layout": "k1", "k": 1, "ring": 1, "ulysses": 1, "groups": world,
            "ms_per_forward": k1_ms, "ms_per_forward_runs": times, "ms_per_step": calls_per_step * k1_ms,
            "speedup_vs_k1": 1.0, "efficiency": 1.0}  # fmt: skip
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if k1_profile is not None:
+        row["profile"] = k1_profile
     if not cuda:  # the twin mechanism, checked where it costs nothing: bit for bit the original
         out, _ = _timed(twin(module), call, device, 0)
         row["twin_bit_identical"] = all(
@@ -391,6 +440,8 @@ def _case(rank: int, world: int, case: Case, opts: dict[str, Any]) -> list[dict[
             torch.cuda.reset_peak_memory_stats(device)
             out, times = _timed(par, call, device, opts["repeats"])
             ms = statistics.median(times)
+            if opts.get("profile"):
+                entry["profile"] = profile_call(par, call, device)
             rows.append({**entry, "ms_per_forward": ms, "ms_per_forward_runs": times,
                          "ms_per_step": calls_per_step * ms, "speedup_vs_k1": k1_ms / ms,
                          "efficiency": k1_ms / ms / k, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
@@ -499,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help=f"the tiny zoo's video families ({TINY_CASES})")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated of {', '.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile", action="store_true",
+                   help="one more call per layout under torch.profiler: device ms by kernel family")  # fmt: skip
     p.add_argument("--rollout-steps", default="20,50", help="rollout lengths for the VAE decode's share")
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default=None)
@@ -510,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = a.cases or (TINY_CASES if a.tiny else DEFAULT_CASES)
     opts = {"device": a.device, "dtype": a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
             "cases": [c for c in cases.split(",") if c.strip()], "layouts": layouts, "repeats": a.repeats,
-            "rollout_steps": [int(s) for s in a.rollout_steps.split(",")], "gpus": a.gpus, "out": a.out}  # fmt: skip
+            "rollout_steps": [int(s) for s in a.rollout_steps.split(",")], "gpus": a.gpus, "out": a.out,
+            "profile": a.profile}  # fmt: skip
     for c in opts["cases"]:
         Case.parse(c)  # a malformed case fails here, not in a rank
     rows = run(opts, a.gpus)

@@ -55,6 +55,14 @@ def test_layout_plan_says_why_a_layout_is_not_run():
     assert plan == {"ulysses4": "needs 4 ranks dividing 2", "ulysses2": "skipped (no accelerator)"}
 
 
+def test_kernel_kinds():
+    assert cp_scaling.kernel_kind("ncclDevKernel_AllToAll_RING_LL") == "communication"
+    assert cp_scaling.kernel_kind("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert cp_scaling.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert cp_scaling.kernel_kind("aten::addmm") == "matmul"
+    assert cp_scaling.kernel_kind("vectorized_elementwise_kernel") == "other"
+
+
 def test_decode_share_and_case_parsing():
     assert decode_share(10.0, 4500.0, 20) == pytest.approx(10.0 / 100.0)
     assert Case.parse("wan2.1-14b@1280x720x81") == Case("wan2.1-14b", 1280, 720, 81)
@@ -68,7 +76,7 @@ def test_dry_run_two_gloo_ranks(tmp_path):
     the reason (no accelerator); the JSON is written."""
     rc = cp_scaling.main(
         ["--device", "cpu", "--gpus", "2", "--cases", "tiny-wan", "--repeats", "1", "--layouts",
-         "ulysses2,ulysses4", "--out", str(tmp_path)]
+         "ulysses2,ulysses4", "--profile", "--out", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     (path,) = tmp_path.glob("cp_scaling*.json")
@@ -80,3 +88,7 @@ def test_dry_run_two_gloo_ranks(tmp_path):
     assert k1["hidden_states_shape"] == [1, 16, 2, 4, 4]
     assert k1["vae_decode_share"]["20"] == decode_share(k1["vae_decode_s"], k1["ms_per_step"], 20) > 0
     assert u2["skipped"] == "skipped (no accelerator)" and u4["skipped"] == "needs 4 ranks dividing 2"
+    prof = k1["profile"]  # on a CPU: the ops' own CPU time by family
+    assert prof["matmul_ms"] > 0 and prof["attention_ms"] > 0
+    parts = prof["communication_ms"] + prof["attention_ms"] + prof["matmul_ms"] + prof["other_ms"]
+    assert prof["device_total_ms"] == pytest.approx(parts)
