@@ -24,6 +24,13 @@ Design decisions:
   followers copy in place. Dynamic-mode LoRA is refused on such an engine (``weights/lora_ops.py``):
   an adapter applied in forward would change what rank 0 computes without changing its parameters.
   Merged mode folds the adapter into the base weights, which the sync carries.
+- **The VAE decode: rank 0's, or split** (``context_parallel_vae``). By default rank 0 decodes alone
+  (the stock untiled decode). With ``split`` the followers also hold the VAE (loaded like the
+  denoisers, rank 0's weights sent once at start-up: no weight update touches it) and rank 0's
+  ``vae.decode`` hands each decode that its tiling would tile to them as a ``decode`` op (the latent
+  broadcast, the tile settings in the op): every rank decodes its share of the tiles and rank 0
+  blends them (``server/vae_split.py``): the one-process *tiled* decode, bit for bit, on CUDA and in
+  CPU mirror mode alike.
 - **CPU: mirror mode.** diffusers' parallelism resolves ranks to accelerator devices, so on the CPU
   (gloo) it is not enabled: each follower runs the *whole* transformer on the same inputs and its
   output is discarded. That serves nothing faster; it exists so the lockstep, the weight sync and the
