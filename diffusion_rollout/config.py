@@ -209,6 +209,12 @@ class ServerConfig(BaseModel):
         description="hybrid only: ranks per ring (unset = 2); context_parallel must be a multiple of it and "
         "larger, the Ulysses degree is context_parallel / it; a start-up error with another mode",
     )
+    context_parallel_vae: Literal["rank0", "split"] = Field(
+        "rank0",
+        description="where the VAE decode runs: rank0 = on rank 0 alone, the stock untiled decode; split = "
+        "the VAE's tiled decode with its tiles spread over the context_parallel ranks (Wan VAEs only), "
+        "bit-identical to one process's tiled decode, not to the untiled one",
+    )
     context_parallel_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -331,6 +337,15 @@ class ServerConfig(BaseModel):
                     f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
                     f"{self.context_parallel} (got {gpus:g})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_vae_needs_ranks(self) -> ServerConfig:
+        if self.context_parallel_vae == "split" and self.context_parallel < 2:
+            raise ValueError(
+                "context_parallel_vae=split spreads the VAE decode over the context-parallel ranks; it "
+                f"needs context_parallel > 1 (got context_parallel={self.context_parallel})"
+            )
         return self
 
     @model_validator(mode="after")

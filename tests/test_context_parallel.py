@@ -59,8 +59,15 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(tiny_model_path):
     # Four ranks, 2 Ulysses x 2 ring (the tiny Wan's 2 heads allow no more Ulysses ranks): mirror
-    # mode runs every layout alike, and three followers show the lockstep is not a pair's.
-    s = Servers(tiny_model_path("wan2.2"), context_parallel=4, context_parallel_mode="hybrid")
+    # mode runs every layout alike, and three followers show the lockstep is not a pair's. The VAE
+    # decode is split: with the VAE's default tiles (256 pixels) the tiny video fits one tile, which
+    # is decoded untiled on rank 0, so the rollouts still equal the one-process server's.
+    s = Servers(
+        tiny_model_path("wan2.2"),
+        context_parallel=4,
+        context_parallel_mode="hybrid",
+        context_parallel_vae="split",
+    )
     yield s
     s.close()
 
@@ -197,6 +204,41 @@ def test_memory_release_reaches_the_follower_and_rollouts_match_after_resume(ser
     assert all(f["last_output_checksum"] == stats["last_output_checksum"] for f in stats["followers"])
 
 
+def test_a_split_vae_decode_equals_one_process_tiled_decode_and_each_follower_decodes_a_tile(servers):
+    """``context_parallel_vae=split`` with tiles of 24 pixels at a stride of 16: the 32x32 video's 4x4
+    latent has 2x2 tiles, one per rank; the served video equals a one-process server whose VAE tiles
+    the same way, bit for bit (and not its untiled decode)."""
+    from diffusion_rollout.server.vae_split import TileSettings
+
+    tiles = {"tile_sample_min_height": 24, "tile_sample_min_width": 24,
+             "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}  # fmt: skip
+    cp_vae, ref_vae = servers.cp.engine.pipe.vae, servers.ref.engine.pipe.vae
+    defaults = TileSettings.of(cp_vae)
+    (untiled,) = servers.ref.generate(BODY)
+    before = settled_stats(servers.cp)
+    for name, value in tiles.items():  # rank 0's VAE has tiling off: the split reads the grid only
+        setattr(cp_vae, name, value)
+    ref_vae.enable_tiling(**tiles)
+    try:
+        ref, cp = both(servers)
+    finally:
+        ref_vae.use_tiling = False
+        for vae in (cp_vae, ref_vae):
+            vae.enable_tiling(
+                defaults.min_height, defaults.min_width, defaults.stride_height, defaults.stride_width
+            )
+            vae.use_tiling = False
+    assert torch.equal(ref["generated_output"], cp["generated_output"])
+    assert not torch.equal(untiled["generated_output"], cp["generated_output"])  # the tiles mattered
+    assert torch.equal(ref["rollout_log_probs"], cp["rollout_log_probs"])
+    stats = settled_stats(servers.cp)
+    assert stats["vae"] == "split" and stats["decodes"] == before["decodes"] + 1
+    for follower, earlier in zip(stats["followers"], before["followers"], strict=True):
+        # Followers run behind rank 0 only until the decode's collective, which rank 0 waits for.
+        assert follower["decodes"] == earlier["decodes"] + 1, follower
+        assert follower["tiles_decoded"] == earlier["tiles_decoded"] + 1, follower
+
+
 def test_stop_ends_the_follower(servers):
     procs = group(servers.cp).processes
     assert all(p.is_alive() for p in procs)
@@ -257,6 +299,32 @@ def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_mode
         ServerConfig(context_parallel=2, compile=True)
     with pytest.raises(ValueError, match="context_parallel=2 needs gpus_per_replica >= 2"):
         ServerConfig(context_parallel=2, replicas=2, gpus_per_replica=1)
+
+
+def test_a_split_vae_needs_ranks_and_a_wan_vae_naming_the_field():
+    from types import SimpleNamespace
+
+    from diffusers import AutoencoderKL
+
+    from diffusion_rollout.entrypoints.cli import build_parser
+    from diffusion_rollout.server.context_parallel import start_for
+
+    assert ServerConfig().context_parallel_vae == "rank0"
+    with pytest.raises(ValueError, match=r"context_parallel_vae=split .* needs context_parallel > 1"):
+        ServerConfig(context_parallel_vae="split")
+    args = build_parser().parse_args(["serve", "--context-parallel", "2", "--context-parallel-vae", "split"])
+    assert args.context_parallel_vae == "split"
+    # A family served with context parallelism whose VAE is not Wan's: refused before any follower.
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4)
+    engine = SimpleNamespace(
+        config=ServerConfig(device="cpu", context_parallel=2, context_parallel_vae="split"),
+        adapter=SimpleNamespace(name="ltx2"),
+        pipe=SimpleNamespace(vae=vae),
+    )
+    with pytest.raises(
+        ContextParallelError, match=r"context_parallel_vae=split .* family 'ltx2' has AutoencoderKL"
+    ):
+        start_for(engine)
 
 
 def test_a_ray_replica_runs_its_own_follower(tiny_model_path, served):

@@ -68,6 +68,17 @@ def _wan_transformer() -> WanTransformer3DModel:
     )
 
 
+def _wan_vae() -> AutoencoderKLWan:
+    # Four levels: 8x spatial and (two temporal downsamples) 4x temporal, the real Wan 2.1 factors.
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+
+
 def wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
     tokenizer = make_t5_tokenizer()
     return {
@@ -78,18 +89,7 @@ def wan_components(seed: int, *, two_experts: bool) -> dict[str, Any]:
         "text_encoder": seeded(
             seed, "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**t5_kwargs(tokenizer)))
         ),
-        # Four levels: 8x spatial and (two temporal downsamples) 4x temporal, the real Wan 2.1 factors.
-        "vae": seeded(
-            seed,
-            "vae",
-            lambda: AutoencoderKLWan(
-                base_dim=8,
-                z_dim=LATENT_CHANNELS,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-            ),
-        ),
+        "vae": seeded(seed, "vae", _wan_vae),
         "scheduler": make_real_scheduler("wan2.2" if two_experts else "wan"),
         "tokenizer": tokenizer,
     }

@@ -24,6 +24,13 @@ Design decisions:
   followers copy in place. Dynamic-mode LoRA is refused on such an engine (``weights/lora_ops.py``):
   an adapter applied in forward would change what rank 0 computes without changing its parameters.
   Merged mode folds the adapter into the base weights, which the sync carries.
+- **The VAE decode: rank 0's, or split** (``context_parallel_vae``). By default rank 0 decodes alone
+  (the stock untiled decode). With ``split`` the followers also hold the VAE (loaded like the
+  denoisers, rank 0's weights sent once at start-up: no weight update touches it) and rank 0's
+  ``vae.decode`` hands each decode that its tiling would tile to them as a ``decode`` op (the latent
+  broadcast, the tile settings in the op): every rank decodes its share of the tiles and rank 0
+  blends them (``server/vae_split.py``): the one-process *tiled* decode, bit for bit, on CUDA and in
+  CPU mirror mode alike.
 - **CPU: mirror mode.** diffusers' parallelism resolves ranks to accelerator devices, so on the CPU
   (gloo) it is not enabled: each follower runs the *whole* transformer on the same inputs and its
   output is discarded. That serves nothing faster; it exists so the lockstep, the weight sync and the
@@ -63,6 +70,14 @@ from torch import nn
 from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.errors import ContextParallelError
 from diffusion_rollout.server.cp_plans import check_start, enable_plan, ring_backend
+from diffusion_rollout.server.vae_split import (
+    TileSettings,
+    install_split_decode,
+    owned_tiles,
+    remove_split_decode,
+    split_tiled_decode,
+    tile_grid,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +92,7 @@ SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v
 # Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
 _TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
 
-_FORWARDS, _LAST_OUTPUT, _SYNCS, _RELEASED = range(4)
+_FORWARDS, _LAST_OUTPUT, _SYNCS, _RELEASED, _DECODES, _TILES = range(6)
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,11 @@ def output_checksum(output: Any) -> float:
     return float(tensor.detach().double().sum())
 
 
+def _module_entry(module: nn.Module) -> tuple[str, str, dict[str, Any]]:
+    """What a follower needs to build ``module`` without its weights: class and config."""
+    return type(module).__module__, type(module).__name__, dict(module.config)
+
+
 def _synced_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     # By name, so rank 0 and the followers walk the same order; buffers too (rotary tables). Through
     # PEFT wrappers to the base weights: a merged adapter lives there, a plain follower has no wrapper.
@@ -171,10 +191,11 @@ def _enable(modules: dict[str, nn.Module], ring_degree: int, ulysses_degree: int
 
 
 # ---------------------------------------------------------------------- follower side
-def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
-    dtype = spec["dtype"]
+def _load_modules(
+    spec: dict[str, Any], device: str, entries: dict[str, tuple], dtype: torch.dtype
+) -> dict[str, nn.Module]:
     modules = {}
-    for name, (module_path, cls_name, config) in spec["denoisers"].items():
+    for name, (module_path, cls_name, config) in entries.items():
         cls = getattr(importlib.import_module(module_path), cls_name)
         if spec["model_path"]:
             module = cls.from_pretrained(spec["model_path"], subfolder=name, torch_dtype=dtype)
@@ -187,11 +208,25 @@ def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
                     module = cls.from_config(config)
             finally:
                 torch.set_default_dtype(default)
-        module = module.to(device=device, dtype=dtype).eval()
-        if spec["attention_backend"]:
-            module.set_attention_backend(spec["attention_backend"])
-        modules[name] = module
+        modules[name] = module.to(device=device, dtype=dtype).eval()
     return modules
+
+
+def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
+    modules = _load_modules(spec, device, spec["denoisers"], spec["dtype"])
+    if spec["attention_backend"]:
+        for module in modules.values():
+            module.set_attention_backend(spec["attention_backend"])
+    return modules
+
+
+def _load_vae(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
+    """``{"vae": ...}`` for a split VAE decode (``context_parallel_vae=split``), else empty. In
+    rank 0's VAE dtype (a pipeline may hold its VAE in another dtype than its denoisers)."""
+    if spec["vae"] is None:
+        return {}
+    entry, dtype = spec["vae"]
+    return _load_modules(spec, device, {"vae": entry}, dtype)
 
 
 def _follower_main(
@@ -210,6 +245,7 @@ def _follower_main(
             torch.cuda.set_device(device)
         _init_group(rank, world, port, cuda, spec["timeout_s"])
         modules = _load_denoisers(spec, device)
+        held = {"denoisers": modules, "vae": _load_vae(spec, device)}
         # "ready" before enabling: enable_parallelism builds device meshes, which every rank (rank 0
         # too, once all followers are ready) must build together.
         events.put(("ready", rank, None))
@@ -231,19 +267,21 @@ def _follower_main(
             if kind == "stop":
                 return
             if kind == "sync":
+                _, target, layout, dtypes = op
                 with torch.no_grad():
-                    for t, dtype in zip(_follower_tensors(modules, op[1]), op[2], strict=True):
+                    for t, dtype in zip(_follower_tensors(held[target], layout), dtypes, strict=True):
                         if t.dtype != dtype:  # hold it as rank 0 does, so both compute the same
                             t.data = t.data.to(dtype)
                         dist.broadcast(t.data, src=0)
-                stats[_SYNCS] += 1
-                if not cuda:
-                    digest.value = weights_digest(modules).encode()
+                if target == "denoisers":
+                    stats[_SYNCS] += 1
+                    if not cuda:
+                        digest.value = weights_digest(modules).encode()
             elif kind in ("release", "resume"):
                 # The engine's /release_memory_occupation: the followers' GPUs are freed too (a
                 # colocated trainer wants them), then everyone meets so rank 0 answers only after.
                 target = "cpu" if kind == "release" else device
-                for m in modules.values():
+                for m in (*modules.values(), *held["vae"].values()):
                     m.to(target)
                 if cuda and kind == "release":
                     torch.cuda.empty_cache()
@@ -260,6 +298,15 @@ def _follower_main(
                 stats[_FORWARDS] += 1
                 if not cuda:
                     stats[_LAST_OUTPUT] = output_checksum(out)
+            elif kind == "decode":
+                _, shape, dtype, settings = op
+                z = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(z, src=0)
+                vae = held["vae"]["vae"]
+                with torch.inference_mode():
+                    split_tiled_decode(vae, z, settings)
+                stats[_DECODES] += 1
+                stats[_TILES] += len(owned_tiles(tile_grid(vae, shape, settings).count, rank, world))
     except BaseException as exc:
         events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
     finally:
@@ -291,10 +338,14 @@ class ContextParallelGroup:
         ring_degree: int = 1,
         attention_backend: str | None = None,
         timeout_s: float = 600.0,
+        vae: nn.Module | None = None,
     ) -> None:
         import multiprocessing as mp
 
         self.denoisers = denoisers
+        # context_parallel_vae=split: the followers hold the VAE too and decode its tiles with rank 0.
+        self.vae = vae
+        self.decodes = 0
         self.ranks = ranks
         self.cuda = device.startswith("cuda")
         self.configured_mode = mode
@@ -311,9 +362,8 @@ class ContextParallelGroup:
         ctx = mp.get_context("spawn")
         first_gpu = (torch.device(device).index or 0) if self.cuda else 0
         spec = {
-            "denoisers": {
-                name: (type(m).__module__, type(m).__name__, dict(m.config)) for name, m in denoisers.items()
-            },
+            "denoisers": {name: _module_entry(m) for name, m in denoisers.items()},
+            "vae": None if vae is None else (_module_entry(vae), vae.dtype),
             "model_path": model_path,
             "dtype": dtype,
             "cuda": self.cuda,
@@ -327,7 +377,7 @@ class ContextParallelGroup:
         port = _free_port()
         self._events = ctx.Queue()
         self._ops = [ctx.Queue() for _ in range(ranks - 1)]
-        self._stats = [ctx.Array("d", 4, lock=False) for _ in range(ranks - 1)]
+        self._stats = [ctx.Array("d", 6, lock=False) for _ in range(ranks - 1)]
         self._digests = [ctx.Array("c", 64, lock=False) for _ in range(ranks - 1)]
         self._procs = []
         for r in range(1, ranks):
@@ -354,6 +404,10 @@ class ContextParallelGroup:
                         module.set_attention_backend(self.attention_backend)
                 _enable(denoisers, self.ring_degree, self.ulysses_degree)
             self._sync_weights()
+            if vae is not None:
+                # Once: no weight update changes the VAE, but a follower built from the config (an
+                # in-memory pipeline) holds random weights until it gets rank 0's.
+                self._broadcast_weights("vae", {"vae": vae})
         except BaseException as exc:
             self.stop()
             if isinstance(exc, ContextParallelError):
@@ -362,7 +416,13 @@ class ContextParallelGroup:
         for name, module in denoisers.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_hook))
-        logger.info("context parallel: %d ranks ready", ranks)
+        if vae is not None:
+            install_split_decode(vae, self._split_decode)
+        logger.info(
+            "context parallel: %d ranks ready (VAE decode: %s)",
+            ranks,
+            "split" if vae is not None else "rank 0",
+        )
 
     @property
     def exact(self) -> bool:
@@ -432,25 +492,44 @@ class ContextParallelGroup:
         self._weights_dirty = True
 
     def _sync_weights(self) -> None:
+        self._broadcast_weights("denoisers", self.denoisers)
+        self._weights_dirty = False
+
+    def _broadcast_weights(self, target: str, modules: dict[str, nn.Module]) -> None:
         import torch.distributed as dist
 
-        tensors = [
-            (name, key, t)
-            for name in sorted(self.denoisers)
-            for key, t in _synced_tensors(self.denoisers[name])
-        ]
+        tensors = [(name, key, t) for name in sorted(modules) for key, t in _synced_tensors(modules[name])]
         # With each tensor's dtype: a follower may hold some in another one (``from_pretrained`` keeps
         # ``_keep_in_fp32_modules`` in float32, the follower's ``.to(dtype)`` casts them), and a broadcast
         # between tensors of different dtypes is garbage on NCCL (gloo aborts: "size doesn't match").
-        self._send(("sync", [(name, key) for name, key, _ in tensors], [t.dtype for _, _, t in tensors]))
+        layout = [(name, key) for name, key, _ in tensors]
+        self._send(("sync", target, layout, [t.dtype for _, _, t in tensors]))
 
         def run() -> None:
             with torch.no_grad():
                 for _, _, t in tensors:
                     dist.broadcast(t.data.contiguous(), src=0)
 
-        self._collective(run, "the weight sync")
-        self._weights_dirty = False
+        self._collective(run, "the weight sync" if target == "denoisers" else f"the {target} weight sync")
+
+    # ------------------------------------------------------------------ the split VAE decode
+    def _split_decode(self, z: torch.Tensor, settings: TileSettings) -> torch.Tensor:
+        """Rank 0's side of one split decode (``vae_split.install_split_decode`` calls it from
+        ``vae.decode``, on the worker thread): the latent and the VAE's tiling go to the followers,
+        every rank decodes its tiles, and rank 0 gets the blended video."""
+        import torch.distributed as dist
+
+        z = z.contiguous()
+        self._send(("decode", tuple(z.shape), z.dtype, settings))
+        result: list[torch.Tensor | None] = []
+
+        def run() -> None:
+            dist.broadcast(z, src=0)
+            result.append(split_tiled_decode(self.vae, z, settings))
+
+        self._collective(run, "the split VAE decode")
+        self.decodes += 1
+        return result[0]
 
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str):
@@ -482,7 +561,8 @@ class ContextParallelGroup:
         followers = []
         for i, (s, d) in enumerate(zip(self._stats, self._digests, strict=True)):
             row = {"rank": i + 1, "alive": self._procs[i].is_alive(), "forwards": int(s[_FORWARDS]),
-                   "weight_syncs": int(s[_SYNCS]), "released": bool(s[_RELEASED])}  # fmt: skip
+                   "weight_syncs": int(s[_SYNCS]), "released": bool(s[_RELEASED]),
+                   "decodes": int(s[_DECODES]), "tiles_decoded": int(s[_TILES])}  # fmt: skip
             if not self.cuda:
                 row["last_output_checksum"] = s[_LAST_OUTPUT]
                 row["weights_digest"] = d.value.decode() or None
@@ -490,6 +570,7 @@ class ContextParallelGroup:
         out = {"ranks": self.ranks, "mode": self.mode, "configured_mode": self.configured_mode,
                "ring_degree": self.ring_degree, "ulysses_degree": self.ulysses_degree,
                "attention_backend": self.attention_backend, "forwards": self.forwards,
+               "vae": "split" if self.vae is not None else "rank0", "decodes": self.decodes,
                "followers": followers, "error": self.error}  # fmt: skip
         if not self.cuda:
             out["last_output_checksum"] = self.last_output
@@ -506,6 +587,8 @@ class ContextParallelGroup:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.vae is not None:
+            remove_split_decode(self.vae)
         for q, p in zip(self._ops, self._procs, strict=True):
             if p.is_alive():
                 q.put(("stop",))
@@ -550,6 +633,7 @@ def start_for(engine: Any) -> ContextParallelGroup:
         )
     if family in _TIMESTEP_PER_TOKEN:
         _check_timestep_split(engine.adapter.transformers())
+    vae = _split_vae(engine) if cfg.context_parallel_vae == "split" else None
     # The layout's refusals (heads, dtype, server plans), before any follower is spawned.
     check_start(engine.adapter.transformers(), cfg, cuda=engine.device.startswith("cuda"), dtype=engine.dtype)
     if engine.device.startswith("cuda"):
@@ -571,4 +655,19 @@ def start_for(engine: Any) -> ContextParallelGroup:
         model_path=engine.model_path if engine.model_path and os.path.isdir(engine.model_path) else None,
         attention_backend=cfg.attention_backend,
         timeout_s=cfg.context_parallel_timeout_s,
+        vae=vae,
     )
+
+
+def _split_vae(engine: Any) -> nn.Module:
+    """The VAE whose decode ``context_parallel_vae=split`` spreads over the ranks: Wan's only
+    (``AutoencoderKLWan``, the tiled decode ``server/vae_split.py`` reproduces)."""
+    from diffusers import AutoencoderKLWan
+
+    vae = getattr(engine.pipe, "vae", None)
+    if not isinstance(vae, AutoencoderKLWan):
+        raise ContextParallelError(
+            f"context_parallel_vae=split splits the Wan VAE's tiled decode (AutoencoderKLWan); family "
+            f"{engine.adapter.name!r} has {type(vae).__name__}: use context_parallel_vae=rank0"
+        )
+    return vae
