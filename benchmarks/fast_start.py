@@ -23,6 +23,16 @@ most 10 minutes, so the runs can be split over calls on the same machine, sharin
     python -m benchmarks.fast_start --device cuda --runs fast_cold --out $OUT
     python -m benchmarks.fast_start --device cuda --runs fast_warm,defaults,stock --out $OUT
 
+Where the warm-up's time goes (``--warmup-profile``: each fast server profiles its warm-up, server/
+warmup_profile.py): ``$OUT/warmup_profile_<run>/`` gets ``warmup_stacks.txt`` (the worker's stack every
+10 s, written as it goes, so a run that hits ``--ready-timeout-s`` still shows where it was) and
+``warmup_call_<i>.txt`` (cProfile's top functions per warm-up call); the ``.pstats`` go to
+``--work``/warmup_profile/<run> once the server stops. With ``--runs fast_cold`` that is at most 6
+files in ``$OUT``::
+
+    python -m benchmarks.fast_start --device cuda --work /tmp/tr --runs fast_cold --ready-timeout-s 420 \
+        --warmup-profile --out $OUT
+
 CPU smoke (tiny SD3, 32x32; minutes, compiling on the CPU)::
 
     python -m benchmarks.fast_start --device cpu --model tiny-sd3 --size 32 --group 2 --steps 2 --out /tmp/fs
@@ -82,6 +92,19 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
     ]  # fmt: skip
     logfile = Path(args.out) / f"fast_start_{name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
+    profile = None
+    if args.warmup_profile and "--speed" in flags:  # the compiled runs: they warm up
+        profile = Path(args.out) / f"warmup_profile_{name}"
+        shutil.rmtree(profile, ignore_errors=True)
+        cmd += [
+            "--warmup-profile",
+            str(profile),
+            "--warmup-profile-interval-s",
+            str(args.warmup_profile_interval_s),
+        ]
+        if args.warmup_profile_stacks_only:
+            cmd.append("--no-warmup-profile-cprofile")
+    seen = f"{logfile}" + (f" and {profile / 'warmup_stacks.txt'}" if profile else "")
     log(f"{name}: {' '.join(cmd[2:])}")
     with logfile.open("w") as out:
         t0 = time.monotonic()
@@ -92,9 +115,9 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
             with httpx.Client(base_url=url, timeout=600) as c:
                 while True:
                     if proc.poll() is not None:
-                        raise RuntimeError(f"{name}: serve exited {proc.returncode}; see {logfile}")
+                        raise RuntimeError(f"{name}: serve exited {proc.returncode}; see {seen}")
                     if time.monotonic() - t0 > args.ready_timeout_s:
-                        raise RuntimeError(f"{name}: not ready after {args.ready_timeout_s} s; see {logfile}")
+                        raise RuntimeError(f"{name}: not ready after {args.ready_timeout_s} s; see {seen}")
                     try:
                         if c.get("/health_generate").status_code == 200:
                             break
@@ -115,11 +138,18 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
             if clients is not None:
                 clients.close()
             stop_session(proc)
+            if profile is not None:  # few files back from a GPU machine: the raw profiles stay in --work
+                keep = args.work / "warmup_profile" / name
+                keep.mkdir(parents=True, exist_ok=True)
+                for raw in profile.glob("*.pstats"):
+                    shutil.move(str(raw), str(keep / raw.name))
     compile_info = (row.get("server_info") or {}).get("compile") or {}
     if isinstance(compile_info, dict) and compile_info.get("warmup"):
         row["warmup_s"] = compile_info["warmup"]["elapsed_s"]
         row["fx_cache_hits"] = compile_info["warmup"]["fx_graph_cache_hits"]
         row["recompiles"] = compile_info.get("recompiles")
+        if compile_info["warmup"].get("profile"):
+            row["warmup_profile"] = str(profile)
     log(f"{name}: ready {row['start_to_ready_s']:.1f} s, first answer {row['start_to_first_answer_s']:.1f} s, "
         f"{row['images_per_s']:.2f} img/s")  # fmt: skip
     return row
@@ -180,6 +210,20 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(RUNS),
         help="which of the runs, in order (a GPU call is at most 10 minutes: the cold run can go in one "
         "call and the rest in the next, on the same machine, which keeps --work)",
+    )
+    p.add_argument(
+        "--warmup-profile",
+        action="store_true",
+        help="the compiled servers profile their warm-up into OUT/warmup_profile_<run>/ (stack samples, "
+        "cProfile summaries; the .pstats are moved to WORK/warmup_profile/<run>/)",
+    )
+    p.add_argument(
+        "--warmup-profile-interval-s", type=float, default=10.0, help="seconds between stack samples"
+    )
+    p.add_argument(
+        "--warmup-profile-stacks-only",
+        action="store_true",
+        help="with --warmup-profile: no cProfile (its overhead inflates Python-heavy phases), stack samples only",
     )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -159,6 +159,21 @@ class ServerConfig(BaseModel):
         "the same torch, device, model, dtype and speed options (a keyed subfolder each); unset = "
         "<cache_dir>/compile; none = torch's own temporary cache",
     )
+    warmup_profile: str | None = Field(
+        None,
+        description="with compile: folder (created if missing) for a profile of the warm-up: "
+        "warmup_call_<i>.pstats and .txt (cProfile of each warm-up call on the worker thread) and "
+        "warmup_stacks.txt (the worker's Python stack every warmup_profile_interval_s seconds, appended, "
+        "so a warm-up cut off mid-call still shows where it was); listed in /server_info; unset = none",
+    )
+    warmup_profile_interval_s: float = Field(
+        10.0, gt=0, description="with warmup_profile: seconds between the worker's stack samples"
+    )
+    warmup_profile_cprofile: bool = Field(
+        True,
+        description="with warmup_profile: cProfile each warm-up call (about 1.5-2x the seconds of "
+        "Python-heavy work such as Dynamo's tracing); --no-warmup-profile-cprofile keeps the stack samples only",
+    )
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
     attention_backend: str | None = Field(
         None,
@@ -258,6 +273,20 @@ class ServerConfig(BaseModel):
                 "(e.g. 512x512,1024x768), or none"
             )
         return value
+
+    @field_validator("warmup_profile")
+    @classmethod
+    def _warmup_profile_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        folder = Path(value).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"warmup_profile={value!r}: cannot make the folder ({exc})") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"warmup_profile={value!r}: the folder is not writable")
+        return str(folder.resolve())
 
     # What --speed chose (speed_presets.py), set once by _apply_speed_preset.
     _speed_choice: object = PrivateAttr(None)

@@ -37,7 +37,7 @@ START_TIMEOUT_S = 300
 class ServeProcess:
     """``serve`` in a child process; its states as seen by ``/health`` while it started."""
 
-    def __init__(self, model: Path, cache: Path, log: Path) -> None:
+    def __init__(self, model: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -45,7 +45,7 @@ class ServeProcess:
             sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve",
             "--model", str(model), "--device", "cpu", "--dtype", "float32", "--port", str(self.port),
             "--speed", "fast", "--warmup-shapes", "32x32", "--max-batch-size", "4",
-            "--compile-cache", str(cache),
+            "--compile-cache", str(cache), *extra,
         ]  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
         self._out = log.open("w")
@@ -105,16 +105,20 @@ class ServeProcess:
 @pytest.fixture(scope="module")
 def compiled_servers(tiny_model_path, tmp_path_factory):
     """``start(i)``: the i-th server process (0, then 1), both on one compile cache; the earlier one
-    is stopped before the next starts."""
+    is stopped before the next starts. The second profiles its warm-up (``--warmup-profile``, a stack
+    sample every 1 s) into ``root/warmup-profile``; the first has no such option."""
     root = tmp_path_factory.mktemp("compile-warmup")
     model = tiny_model_path("sd3")
     started: dict[int, ServeProcess] = {}
+    profile = ("--warmup-profile", str(root / "warmup-profile"), "--warmup-profile-interval-s", "1")
 
     def start(i: int) -> ServeProcess:
         if i not in started:
             for s in started.values():
                 s.stop()
-            started[i] = ServeProcess(model, root / "compile-cache", root / f"serve-{i}.log")
+            extra = profile if i == 1 else ()
+            started[i] = ServeProcess(model, root / "compile-cache", root / f"serve-{i}.log", extra)
+            started[i].root = root
         return started[i]
 
     yield start
@@ -168,6 +172,16 @@ def test_the_fast_preset_is_logged_and_reported(compiled_servers):
     assert "FP8 left out: quantize=fp8 needs a CUDA GPU" in choice["why"]
     assert choice["results_rows"] == ["benchmarks/RESULTS.md#grpo-compiled"]
     assert "speed: --speed fast on cpu: compile=True." in server.log.read_text()
+
+
+def test_without_warmup_profile_nothing_is_profiled_or_written(compiled_servers):
+    server = compiled_servers(0)
+    warmup = server.info()["speed"]["compile"]["warmup"]
+    assert "profile" not in warmup, warmup
+    assert "warm-up profile" not in server.log.read_text()
+    written = [*server.root.rglob("warmup_stacks.txt"), *server.root.rglob("warmup_call_*")]
+    written += [*Path.cwd().glob("warmup_stacks.txt"), *Path.cwd().glob("warmup_call_*")]
+    assert written == [], written
 
 
 def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_servers):
@@ -245,3 +259,77 @@ def test_the_default_speed_choice_is_logged_and_reported(fresh_server, caplog):
     assert speed["choice"]["preset"] == "exact" and speed["choice"]["applied"] == {}
     assert speed["exact"] is True and speed["compile"] is False
     assert server.client.get("/health").json() == {"status": "ok", "state": "ready"}
+
+
+# --------------------------------------------------------------------------- --warmup-profile
+def test_a_profiled_warmup_writes_call_summaries_and_stack_samples(compiled_servers):
+    server = compiled_servers(1)  # started with --warmup-profile DIR --warmup-profile-interval-s 1
+    folder = server.root / "warmup-profile"
+    profile = server.info()["speed"]["compile"]["warmup"]["profile"]
+    assert (
+        profile["dir"] == str(folder.resolve()) and profile["stack_interval_s"] == 1.0 and profile["cprofile"]
+    )
+    names = {Path(f).name for f in profile["files"]}
+    assert names == {
+        "warmup_stacks.txt", "warmup_call_1.txt", "warmup_call_1.pstats", "warmup_call_2.txt",
+        "warmup_call_2.pstats",
+    }, profile  # fmt: skip
+    assert all(Path(f).is_file() and Path(f).stat().st_size > 0 for f in profile["files"])
+    summary = (folder / "warmup_call_1.txt").read_text()
+    assert "warm-up call 1 (warmup-32x32-b2)" in summary and "by cumulative time" in summary
+    assert "by total (own) time" in summary
+    # The pipeline call the warm-up made, with file:line, under the worker's batch.
+    assert re.search(r"batch_runner\.py:\d+\(_run_call\)", summary), summary[:3000]
+    assert re.search(r"pipeline_stable_diffusion_3\.py:\d+\(__call__\)", summary)
+    stacks = (folder / "warmup_stacks.txt").read_text()
+    assert profile["stack_samples"] >= 1 and stacks.count("\n=== ") >= 1, stacks[:2000]
+    assert re.search(
+        r"=== \S+ \+[\d.]+ s: warm-up call \d \(warmup-32x32-b\d\)\n--- thread rollout-worker", stacks
+    )
+    assert "warm-up ended after" in stacks and "(run_batch)" in stacks  # the closing tally
+    log = server.log.read_text()
+    assert "warm-up profile: cProfile of each warm-up call" in log and str(folder.resolve()) in log
+    assert re.search(r"warm-up profile of call 2: \S+warmup_call_2\.txt", log)
+
+
+def test_stack_samples_show_a_call_that_never_ends(tmp_path):
+    """What a run cut off by a timeout leaves: samples of the stuck call, written as they were taken."""
+    import threading
+
+    from diffusion_rollout.server.warmup_profile import WarmupProfile
+
+    stop = threading.Event()
+
+    def a_stuck_compile() -> None:
+        stop.wait(30)
+
+    worker = threading.Thread(target=a_stuck_compile, name="rollout-worker", daemon=True)
+    worker.start()
+    profile = WarmupProfile(tmp_path / "p", 0.05, lambda: [worker.ident])
+    profile.start()
+    try:
+        deadline = time.monotonic() + 10
+        while profile.samples < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stacks = (
+            tmp_path / "p" / "warmup_stacks.txt"
+        ).read_text()  # before stop(): as a killed run leaves it
+        assert profile.samples >= 2
+        assert "--- thread rollout-worker" in stacks and "in a_stuck_compile" in stacks
+    finally:
+        stop.set()
+        profile.stop()
+        worker.join()
+
+
+def test_the_warmup_profile_option_is_a_writable_folder(tmp_path):
+    made = tmp_path / "a" / "b"
+    config = ServerConfig(warmup_profile=str(made))
+    assert made.is_dir() and config.warmup_profile == str(made.resolve())
+    assert ServerConfig().warmup_profile is None
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="warmup_profile"):
+        ServerConfig(warmup_profile=str(a_file))
+    with pytest.raises(ValueError, match="greater than 0"):
+        ServerConfig(warmup_profile_interval_s=0)

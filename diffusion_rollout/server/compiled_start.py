@@ -73,7 +73,7 @@ class CompiledStart:
             logger.info("warm-up off (warmup_shapes=none): each new shape compiles on its first request")
         else:
             on_warming()
-            self.warmed = run_warmup(engine, self.warmup)
+            self.warmed = run_warmup(engine, self.warmup, _profile(engine))
             if self.cache is not None:
                 self.cache.save(self.warmup.seconds)
         stats = engine.loaded.speed.compile_stats
@@ -116,3 +116,18 @@ class CompiledStart:
             out["warmup_seconds"] = self.warmup.elapsed()
             out["warmed_shapes"] = len(self.warmup.shapes) if self.warmup.state == "done" else 0
         return out
+
+
+def _profile(engine: Engine) -> Any:
+    """``--warmup-profile``'s recorder for this warm-up, or None (unset: nothing imported or made)."""
+    folder = engine.config.warmup_profile
+    if folder is None:
+        return None
+    from diffusion_rollout.server.warmup_profile import WarmupProfile
+
+    return WarmupProfile(
+        Path(folder),
+        engine.config.warmup_profile_interval_s,
+        engine.worker.thread_ids,
+        cprofile=engine.config.warmup_profile_cprofile,
+    )

@@ -187,6 +187,8 @@ class Engine:
         self.worker.start()
         if self.loaded.speed.compile:
             self.compiled.warm_up(self, on_warming=lambda: setattr(self, "status", "warming"))
+        elif self.config.warmup_profile is not None:
+            logger.warning("warmup_profile set, but this server does not compile: no warm-up to profile")
         self.status = "ready"
         logger.info("engine ready: %s (%s) on %s, %s", self.family, self.model_path, self.device, self.dtype)
 

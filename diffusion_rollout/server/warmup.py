@@ -40,6 +40,7 @@ import torch
 
 if TYPE_CHECKING:
     from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.warmup_profile import WarmupProfile
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class Warmup:
     cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (_PHASES)
+    profile: dict[str, Any] | None = None  # --warmup-profile's files (server/warmup_profile.py); None: off
 
     @property
     def total(self) -> int:
@@ -182,6 +184,7 @@ class Warmup:
             **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
             "calls": self.calls,
             "phases": self.phases,
+            **({"profile": self.profile} if self.profile is not None else {}),
         }
 
     def describe(self) -> str:
@@ -235,15 +238,36 @@ def _compile_phases() -> dict[str, float]:
     return {key: float(seconds.get(name, 0.0)) for name, key in _PHASES.items()}
 
 
-def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
+def run_warmup(engine: Engine, warmup: Warmup, profile: WarmupProfile | None = None) -> set[tuple]:
     """Compile the blocks for every warm-up shape and batch (on the caller's thread, through the
     engine's worker), updating ``warmup`` as it goes; returns the ``(width, height, frames)`` of the
-    calls it made."""
+    calls it made. With ``profile`` (``--warmup-profile``), each call runs under cProfile on the
+    worker thread and the worker's stack is sampled until the warm-up ends (server/warmup_profile.py)."""
+    counts0, phases0 = _cache_counts(), _compile_phases()
+    warmup.state, warmup.started_at = "warming", time.monotonic()
+    if profile is None:
+        return _warm_shapes(engine, warmup, None, counts0, phases0)
+    profile.start()
+    warmup.profile = profile.report()
+    engine.worker.batch_hook = profile.around_call
+    try:
+        return _warm_shapes(engine, warmup, profile, counts0, phases0)
+    finally:
+        engine.worker.batch_hook = None
+        profile.stop()
+        warmup.profile = profile.report()
+
+
+def _warm_shapes(
+    engine: Engine,
+    warmup: Warmup,
+    profile: WarmupProfile | None,
+    counts0: dict[str, tuple[int, int]],
+    phases0: dict[str, float],
+) -> set[tuple]:
     from diffusion_rollout.server.params import GenerateParams
 
     a = engine.adapter
-    counts0, phases0 = _cache_counts(), _compile_phases()
-    warmup.state, warmup.started_at = "warming", time.monotonic()
     est = f"; the last one took {warmup.estimate_s:.0f} s" if warmup.estimate_s is not None else ""
     logger.info(
         "warm-up: compiling for %d shape(s) (%s) x batch %s before serving%s",
@@ -275,6 +299,9 @@ def run_warmup(engine: Engine, warmup: Warmup) -> set[tuple]:
             warmed.add(shape_key(plan.call))
             engine.worker.submit(plan.job(params.request_id)).result()
             seconds = time.perf_counter() - t0
+            if profile is not None:  # written here, after the call is timed
+                profile.write_pending()
+                warmup.profile = profile.report()
             warmup.done += 1
             graphs = (stats.graphs if stats else 0) - graphs0
             warmup.calls.append(

@@ -23,12 +23,16 @@ Design decisions:
   with them the call's tensors (activations, latents, recordings): the worker clears those frames
   before ``on_batch_error`` runs, so device memory can actually be returned (CUDA OOM recovery).
 - While a batch runs, the worker thread's log lines carry the batch's request ids.
+- ``batch_hook`` (None but while a compiled server's warm-up is profiled, server/warmup_profile.py)
+  gives a context to run a batch in, on the lane's own thread: what must run there (cProfile sees only
+  the thread it is enabled on) goes through it.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -102,11 +106,17 @@ class Worker:
         self.batches_run = 0
         self.batches_per_lane = [0] * lanes
         self.dropped_cancelled = 0
+        # A context to run each generation batch in, on its lane's thread (module doc); None: none.
+        self.batch_hook: Callable[[list[Job]], contextlib.AbstractContextManager[Any]] | None = None
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
         for t in self._threads:
             t.start()
+
+    def thread_ids(self) -> list[int]:
+        """The lane threads' idents (those started)."""
+        return [t.ident for t in self._threads if t.ident is not None]
 
     def lane_index(self) -> int:
         """The lane the calling thread runs (0 outside the worker's threads)."""
@@ -280,7 +290,9 @@ class Worker:
                         job.future.set_exception(exc)
                 else:
                     try:
-                        self._run_batch(live)
+                        hook = self.batch_hook
+                        with hook(live) if hook is not None else contextlib.nullcontext():
+                            self._run_batch(live)
                         with self._cond:  # lanes finish concurrently
                             self.batches_run += 1
                             self.batches_per_lane[lane] += 1
