@@ -31,6 +31,9 @@ How, and why this way:
   rollouts decode on rank 0), and its share of a whole rollout of ``--rollout-steps`` steps at each
   layout's ms/step.
 
+- **The VAE decode split over the ranks** (``--vae-split``, Wan VAEs): one latent of the case's
+  size decoded on rank 0 untiled (the served default) and tiled, then tiled with its tiles spread
+  over 2 and 4 ranks (``--context-parallel-vae split``), ``torch.equal`` to the tiled decode.
 - **What bounds a layout** (``--profile``): one more call per layout under ``torch.profiler``, its
   device time summed by kernel family (communication, attention, matmul, other; the kernels' own
   time, nothing counted twice) next to the call's wall time.
@@ -354,6 +357,64 @@ def profile_call(module: nn.Module, call: tuple[list[Any], dict[str, Any]], devi
     return out
 
 
+def _timed_once(fn: Any, device: str) -> tuple[Any, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def vae_split_rows(pipe: Any, case: Case, device: str, world: int) -> list[dict[str, Any]]:
+    """The Wan VAE's decode of one latent of the case's size (random, the same on every rank): on
+    rank 0 untiled (what a served rollout runs) and tiled (``vae.tiled_decode``), then tiled and split
+    over ranks ``0..k-1`` for k = 2 and 4 (``server/vae_split.py``; ``--context-parallel-vae
+    split``), each against the one-process tiled decode with ``torch.equal``. Every rank calls this
+    (the groups are made by all); rank 0's rows, [] elsewhere."""
+    import torch.distributed as dist
+
+    from diffusion_rollout.server.vae_split import split_tiled_decode
+
+    vae = pipe.vae
+    for t in [*vae.parameters(), *vae.buffers()]:  # every rank decodes with rank 0's bits
+        dist.broadcast(t.data, src=0)
+    shape = (
+        1,
+        int(vae.config.z_dim),
+        (case.frames - 1) // int(pipe.vae_scale_factor_temporal) + 1,
+        case.height // int(pipe.vae_scale_factor_spatial),
+        case.width // int(pipe.vae_scale_factor_spatial),
+    )
+    if case.model.startswith("tiny-"):  # tiles of 24 px at a 16 px stride: a tiny video has several
+        vae.tile_sample_min_height = vae.tile_sample_min_width = 24
+        vae.tile_sample_stride_height = vae.tile_sample_stride_width = 16
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(device, vae.dtype)
+    rank = dist.get_rank()
+    base = {"model": case.model, "size": case.size, "latent_shape": list(shape)}
+    rows: list[dict[str, Any]] = []
+    if rank == 0:
+        _timed_once(lambda: vae.decode(z).sample, device)  # warm-up
+        _, untiled_s = _timed_once(lambda: vae.decode(z).sample, device)
+        tiled, tiled_s = _timed_once(lambda: vae.tiled_decode(z).sample, device)
+        rows.append(
+            {**base, "layout": "vae_rank0", "k": 1, "vae_untiled_s": untiled_s, "vae_tiled_s": tiled_s}
+        )
+    for k in (2, 4):
+        if k > world:
+            continue
+        group = dist.new_group(list(range(k)))  # every rank takes part in making it
+        if rank < k:
+            dist.barrier(group=group)
+            out, seconds = _timed_once(lambda g=group: split_tiled_decode(vae, z, group=g), device)
+            if rank == 0:
+                rows.append({**base, "layout": f"vae_split{k}", "k": k, "vae_split_s": seconds,
+                             "speedup_vs_untiled": untiled_s / seconds, "speedup_vs_tiled": tiled_s / seconds,
+                             "split_bit_identical_to_tiled": bool(torch.equal(out, tiled))})  # fmt: skip
+        dist.barrier()
+    return rows
+
+
 def _heads(module: nn.Module) -> int | None:
     cfg = module.config
     return int(cfg["num_attention_heads"]) if "num_attention_heads" in cfg else None
@@ -453,6 +514,8 @@ def _case(rank: int, world: int, case: Case, opts: dict[str, Any]) -> list[dict[
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    if opts.get("vae_split") and type(pipe.vae).__name__ == "AutoencoderKLWan":
+        rows.extend(vae_split_rows(pipe, case, device, world))
     for r in rows:
         if "ms_per_step" in r:
             r["vae_decode_share"] = {
@@ -550,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help=f"the tiny zoo's video families ({TINY_CASES})")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated of {', '.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vae-split", action="store_true",
+                   help="Wan VAEs: the decode untiled, tiled, and tiled split over 2 and 4 ranks")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="one more call per layout under torch.profiler: device ms by kernel family")  # fmt: skip
     p.add_argument("--rollout-steps", default="20,50", help="rollout lengths for the VAE decode's share")
@@ -564,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"device": a.device, "dtype": a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
             "cases": [c for c in cases.split(",") if c.strip()], "layouts": layouts, "repeats": a.repeats,
             "rollout_steps": [int(s) for s in a.rollout_steps.split(",")], "gpus": a.gpus, "out": a.out,
-            "profile": a.profile}  # fmt: skip
+            "profile": a.profile, "vae_split": a.vae_split}  # fmt: skip
     for c in opts["cases"]:
         Case.parse(c)  # a malformed case fails here, not in a rank
     rows = run(opts, a.gpus)

@@ -11,7 +11,7 @@ from benchmarks import cp_scaling
 from benchmarks.cp_scaling import Case, compare, decode_share, layout_plan, output_tensors, twin
 
 
-@pytest.mark.parametrize("family", ["wan-i2v", "ltx2", "hunyuanvideo15"])
+@pytest.mark.parametrize("family", ["ltx2", "hunyuanvideo15"])  # Wan: the dry run checks its twin
 def test_twin_shares_every_tensor_and_computes_the_same_bits(family):
     from diffusion_rollout.models import build_tiny_pipeline
 
@@ -73,21 +73,25 @@ def test_decode_share_and_case_parsing():
 
 def test_dry_run_two_gloo_ranks(tmp_path):
     """Every rank gets rank 0's captured call and runs k = 1; the parallel layouts are skipped with
-    the reason (no accelerator); the JSON is written."""
+    the reason (no accelerator); the VAE's split decode equals its tiled decode; the JSON is written."""
     rc = cp_scaling.main(
         ["--device", "cpu", "--gpus", "2", "--cases", "tiny-wan", "--repeats", "1", "--layouts",
-         "ulysses2,ulysses4", "--profile", "--out", str(tmp_path)]
+         "ulysses2,ulysses4", "--profile", "--vae-split", "--out", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     (path,) = tmp_path.glob("cp_scaling*.json")
     doc = json.loads(path.read_text())
     assert doc["ok"] is True
-    k1, u2, u4 = doc["results"]
+    k1, u2, u4, rank0, split2 = doc["results"]
     assert (k1["layout"], k1["k"], k1["groups"], k1["calls_per_step"]) == ("k1", 1, 2, 2)
     assert k1["twin_bit_identical"] is True and k1["ms_per_forward"] > 0
     assert k1["hidden_states_shape"] == [1, 16, 2, 4, 4]
     assert k1["vae_decode_share"]["20"] == decode_share(k1["vae_decode_s"], k1["ms_per_step"], 20) > 0
     assert u2["skipped"] == "skipped (no accelerator)" and u4["skipped"] == "needs 4 ranks dividing 2"
+    # The VAE: tiled and split over the two ranks (tiny tiles: several per frame), equal bit for bit.
+    assert (rank0["layout"], split2["layout"], split2["k"]) == ("vae_rank0", "vae_split2", 2)
+    assert rank0["vae_untiled_s"] > 0 and rank0["vae_tiled_s"] > 0 and split2["vae_split_s"] > 0
+    assert split2["split_bit_identical_to_tiled"] is True
     prof = k1["profile"]  # on a CPU: the ops' own CPU time by family
     assert prof["matmul_ms"] > 0 and prof["attention_ms"] > 0
     parts = prof["communication_ms"] + prof["attention_ms"] + prof["matmul_ms"] + prof["other_ms"]
