@@ -140,17 +140,23 @@ def serve_command(layout: Layout, folder: Path, port: int, cpu: bool, cp_mode: s
 
 
 def request_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The Flow-GRPO group request at the model's defaults (seed and prompt set per request)."""
+    """The Flow-GRPO group request at the model's defaults (seed and prompt set per request), its
+    size and steps as overridden; an image-to-video family's request carries an input image of the
+    output size."""
     from benchmarks import model_builders_scale  # noqa: F401  (Wan 2.2 A14B's defaults)
     from benchmarks.cluster_scaling import request_defaults
+    from benchmarks.model_builders import _REAL_FAMILY, input_image_b64
+    from diffusion_rollout.models.tiny import IMAGE_FAMILIES
 
     body = {"prompt": GRPO_PROMPT, "seed": 0, "generator_device": "cpu" if args.cpu else "cuda"}
     body.update(request_defaults(name), **SDE_ROLLOUT_ENV)
     body.update(output_dtype="uint8", lean_response=True, num_outputs_per_prompt=args.group)
-    if args.frames:
-        body["num_frames"] = args.frames
-    if args.steps:
-        body["num_inference_steps"] = args.steps
+    overrides = {"num_frames": args.frames, "num_inference_steps": args.steps,
+                 "height": getattr(args, "height", None), "width": getattr(args, "width", None)}  # fmt: skip
+    body.update({k: v for k, v in overrides.items() if v})
+    family = name.removeprefix("tiny-") if name.startswith("tiny-") else _REAL_FAMILY.get(name, "")
+    if family in IMAGE_FAMILIES:
+        body["image_data"] = [input_image_b64(body["width"], body["height"])]
     return body
 
 
@@ -351,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=None, help="concurrent clients in the throughput phase (N)")
     p.add_argument("--frames", type=int, default=None, help="frames per video (default 81; tiny: its own)")
     p.add_argument("--steps", type=int, default=None, help="override the model's step count")
+    p.add_argument("--height", type=int, default=None, help="override the model's height")
+    p.add_argument("--width", type=int, default=None, help="override the model's width")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
     p.add_argument("--cpu", action="store_true", help="CPU dry run: CPU Ray replicas, CP mirror mode")
     args = p.parse_args(argv)

@@ -214,3 +214,25 @@ def test_cp_tradeoff_advice_table():
         "| 2x2 (2 replicas x 2 GPUs) | 0.6 | 11 | - | - |",
     ]
     assert summary(no_base)["all_replicas"] is None and summary([])["best_latency"] is None
+
+
+def test_cp_tradeoff_request_body_sizes_and_input_image():
+    """The size and steps a run asks for; an image-to-video family's request carries an input image
+    of the output size (a served rollout of it is refused without one)."""
+    import argparse
+    import base64
+    import io
+
+    from PIL import Image
+
+    from benchmarks.cp_tradeoff import request_body
+
+    args = argparse.Namespace(cpu=False, group=4, frames=121, steps=3, height=704, width=1280)
+    t2v = request_body("wan2.2-ti2v-5b", args)
+    assert (t2v["height"], t2v["width"], t2v["num_frames"], t2v["num_inference_steps"]) == (704, 1280, 121, 3)
+    assert "image_data" not in t2v and t2v["num_outputs_per_prompt"] == 4
+    i2v = request_body("wan2.2-ti2v-5b-i2v", args)
+    (image,) = i2v["image_data"]
+    assert Image.open(io.BytesIO(base64.b64decode(image))).size == (1280, 704)
+    tiny = request_body("tiny-wan-i2v", argparse.Namespace(cpu=True, group=2, frames=None, steps=None))
+    assert len(tiny["image_data"]) == 1 and tiny["generator_device"] == "cpu"
