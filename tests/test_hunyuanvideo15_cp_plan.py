@@ -108,7 +108,7 @@ def _run_case(name: str) -> dict[str, Any]:
     result: dict[str, Any] = {"ref": ref, "heads": int(model.config.num_attention_heads)}
     try:
         if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
-            _enable({"transformer": model}, "ulysses", WORLD)
+            _enable({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
             result["processors"] = sorted({type(b.attn.processor).__name__ for b in model.transformer_blocks})
         else:
             model.enable_parallelism(

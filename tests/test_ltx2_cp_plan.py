@@ -142,7 +142,7 @@ def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> d
         if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
             from diffusion_rollout.server.context_parallel import _enable
 
-            _enable({"transformer": model}, "ulysses", WORLD)
+            _enable({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
         else:
             model.enable_parallelism(
                 config=ContextParallelConfig(ulysses_degree=WORLD),
