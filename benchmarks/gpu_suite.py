@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         suite.alias = {"sd3.5-medium": "tiny-sd3", "flux.1-dev": "tiny-flux", "wan2.1-1.3b": "tiny-wan"}
         suite.ode_steps = {}
         overhead = {k: {"reps": 2, "steps": None} for k in OVERHEAD}
-        grpo_cfg = {**GRPO, "requests": 4, "clients": 2, "batch_sizes": (16, 32), "stock_reps": 1}
+        grpo_cfg = {**GRPO, "requests": 2, "clients": 2, "batch_sizes": (16,), "stock_reps": 1}
     info = facts(device)
     log(f"device {info['device_name']}, commit {info['commit']}, torch {info['versions']['torch']}, "
         f"diffusers {info['versions']['diffusers']}")  # fmt: skip
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 disk_gb=args.http_gb,
                 ipc_gb=None,
                 lora_rank=4 if args.tiny else 64,
-                lora_reps=5,
+                lora_reps=2 if args.tiny else 5,  # the dry run checks the phase, test_weight_sync the rest
                 deadline=suite.deadline,
             )
 
