@@ -283,17 +283,17 @@ def _share_call(call: Any, device: str) -> tuple[list[Any], dict[str, Any]]:
     """Rank 0's captured call on every rank: its structure pickled, its tensors broadcast."""
     import torch.distributed as dist
 
-    from diffusion_rollout.server.context_parallel import _fill_tensors, _slots, _strip_tensors
+    from diffusion_rollout.server.cp_calls import fill_tensors, slots, strip_tensors
 
     tensors: list[torch.Tensor] = []
-    box = [_strip_tensors(call, tensors) if call is not None else None]
+    box = [strip_tensors(call, tensors) if call is not None else None]
     dist.broadcast_object_list(box, src=0)
     structure = box[0]
     if dist.get_rank() != 0:
-        tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _slots(structure)]
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots(structure)]
     for t in tensors:
         dist.broadcast(t, src=0)
-    return _fill_tensors(structure, tensors)
+    return fill_tensors(structure, tensors)
 
 
 def _timed(

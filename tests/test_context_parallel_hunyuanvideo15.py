@@ -9,7 +9,7 @@ update reaches the follower, and a dead follower fails the engine with a 503 ins
 plus the refusals (heads not divisible by k at start-up, a video token count not divisible by k per
 request).
 
-The plan itself (``server/cp_plans.py``, through the server's ``_enable``) is run sharded on two gloo
+The plan itself (``server/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
 ranks against k = 1 by ``tests/test_hunyuanvideo15_cp_plan.py``, and through a served engine on two
 GPUs by ``tests/test_context_parallel_hunyuanvideo15_gpu.py``.
 """

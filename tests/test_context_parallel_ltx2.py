@@ -8,7 +8,7 @@ equal a one-process server's bit for bit in both streams, a weight update reache
 dead follower fails the engine with a 503 instead of hanging it; plus the LTX-2 refusals (head counts
 at start-up, a video token count that does not divide by k per request).
 
-The plan itself (``server/cp_plans.py``, through the server's ``_enable``) is run sharded on two gloo
+The plan itself (``server/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
 ranks against k = 1 by ``tests/test_ltx2_cp_plan.py`` (``server_*`` cases), and through a served
 engine on two GPUs by ``tests/test_context_parallel_ltx2_gpu.py``.
 """

@@ -14,7 +14,7 @@ What these tests establish (two real ranks over gloo, diffusers' own split/gathe
    mask from the rank's local sequence (video shard + whole text), Ulysses all-gathers it on the key
    dim only, and SDPA's query length (the whole gathered sequence) no longer matches the mask's.
    (Had the mask fit, Ulysses would still have counted each rank's whole text k times as keys.)
-2. The server's own code path (``context_parallel._enable`` -> ``cp_plans.enable_plan``, as every
+2. The server's own code path (``cp_calls.enable_layout`` -> ``cp_plans.enable_plan``, as every
    served rank runs it) matches k = 1 within 1e-5 for text-to-video (zero image embeddings, masked)
    and for image embeddings that are attended (the I2V path), with a padded Qwen and a padded ByT5
    mask, on the zoo's tiny model (2 heads: one per rank) and a 4-head one (two per rank); both ranks
@@ -98,7 +98,7 @@ def make_inputs(model, image: str, shapes: dict[str, int] = SHAPES) -> dict[str,
 def _run_case(name: str) -> dict[str, Any]:
     from diffusers import ContextParallelConfig
 
-    from diffusion_rollout.server.context_parallel import _enable
+    from diffusion_rollout.server.cp_calls import enable_layout
     from diffusion_rollout.server.cp_plans import hunyuanvideo15_plan
 
     kind, image, plan = CASES[name]
@@ -108,7 +108,7 @@ def _run_case(name: str) -> dict[str, Any]:
     result: dict[str, Any] = {"ref": ref, "heads": int(model.config.num_attention_heads)}
     try:
         if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
-            _enable({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
+            enable_layout({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
             result["processors"] = sorted({type(b.attn.processor).__name__ for b in model.transformer_blocks})
         else:
             model.enable_parallelism(

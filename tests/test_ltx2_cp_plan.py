@@ -36,7 +36,7 @@ zoo's tiny LTX-2 transformer in float32):
    ``audio_proj_out`` is not gathered, and need not be: every rank computes the whole audio.
 3. A corrected plan serves LTX-2 exactly (``cp_plans.ltx2_plan`` with ``localize_ltx2_attentions``; the server runs the
    same plan from ``server/cp_plans.py``, and the ``server_*`` cases call the server's own
-   ``context_parallel._enable`` on both ranks, since its CPU mirror mode does not shard): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
+   ``cp_calls.enable_layout`` on both ranks, since its CPU mirror mode does not shard): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
    ``cross_attn_rope`` on the token dim (dim 2 for 4-D split RoPE, dim 1 for 3-D interleaved),
    gather ``proj_out``; keep text and audio whole on every rank; and take the attentions whose keys
    and values are whole on every rank off Ulysses (``_parallel_config = None`` on attn2,
@@ -75,7 +75,7 @@ CASES: dict[str, tuple[str, str | None, str, str]] = {
     "replicated_audio_all_ulysses": ("split", None, "corrected", "ulysses"),
     "corrected_split": ("split", "padded", "corrected", "local"),
     "corrected_interleaved": ("interleaved", "padded", "corrected", "local"),
-    # The server's own code path: server/context_parallel.py's _enable -> server/cp_plans.py.
+    # The server's own code path: server/cp_calls.py's enable_layout -> server/cp_plans.py.
     "server_split": ("split", "padded", "server", "server"),
     "server_interleaved": ("interleaved", "padded", "server", "server"),
 }
@@ -140,9 +140,9 @@ def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> d
     result["ref_video"], result["ref_audio"] = (t.float().cpu() for t in ref)
     try:
         if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
-            from diffusion_rollout.server.context_parallel import _enable
+            from diffusion_rollout.server.cp_calls import enable_layout
 
-            _enable({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
+            enable_layout({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
         else:
             model.enable_parallelism(
                 config=ContextParallelConfig(ulysses_degree=WORLD),
@@ -277,7 +277,7 @@ def test_replicated_audio_through_ulysses_is_duplicated_yet_exact(ranks):
     "case", ["corrected_split", "corrected_interleaved", "server_split", "server_interleaved"]
 )
 def test_corrected_plan_matches_one_rank_with_a_padded_text_mask(ranks, case):
-    """The sketch here, and the server's own plan (``server/cp_plans.py`` through ``_enable``)."""
+    """The sketch here, and the server's own plan (``server/cp_plans.py`` through ``enable_layout``)."""
     tokens = SHAPES["frames"] * SHAPES["height"] * SHAPES["width"]
     for r in ranks:
         res = r[case]

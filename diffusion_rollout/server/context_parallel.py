@@ -47,6 +47,9 @@ Design decisions:
   (``enable_parallelism`` refuses one without context parallelism). The rules are
   :func:`~diffusion_rollout.server.cp_plans.check_start`'s, on a CPU engine too (but the dtype's),
   so one configuration is accepted or refused the same everywhere.
+- **Three modules.** This one is rank 0 (:class:`ContextParallelGroup`, :func:`start_for`);
+  ``server/cp_follower.py`` is a follower rank; ``server/cp_calls.py`` is what both share (a call's
+  structure without its tensors, the weight layout, the process group and the layout).
 - Exactness: k GPUs sum attention in another order than one, so a k-GPU rollout is not expected to be
   bit-identical to a 1-GPU one; a 1-GPU replay reproduces it to that distance
   (``benchmarks/context_parallel.py`` measures it).
@@ -54,29 +57,38 @@ Design decisions:
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import importlib
 import logging
 import os
 import queue
-import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.errors import ContextParallelError
-from diffusion_rollout.server.cp_plans import check_start, enable_plan, ring_backend
+from diffusion_rollout.server.cp_calls import (
+    DECODES,
+    FORWARDS,
+    LAST_OUTPUT,
+    RELEASED,
+    SYNCS,
+    TILES,
+    enable_layout,
+    free_port,
+    init_group,
+    module_entry,
+    output_checksum,
+    strip_tensors,
+    synced_tensors,
+    weights_digest,
+)
+from diffusion_rollout.server.cp_follower import follower_main
+from diffusion_rollout.server.cp_plans import check_start, ring_backend
 from diffusion_rollout.server.vae_split import (
     TileSettings,
     install_split_decode,
-    owned_tiles,
     remove_split_decode,
     split_tiled_decode,
-    tile_grid,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,235 +103,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v", "ltx2", "hunyuanvideo15")
 # Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
 _TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
-
-_FORWARDS, _LAST_OUTPUT, _SYNCS, _RELEASED, _DECODES, _TILES = range(6)
-
-
-@dataclass(frozen=True)
-class _TensorSlot:
-    """Where a broadcast tensor goes back into a call's structure."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _strip_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip_tensors(v, tensors) for v in obj)
-    return obj
-
-
-def _fill_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_tensors(v, tensors) for v in obj)
-    return obj
-
-
-def _slots(obj: Any) -> list[_TensorSlot]:
-    if isinstance(obj, _TensorSlot):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sorted((s for v in obj for s in _slots(v)), key=lambda s: s.index)
-    return []
-
-
-def output_checksum(output: Any) -> float:
-    """A float64 sum of a transformer output's first tensor: equal bits give equal sums."""
-    tensor = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
-    return float(tensor.detach().double().sum())
-
-
-def _module_entry(module: nn.Module) -> tuple[str, str, dict[str, Any]]:
-    """What a follower needs to build ``module`` without its weights: class and config."""
-    return type(module).__module__, type(module).__name__, dict(module.config)
-
-
-def _synced_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    # By name, so rank 0 and the followers walk the same order; buffers too (rotary tables). Through
-    # PEFT wrappers to the base weights: a merged adapter lives there, a plain follower has no wrapper.
-    named = [*base_named_parameters(module), *base_named_buffers(module)]
-    return sorted(named, key=lambda item: item[0])
-
-
-def weights_digest(modules: dict[str, nn.Module]) -> str:
-    """SHA-256 over every synced tensor's bytes (mirror mode's weight check; reads them to the host)."""
-    h = hashlib.sha256()
-    for name in sorted(modules):
-        for key, t in _synced_tensors(modules[name]):
-            h.update(f"{name}.{key}".encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def _enable(modules: dict[str, nn.Module], ring_degree: int, ulysses_degree: int) -> None:
-    from diffusers import ContextParallelConfig
-
-    for module in modules.values():
-        # diffusers' mesh is (ring, ulysses): with both > 1, Ulysses groups of consecutive ranks, and
-        # each ring joins the ranks of one Ulysses position. Its plan, or the server's (cp_plans).
-        enable_plan(module, ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree))
-
-
-# ---------------------------------------------------------------------- follower side
-def _load_modules(
-    spec: dict[str, Any], device: str, entries: dict[str, tuple], dtype: torch.dtype
-) -> dict[str, nn.Module]:
-    modules = {}
-    for name, (module_path, cls_name, config) in entries.items():
-        cls = getattr(importlib.import_module(module_path), cls_name)
-        if spec["model_path"]:
-            module = cls.from_pretrained(spec["model_path"], subfolder=name, torch_dtype=dtype)
-        else:  # an in-memory pipeline: any weights do, rank 0's are broadcast before the first call
-            # Built in its dtype on its device: a float32 copy of a 14B expert first would not fit.
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                with torch.device(device):
-                    module = cls.from_config(config)
-            finally:
-                torch.set_default_dtype(default)
-        modules[name] = module.to(device=device, dtype=dtype).eval()
-    return modules
-
-
-def _load_denoisers(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
-    modules = _load_modules(spec, device, spec["denoisers"], spec["dtype"])
-    if spec["attention_backend"]:
-        for module in modules.values():
-            module.set_attention_backend(spec["attention_backend"])
-    return modules
-
-
-def _load_vae(spec: dict[str, Any], device: str) -> dict[str, nn.Module]:
-    """``{"vae": ...}`` for a split VAE decode (``context_parallel_vae=split``), else empty. In
-    rank 0's VAE dtype (a pipeline may hold its VAE in another dtype than its denoisers)."""
-    if spec["vae"] is None:
-        return {}
-    entry, dtype = spec["vae"]
-    return _load_modules(spec, device, {"vae": entry}, dtype)
-
-
-def _follower_main(
-    rank: int, world: int, port: int, spec: dict[str, Any], ops, events, stats, digest
-) -> None:
-    """A follower rank: load the denoisers, then run rank 0's ops until ``stop`` (or rank 0 is gone)."""
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(spec["threads"])  # the same kernels as rank 0 (mirror mode compares bits)
-    cuda = spec["cuda"]
-    device = f"cuda:{spec['first_gpu'] + rank}" if cuda else "cpu"
-    try:
-        if cuda:
-            torch.cuda.set_device(device)
-        _init_group(rank, world, port, cuda, spec["timeout_s"])
-        modules = _load_denoisers(spec, device)
-        held = {"denoisers": modules, "vae": _load_vae(spec, device)}
-        # "ready" before enabling: enable_parallelism builds device meshes, which every rank (rank 0
-        # too, once all followers are ready) must build together.
-        events.put(("ready", rank, None))
-        if cuda:
-            _enable(modules, spec["ring_degree"], spec["ulysses_degree"])
-    except BaseException as exc:
-        events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
-        return
-    parent = mp.parent_process()
-    try:
-        while True:
-            try:
-                op = ops.get(timeout=1.0)
-            except queue.Empty:
-                if parent is not None and not parent.is_alive():
-                    return
-                continue
-            kind = op[0]
-            if kind == "stop":
-                return
-            if kind == "sync":
-                _, target, layout, dtypes = op
-                with torch.no_grad():
-                    for t, dtype in zip(_follower_tensors(held[target], layout), dtypes, strict=True):
-                        if t.dtype != dtype:  # hold it as rank 0 does, so both compute the same
-                            t.data = t.data.to(dtype)
-                        dist.broadcast(t.data, src=0)
-                if target == "denoisers":
-                    stats[_SYNCS] += 1
-                    if not cuda:
-                        digest.value = weights_digest(modules).encode()
-            elif kind in ("release", "resume"):
-                # The engine's /release_memory_occupation: the followers' GPUs are freed too (a
-                # colocated trainer wants them), then everyone meets so rank 0 answers only after.
-                target = "cpu" if kind == "release" else device
-                for m in (*modules.values(), *held["vae"].values()):
-                    m.to(target)
-                if cuda and kind == "release":
-                    torch.cuda.empty_cache()
-                stats[_RELEASED] = 1.0 if kind == "release" else 0.0
-                dist.barrier()
-            elif kind == "forward":
-                _, name, structure = op
-                tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _slots(structure)]
-                for t in tensors:
-                    dist.broadcast(t, src=0)
-                args, kwargs = _fill_tensors(structure, tensors)
-                with torch.inference_mode():
-                    out = modules[name](*args, **kwargs)
-                stats[_FORWARDS] += 1
-                if not cuda:
-                    stats[_LAST_OUTPUT] = output_checksum(out)
-            elif kind == "decode":
-                _, shape, dtype, settings = op
-                z = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(z, src=0)
-                vae = held["vae"]["vae"]
-                with torch.inference_mode():
-                    split_tiled_decode(vae, z, settings)
-                stats[_DECODES] += 1
-                stats[_TILES] += len(owned_tiles(tile_grid(vae, shape, settings).count, rank, world))
-    except BaseException as exc:
-        events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _follower_tensors(modules: dict[str, nn.Module], layout: list[tuple[str, str]]) -> list[torch.Tensor]:
-    own = {(name, key): t for name, m in modules.items() for key, t in _synced_tensors(m)}
-    missing = [f"{n}.{k}" for n, k in layout if (n, k) not in own]
-    if missing or len(own) != len(layout):
-        raise RuntimeError(f"weight layout differs from rank 0's (missing here: {missing[:5]})")
-    return [own[item] for item in layout]
 
 
 # ---------------------------------------------------------------------- rank 0
@@ -362,8 +145,8 @@ class ContextParallelGroup:
         ctx = mp.get_context("spawn")
         first_gpu = (torch.device(device).index or 0) if self.cuda else 0
         spec = {
-            "denoisers": {name: _module_entry(m) for name, m in denoisers.items()},
-            "vae": None if vae is None else (_module_entry(vae), vae.dtype),
+            "denoisers": {name: module_entry(m) for name, m in denoisers.items()},
+            "vae": None if vae is None else (module_entry(vae), vae.dtype),
             "model_path": model_path,
             "dtype": dtype,
             "cuda": self.cuda,
@@ -374,7 +157,7 @@ class ContextParallelGroup:
             "threads": torch.get_num_threads(),
             "timeout_s": timeout_s,
         }
-        port = _free_port()
+        port = free_port()
         self._events = ctx.Queue()
         self._ops = [ctx.Queue() for _ in range(ranks - 1)]
         self._stats = [ctx.Array("d", 6, lock=False) for _ in range(ranks - 1)]
@@ -384,7 +167,7 @@ class ContextParallelGroup:
             shared = (self._ops[r - 1], self._events, self._stats[r - 1], self._digests[r - 1])
             self._procs.append(
                 ctx.Process(
-                    target=_follower_main,
+                    target=follower_main,
                     args=(r, ranks, port, spec, *shared),
                     name=f"context-parallel-rank{r}",
                     daemon=True,
@@ -396,13 +179,13 @@ class ContextParallelGroup:
         try:
             if self.cuda:
                 torch.cuda.set_device(first_gpu)
-            _init_group(0, ranks, port, self.cuda, timeout_s)
+            init_group(0, ranks, port, self.cuda, timeout_s)
             self._wait_ready()
             if self.cuda:
                 if self.attention_backend != attention_backend:  # chosen here: rank 0's loader set none
                     for module in denoisers.values():
                         module.set_attention_backend(self.attention_backend)
-                _enable(denoisers, self.ring_degree, self.ulysses_degree)
+                enable_layout(denoisers, self.ring_degree, self.ulysses_degree)
             self._sync_weights()
             if vae is not None:
                 # Once: no weight update changes the VAE, but a follower built from the config (an
@@ -498,7 +281,7 @@ class ContextParallelGroup:
     def _broadcast_weights(self, target: str, modules: dict[str, nn.Module]) -> None:
         import torch.distributed as dist
 
-        tensors = [(name, key, t) for name in sorted(modules) for key, t in _synced_tensors(modules[name])]
+        tensors = [(name, key, t) for name in sorted(modules) for key, t in synced_tensors(modules[name])]
         # With each tensor's dtype: a follower may hold some in another one (``from_pretrained`` keeps
         # ``_keep_in_fp32_modules`` in float32, the follower's ``.to(dtype)`` casts them), and a broadcast
         # between tensors of different dtypes is garbage on NCCL (gloo aborts: "size doesn't match").
@@ -539,7 +322,7 @@ class ContextParallelGroup:
             if self._weights_dirty:
                 self._sync_weights()
             tensors: list[torch.Tensor] = []
-            structure = _strip_tensors((tuple(args), dict(kwargs)), tensors)
+            structure = strip_tensors((tuple(args), dict(kwargs)), tensors)
             self._send(("forward", name, structure))
 
             def run() -> None:
@@ -560,11 +343,11 @@ class ContextParallelGroup:
         """Per rank: transformer calls run, weight syncs, and in mirror mode output and weight checksums."""
         followers = []
         for i, (s, d) in enumerate(zip(self._stats, self._digests, strict=True)):
-            row = {"rank": i + 1, "alive": self._procs[i].is_alive(), "forwards": int(s[_FORWARDS]),
-                   "weight_syncs": int(s[_SYNCS]), "released": bool(s[_RELEASED]),
-                   "decodes": int(s[_DECODES]), "tiles_decoded": int(s[_TILES])}  # fmt: skip
+            row = {"rank": i + 1, "alive": self._procs[i].is_alive(), "forwards": int(s[FORWARDS]),
+                   "weight_syncs": int(s[SYNCS]), "released": bool(s[RELEASED]),
+                   "decodes": int(s[DECODES]), "tiles_decoded": int(s[TILES])}  # fmt: skip
             if not self.cuda:
-                row["last_output_checksum"] = s[_LAST_OUTPUT]
+                row["last_output_checksum"] = s[LAST_OUTPUT]
                 row["weights_digest"] = d.value.decode() or None
             followers.append(row)
         out = {"ranks": self.ranks, "mode": self.mode, "configured_mode": self.configured_mode,
