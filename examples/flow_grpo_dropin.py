@@ -28,7 +28,8 @@ flow_grpo's float32 transformer would be a different policy from the bf16 one th
 the weights following the trainer prevents. ``--compare-replay`` asks for the ``denoising_env`` too and
 records, per iteration, which inputs of the recompute (timesteps, latents, embeddings) differ from
 those the server recorded, whether its model output equals the recipes' replay of the same rows
-(``replay_step``), and that replay's ratio: where a drift comes from.
+(``replay_step``) and the server's own model output (its debug tensors), and that replay's ratio:
+where a drift comes from.
 """
 
 from __future__ import annotations
@@ -127,6 +128,15 @@ def compare_with_replay(pipe, rows_outs, j, x, t, cond, v, old_log_prob, cmp: di
     cmp["latent_mismatches"] += int(not torch.equal(step.latents.float(), x.float()))
     cmp["embeds_mismatches"] += int(not embeds_equal)
     cmp["model_output_mismatches"] += int(not torch.equal(step.model_output.to(v.dtype), v.detach()))
+    # The server's own model output for this step (rollout_debug_mode): the forward itself compared.
+    debug = [o.rollout_debug_tensors for o in rows_outs]
+    if all(d is not None and "rollout_model_outputs" in d for d in debug):
+        server_v = torch.stack([torch.as_tensor(d["rollout_model_outputs"][j]) for d in debug]).to(v.device)
+        diff = (server_v.float() - v.detach().float()).abs().max().item()
+        cmp["server_model_output_mismatches"] = cmp.get("server_model_output_mismatches", 0) + int(
+            not torch.equal(server_v.to(v.dtype), v.detach())
+        )
+        cmp["server_model_output_max_abs_diff"] = max(cmp.get("server_model_output_max_abs_diff", 0.0), diff)
     ratio = torch.exp(step.log_prob - old_log_prob)
     cmp["replay_ratio_max_dev"] = max(cmp["replay_ratio_max_dev"], float((ratio - 1).abs().max()))
 
@@ -193,7 +203,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     negative_pooled_prompt_embeds=nppe, num_inference_steps=args.steps,
                     guidance_scale=args.guidance_scale, output_type="pt", height=height, width=width,
                     noise_level=args.noise_level, generator=generator, return_outputs=True,
-                    extra_fields={"rollout_return_denoising_env": True} if args.compare_replay else None,
+                    extra_fields=(
+                        {"rollout_return_denoising_env": True, "rollout_debug_mode": True}
+                        if args.compare_replay
+                        else None
+                    ),
                 )  # fmt: skip
             rollout_s = time.perf_counter() - t0
             latents = torch.stack(latents, dim=1)  # [B, T + 1, C, h, w]
