@@ -45,6 +45,7 @@ def meta(t: torch.Tensor) -> dict[str, Any]:
         "contiguous": t.is_contiguous(),
         "offset": t.storage_offset(),
         "ptr_mod_256": t.data_ptr() % 256,
+        "requires_grad": t.requires_grad,
     }
 
 

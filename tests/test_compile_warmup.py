@@ -147,6 +147,15 @@ def test_a_compiled_server_is_ready_only_after_its_warmup(compiled_servers):
     log = server.log.read_text()
     assert re.search(r"warm-up 1/2: 32x32 batch 2 in [\d.]+ s", log)
     assert "warm-up done in" in log
+    # Inductor's compile workers were up before the first compile (else every kernel compiles
+    # in-process, serially: server/compile_workers.py).
+    workers = server.info()["speed"]["compile"]["workers"]
+    if workers["workers"] > 1:
+        assert workers["ready"] and workers["wait_s"] >= 0 and "why_not" not in workers, workers
+        assert "inductor compile workers ready" in log
+        assert log.index("inductor compile workers ready") < log.index("warm-up 1/2")
+    else:  # a one-CPU runner: inductor compiles in-process, and the report says why
+        assert not workers["ready"] and "one compile thread" in workers["why_not"]
 
 
 def test_batch_sizes_one_two_three_do_not_recompile(compiled_servers):

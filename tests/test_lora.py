@@ -285,6 +285,42 @@ def test_reload_replaces_tensors_in_place(fresh_server, tiny_model_path):
     assert server.client.get("/lora").json()["modules"]["transformer"]["adapters"]["default"]["loads"] == 2
 
 
+def _matmul_ops(layer: torch.nn.Module, x: torch.Tensor) -> set[str]:
+    """The aten matmul ops one LoRA layer's forward launches under ``inference_mode`` (the worker's)."""
+    from torch.profiler import profile
+
+    with profile() as prof, torch.inference_mode():
+        layer(x)
+    return {e.key for e in prof.key_averages() if e.key in ("aten::mm", "aten::bmm", "aten::addmm")}
+
+
+def test_served_adapter_takes_the_trainers_matmul_path(fresh_server):
+    """Issue #41: torch.matmul folds a >2-D input into one ``mm`` only when the weight requires grad,
+    else a non-contiguous input (SD3's attention output projection sees one) runs as a ``bmm``, whose
+    last bits differ on a GPU. A trainer's adapter requires grad, so the server's active one must too."""
+    server = fresh_server("sd3")
+    cfg, tensors = adapter("default", seed=8)
+    load_bytes(server, "default", tensors, cfg, activate="true")
+    tr = server.engine.pipe.transformer
+    served = dict(tuner_layers(tr))["transformer_blocks.0.attn.to_out.0"]
+    assert all(p.requires_grad for p in served.lora_A["default"].parameters())
+    # The trainer's layer: PEFT through diffusers' add_adapter, its adapter trainable.
+    trainer = build_tiny_pipeline("sd3").transformer
+    trainer.add_adapter(LoraConfig(**CONFIGS["default"]), adapter_name="default")
+    set_peft_model_state_dict(trainer, tensors, adapter_name="default")
+    mine = dict(tuner_layers(trainer))["transformer_blocks.0.attn.to_out.0"]
+    dim = served.in_features
+    x = torch.randn(2, 7, dim)[:, :5]  # the image half of a joint sequence: not viewable as 2-D
+    assert not x.is_contiguous()
+    assert _matmul_ops(served, x) == _matmul_ops(mine, x)
+    a = served.lora_A["default"]
+    assert _matmul_ops(a, x) == _matmul_ops(mine.lora_A["default"], x) == {"aten::mm"}
+    frozen = torch.nn.Linear(dim, a.out_features, bias=False).requires_grad_(False)
+    assert _matmul_ops(frozen, x) == {"aten::bmm"}  # the path a frozen adapter took before
+    with torch.inference_mode():
+        assert torch.equal(served(x), mine(x))
+
+
 # ---------------------------------------------------------------------------- errors
 def test_lora_payload_errors_change_nothing(fresh_server):
     server = fresh_server("sd3")

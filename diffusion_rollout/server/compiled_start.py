@@ -3,7 +3,9 @@
 Design decisions:
 
 - The engine holds one :class:`CompiledStart` and calls it at four points: ``load`` (open the keyed
-  cache before anything compiles), ``start`` (warm up, then mark the graphs compiled so far as the
+  cache before anything compiles, and start inductor's compile workers, ``server/compile_workers.py``,
+  so that they come up while the weights load), ``start`` (wait for the workers, warm up, then mark
+  the graphs compiled so far as the
   baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
   and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
   ``server/warmup.py`` and ``server/compile_cache.py``; this module only keeps their state together,
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffusion_rollout.server.compile_cache import CompileCache, cache_key
+from diffusion_rollout.server.compile_workers import CompileWorkers
 from diffusion_rollout.server.warmup import Shape, Warmup, parse_shapes, run_warmup, shape_key, warmup_batches
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ class CompiledStart:
         self.warmup: Warmup | None = None
         self.cache: CompileCache | None = None
         self.warmed: set[tuple] = set()
+        self.workers: CompileWorkers | None = None
 
     def open_cache(
         self, config: ServerConfig, model_path: str | None, device: str, dtype: torch.dtype
@@ -56,6 +60,12 @@ class CompiledStart:
         self.cache = CompileCache(Path(root), key, facts)
         self.cache.activate()
 
+    def start_workers(self) -> None:
+        """Start inductor's compile workers now (after the cache folder is set: they inherit it)."""
+        if self.workers is None:
+            self.workers = CompileWorkers()
+            self.workers.start()
+
     def warm_up(self, engine: Engine, on_warming: Callable[[], None]) -> None:
         """Compile for the expected request shapes (``on_warming`` first, when there are any), save
         the cache, and take the graphs compiled so far as the baseline for recompiles."""
@@ -73,6 +83,9 @@ class CompiledStart:
             logger.info("warm-up off (warmup_shapes=none): each new shape compiles on its first request")
         else:
             on_warming()
+            if self.workers is not None:
+                self.warmup.begin()  # the wait is part of the warm-up's seconds and of /health's progress
+                self.workers.wait()  # else every kernel compiles in-process, serially (compile_workers.py)
             self.warmed = run_warmup(engine, self.warmup, _profile(engine))
             if self.cache is not None:
                 self.cache.save(self.warmup.seconds)
@@ -106,6 +119,7 @@ class CompiledStart:
         """Add the warm-up and the cache to ``/server_info``'s ``speed.compile``."""
         compile_info["warmup"] = self.warmup_report()
         compile_info["cache"] = self.cache.report() if self.cache is not None else None
+        compile_info["workers"] = self.workers.report() if self.workers is not None else None
 
     def metrics(self, stats: Any) -> dict[str, float] | None:
         """The compile series of ``/metrics`` from the blocks' ``CompileStats`` (None: no compile)."""

@@ -148,6 +148,7 @@ class Engine:
     def load(self) -> None:
         if self.config.compile:
             self.compiled.open_cache(self.config, self.model_path, self.device, self.dtype)
+            self.compiled.start_workers()
         if self.loaded is None:
             if not self.model_path:
                 raise ServiceUnavailableError("no model path configured")

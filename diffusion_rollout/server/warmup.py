@@ -156,6 +156,12 @@ class Warmup:
     def total(self) -> int:
         return len(self.shapes) * len(self.batches)
 
+    def begin(self) -> None:
+        """Warming from now on; the clock starts once (a wait for compile workers counts in it)."""
+        self.state = "warming"
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
     def elapsed(self) -> float:
         if self.seconds is not None:
             return self.seconds
@@ -244,7 +250,7 @@ def run_warmup(engine: Engine, warmup: Warmup, profile: WarmupProfile | None = N
     calls it made. With ``profile`` (``--warmup-profile``), each call runs under cProfile on the
     worker thread and the worker's stack is sampled until the warm-up ends (server/warmup_profile.py)."""
     counts0, phases0 = _cache_counts(), _compile_phases()
-    warmup.state, warmup.started_at = "warming", time.monotonic()
+    warmup.begin()
     if profile is None:
         return _warm_shapes(engine, warmup, None, counts0, phases0)
     profile.start()

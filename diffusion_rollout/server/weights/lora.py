@@ -21,6 +21,8 @@ Design decisions:
   sees the layer as merged and runs the base layer only. DoRA and LoRA biases are not merged.
 - Unloading the last adapter of a layer puts the original base layer object back in its parent, so
   module structure, parameter names and checksums return to exactly what they were.
+- The active adapter's weights require grad, like the trainer's: ``torch.matmul`` picks its kernel
+  path by that flag (``_apply_activation`` says why), so the served forward is the trainer's to the bit.
 - This class does no locking and no versioning: the manager calls it on the engine's worker thread.
 """
 
@@ -377,7 +379,13 @@ class LoraManager:
             else:
                 layer.enable_adapters(True)
                 # A layer without the active adapter runs its base layer only (PEFT skips the name).
-                layer.set_adapter(state.active, inference_mode=True)
+                # inference_mode=False: the active adapter's weights keep requires_grad=True, as a
+                # trainer's adapter does. Never used for autograd here (the worker runs under
+                # inference_mode), but torch.matmul reads the flag: a weight that requires grad
+                # folds a >2-D input into one mm, one that does not runs a non-contiguous input
+                # (SD3's attention output projections) as a bmm, whose last bits differ on a GPU;
+                # issue #41 measured exactly that split at rank 4 (benchmarks/lora_bits_served.py).
+                layer.set_adapter(state.active, inference_mode=False)
 
     def _merge(self, module: nn.Module, state: TargetState) -> None:
         if state.mode != "merged" or state.active is None or state.merged:
