@@ -107,6 +107,25 @@ def test_gpu_and_package_checks_name_what_is_missing(monkeypatch):
     assert fast_tier.unsupported_reason(quantize=None, attention_backend="flash", device="cpu") is None
 
 
+def test_fp8_config_leaves_inductors_settings_alone(monkeypatch):
+    """torchao's FP8 transform would turn on inductor's coordinate-descent tuning process-wide
+    (minutes of serial Triton tuning at a compiled server's first call, issue #43): the config asks
+    it not to. A stand-in torchao records what the fast tier asks for."""
+    seen: dict = {}
+
+    class Config:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    quantization = types.ModuleType("torchao.quantization")
+    quantization.Float8DynamicActivationFloat8WeightConfig = Config
+    quantization.PerRow = lambda: "per-row"
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", quantization)
+    fast_tier.fp8_config()
+    assert seen == {"granularity": "per-row", "set_inductor_config": False}
+
+
 def test_loader_refuses_the_fast_tier_on_a_cpu_pipeline(tiny_model_path):
     from diffusers import DiffusionPipeline
 

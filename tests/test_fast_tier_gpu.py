@@ -68,6 +68,10 @@ def test_fp8_server_is_inexact_and_finite(fresh_server, all_linears_fp8):
     speed = server.client.get("/server_info").json()["speed"]
     assert speed["exact"] is False and "quantize=fp8" in speed["inexact_options"]
     assert speed["quantize"]["denoisers"]["transformer"]["fp8_linears"] > 0
+    import torch._inductor.config as inductor_config
+
+    # torchao's transform did not turn on coordinate-descent tuning (fast_tier.fp8_config).
+    assert inductor_config.coordinate_descent_tuning is False
     for body in (_body(rollout=False), _body(rollout_debug_mode=True)):
         for out in server.generate(body):
             assert out["exact"] is False and not out["nonfinite_output"]

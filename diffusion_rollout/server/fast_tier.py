@@ -207,10 +207,19 @@ def fp8_filter(rule: Fp8Rule) -> Callable[[torch.nn.Module, str], bool]:
 
 
 def fp8_config() -> Any:
-    """torchao's config for the FP8 linears: dynamic rowwise activations, rowwise weights."""
+    """torchao's config for the FP8 linears: dynamic rowwise activations, rowwise weights.
+
+    ``set_inductor_config=False``: by default torchao's transform sets inductor's process-wide
+    ``coordinate_descent_tuning`` (its "recommended" settings), which makes inductor tune every Triton
+    kernel at its first launch, compiling and timing its neighbouring configs one after another on
+    the calling thread. On an H100 that was 345 of a 381 s warm-up (SD3.5-medium at 512², 69 of 76
+    stack samples; issue #43), on every restart too. The FP8 matmuls themselves are cuBLAS
+    (``torch._scaled_mm``), which no Triton tuning touches. ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``
+    turns the tuning back on for whoever wants it.
+    """
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
 
 
 # cuBLASLt (torch 2.11+cu130, H100) has no rowwise-scaled FP8 kernel for a matrix of few rows and
