@@ -60,6 +60,7 @@ def test_kernel_kinds():
     assert cp_scaling.kernel_kind("pytorch_flash::flash_fwd_kernel") == "attention"
     assert cp_scaling.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
     assert cp_scaling.kernel_kind("aten::addmm") == "matmul"
+    assert cp_scaling.kernel_kind("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT") == "matmul"
     assert cp_scaling.kernel_kind("vectorized_elementwise_kernel") == "other"
 
 
