@@ -319,8 +319,8 @@ def _timed(
 KERNEL_KINDS = (
     ("communication", ("nccl", "all_to_all", "alltoall", "allgather", "all_gather", "gloo")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
-    # cuBLAS on Hopper with CUDA 13 names its GEMMs nvjet_*: the 4x H200 profiles of 2026-11-27
-    # counted them as "other" (RESULTS cp4-profile).
+    # cuBLAS 12.8+ on Hopper names many GEMMs nvjet_*; the 4x H200 profiles of 2026-11-27 (before
+    # this key) found about 0 ms of "matmul", so their GEMMs landed in "other" (RESULTS cp4-profile).
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "_mm", "linear", "addmm")),
 )
 
