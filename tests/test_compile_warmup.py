@@ -331,6 +331,37 @@ def test_stack_samples_show_a_call_that_never_ends(tmp_path):
         worker.join()
 
 
+def test_a_cut_off_stacks_file_sums_up_by_phase(tmp_path):
+    """``benchmarks/warmup_stacks.py`` on what a killed run leaves: each sample in the phase its frames
+    show (here a worker stuck where inductor compiles a kernel at its first launch)."""
+    import threading
+
+    from benchmarks.warmup_stacks import summarize
+    from diffusion_rollout.server.warmup_profile import WarmupProfile
+
+    stop = threading.Event()
+
+    def _precompile_config() -> None:  # the name inductor's CachingAutotuner compiles a config under
+        stop.wait(30)
+
+    worker = threading.Thread(target=_precompile_config, name="rollout-worker", daemon=True)
+    worker.start()
+    profile = WarmupProfile(tmp_path / "p", 0.05, lambda: [worker.ident])
+    profile.start()
+    try:
+        deadline = time.monotonic() + 10
+        while profile.samples < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        summary = summarize((tmp_path / "p" / "warmup_stacks.txt").read_text())
+    finally:
+        stop.set()
+        profile.stop()
+        worker.join()
+    assert summary["samples"] >= 3
+    assert summary["samples_by_phase"] == {"kernel_compile_at_first_run": summary["samples"]}
+    assert summary["share_by_phase"]["kernel_compile_at_first_run"] == 1.0
+
+
 def test_the_warmup_profile_option_is_a_writable_folder(tmp_path):
     made = tmp_path / "a" / "b"
     config = ServerConfig(warmup_profile=str(made))
