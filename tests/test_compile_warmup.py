@@ -301,62 +301,46 @@ def test_a_profiled_warmup_writes_call_summaries_and_stack_samples(compiled_serv
     assert re.search(r"warm-up profile of call 2: \S+warmup_call_2\.txt", log)
 
 
-def test_stack_samples_show_a_call_that_never_ends(tmp_path):
-    """What a run cut off by a timeout leaves: samples of the stuck call, written as they were taken."""
+def _stacks_of_a_stuck_worker(tmp_path: Path, stuck_in: str, samples: int) -> tuple[int, str]:
+    """A worker thread stuck in a function named ``stuck_in``, sampled until ``samples`` samples are
+    written; returns the count and the stacks file read *before* the profile stops (as a killed run
+    leaves it)."""
     import threading
 
     from diffusion_rollout.server.warmup_profile import WarmupProfile
 
     stop = threading.Event()
-
-    def a_stuck_compile() -> None:
-        stop.wait(30)
-
-    worker = threading.Thread(target=a_stuck_compile, name="rollout-worker", daemon=True)
+    namespace: dict = {"stop": stop}
+    exec(f"def {stuck_in}():\n    stop.wait(30)\n", namespace)  # the frame's function name is the point
+    worker = threading.Thread(target=namespace[stuck_in], name="rollout-worker", daemon=True)
     worker.start()
     profile = WarmupProfile(tmp_path / "p", 0.05, lambda: [worker.ident])
     profile.start()
     try:
         deadline = time.monotonic() + 10
-        while profile.samples < 2 and time.monotonic() < deadline:
+        while profile.samples < samples and time.monotonic() < deadline:
             time.sleep(0.05)
-        stacks = (
-            tmp_path / "p" / "warmup_stacks.txt"
-        ).read_text()  # before stop(): as a killed run leaves it
-        assert profile.samples >= 2
-        assert "--- thread rollout-worker" in stacks and "in a_stuck_compile" in stacks
+        return profile.samples, (tmp_path / "p" / "warmup_stacks.txt").read_text()
     finally:
         stop.set()
         profile.stop()
         worker.join()
+
+
+def test_stack_samples_show_a_call_that_never_ends(tmp_path):
+    """What a run cut off by a timeout leaves: samples of the stuck call, written as they were taken."""
+    count, stacks = _stacks_of_a_stuck_worker(tmp_path, "a_stuck_compile", 2)
+    assert count >= 2
+    assert "--- thread rollout-worker" in stacks and "in a_stuck_compile" in stacks
 
 
 def test_a_cut_off_stacks_file_sums_up_by_phase(tmp_path):
     """``benchmarks/warmup_stacks.py`` on what a killed run leaves: each sample in the phase its frames
-    show (here a worker stuck where inductor compiles a kernel at its first launch)."""
-    import threading
-
+    show (here a worker stuck in the function inductor's CachingAutotuner compiles a config under)."""
     from benchmarks.warmup_stacks import summarize
-    from diffusion_rollout.server.warmup_profile import WarmupProfile
 
-    stop = threading.Event()
-
-    def _precompile_config() -> None:  # the name inductor's CachingAutotuner compiles a config under
-        stop.wait(30)
-
-    worker = threading.Thread(target=_precompile_config, name="rollout-worker", daemon=True)
-    worker.start()
-    profile = WarmupProfile(tmp_path / "p", 0.05, lambda: [worker.ident])
-    profile.start()
-    try:
-        deadline = time.monotonic() + 10
-        while profile.samples < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        summary = summarize((tmp_path / "p" / "warmup_stacks.txt").read_text())
-    finally:
-        stop.set()
-        profile.stop()
-        worker.join()
+    _, stacks = _stacks_of_a_stuck_worker(tmp_path, "_precompile_config", 3)
+    summary = summarize(stacks)
     assert summary["samples"] >= 3
     assert summary["samples_by_phase"] == {"kernel_compile_at_first_run": summary["samples"]}
     assert summary["share_by_phase"]["kernel_compile_at_first_run"] == 1.0
