@@ -162,7 +162,8 @@ def request_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def check_outputs(results: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
     """What a Flow-GRPO trainer needs from one group response, checked: one uint8 video per output
-    of the requested frames and size, per-step log-probs, the trajectory and the denoising env."""
+    of the requested frames and size, finite per-step log-probs, the trajectory and the denoising
+    env, and no output the server flagged non-finite."""
     import torch
 
     n, steps = body["num_outputs_per_prompt"], body["num_inference_steps"]
@@ -182,6 +183,8 @@ def check_outputs(results: list[dict[str, Any]], body: dict[str, Any]) -> dict[s
             problems.append(f"output {i}: log-probs {getattr(lp, 'shape', lp)}")
         if r.get("dit_trajectory") is None or r.get("denoising_env") is None:
             problems.append(f"output {i}: no trajectory or denoising_env")
+        if r.get("nonfinite_output"):  # the server's own NaN/Inf flag (the video is uint8, clamped)
+            problems.append(f"output {i}: nonfinite_output")
     return {
         "outputs": len(results),
         "video_shape": shape,

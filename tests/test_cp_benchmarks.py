@@ -236,3 +236,28 @@ def test_cp_tradeoff_request_body_sizes_and_input_image():
     assert Image.open(io.BytesIO(base64.b64decode(image))).size == (1280, 704)
     tiny = request_body("tiny-wan-i2v", argparse.Namespace(cpu=True, group=2, frames=None, steps=None))
     assert len(tiny["image_data"]) == 1 and tiny["generator_device"] == "cpu"
+
+
+def test_tradeoff_output_check_names_what_a_trainer_would_miss():
+    """``cp_tradeoff.check_outputs``: a group answer passes only with every output's uint8 video,
+    finite log-probs, trajectory and env, and no output the server flagged non-finite."""
+    from benchmarks.cp_tradeoff import check_outputs
+
+    body = {"num_outputs_per_prompt": 2, "num_inference_steps": 3, "num_frames": 5, "height": 8, "width": 16}
+
+    def output(**over):
+        good = {
+            "generated_output": torch.zeros(3, 5, 8, 16, dtype=torch.uint8),
+            "rollout_log_probs": torch.zeros(3),
+            "dit_trajectory": object(),
+            "denoising_env": {},
+            "nonfinite_output": False,
+        }
+        return {**good, **over}
+
+    assert check_outputs([output(), output()], body)["outputs_ok"]
+    bad = check_outputs([output(), output(nonfinite_output=True)], body)
+    assert not bad["outputs_ok"] and bad["problems"] == ["output 1: nonfinite_output"]
+    nan = check_outputs([output(rollout_log_probs=torch.tensor([0.0, float("nan"), 0.0])), output()], body)
+    assert not nan["outputs_ok"] and nan["problems"][0].startswith("output 0: log-probs")
+    assert not check_outputs([output()], body)["outputs_ok"]  # one output for a group of 2
