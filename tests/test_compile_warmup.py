@@ -357,3 +357,27 @@ def test_the_warmup_profile_option_is_a_writable_folder(tmp_path):
         ServerConfig(warmup_profile=str(a_file))
     with pytest.raises(ValueError, match="greater than 0"):
         ServerConfig(warmup_profile_interval_s=0)
+
+
+def test_compile_workers_never_stop_the_load(monkeypatch):
+    """``server/compile_workers.py`` leans on inductor's private API: one compile thread, or a torch
+    without that API, leaves the warm-up compiling in-process, reported, and nothing raised."""
+    from torch._inductor import async_compile
+
+    from diffusion_rollout.server.compile_workers import CompileWorkers
+
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 1)
+    one = CompileWorkers()
+    one.start()
+    one.wait(timeout_s=1)
+    assert one.report() == {"workers": 1, "ready": False, "why_not": one.why_not}
+    assert "one compile thread" in one.why_not
+
+    def missing() -> int:
+        raise AttributeError("no get_compile_threads in this torch")
+
+    monkeypatch.setattr(async_compile, "get_compile_threads", missing)
+    gone = CompileWorkers()
+    gone.start()
+    gone.wait(timeout_s=1)
+    assert not gone.started and not gone.ready and "not readable" in gone.why_not

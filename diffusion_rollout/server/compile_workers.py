@@ -48,10 +48,15 @@ class CompileWorkers:
         """Create the pool and start its workers in the background (returns at once)."""
         if self.started:
             return
-        from torch._inductor import async_compile
-        from torch._inductor.async_compile import AsyncCompile
+        try:  # private inductor API: a torch without it must not stop the load
+            from torch._inductor import async_compile
+            from torch._inductor.async_compile import AsyncCompile
 
-        self.workers = int(async_compile.get_compile_threads())
+            self.workers = int(async_compile.get_compile_threads())
+        except Exception as exc:
+            self.why_not = f"inductor's compile-thread count is not readable here: {exc!r}"
+            logger.warning("inductor compile workers not started (%s): kernels compile in-process", exc)
+            return
         if self.workers <= 1:
             self.why_not = "one compile thread (torch._inductor.config.compile_threads)"
             return
