@@ -28,7 +28,6 @@ import secrets
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ class Recorder:
         self.model = model
         self.armed = False
         self.layers: dict[str, dict[str, Any]] = {}
+        self.a_outs: dict[str, dict[str, Any]] = {}  # per layer: its lora_A output (runs inside it)
         self.output: torch.Tensor | None = None
         self.inputs: dict[str, Any] | None = None
         self._hooks: list[Any] = []
@@ -90,26 +90,18 @@ class Recorder:
                     }
 
             self._hooks.append(mod.register_forward_hook(layer_hook))
-            for key, sub in mod.lora_A.items():
-                # lora_A runs before the layer's own hook fires: record it under a pending entry.
-                def a_hook_first(m, args, out, name=name, key=key):
-                    if self.armed and name not in self.layers:
-                        self.layers.setdefault(f"{name}#pending", {})
-                        self.layers[f"{name}#pending"].update(
-                            {"a_out": out.detach().clone(), "a_in_meta": meta(args[0]), "adapter": key}
-                        )
+            for sub in mod.lora_A.values():
 
-                self._hooks.append(sub.register_forward_hook(a_hook_first))
+                def a_hook(m, args, out, name=name):
+                    if self.armed and name not in self.a_outs:
+                        self.a_outs[name] = {"a_out": out.detach().clone(), "a_in_meta": meta(args[0])}
+
+                self._hooks.append(sub.register_forward_hook(a_hook))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._hooks:
             h.remove()
-        for key in [k for k in self.layers if k.endswith("#pending")]:
-            pending = self.layers.pop(key)
-            name = key.removesuffix("#pending")
-            if name in self.layers:
-                self.layers[name].update(pending)
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -149,7 +141,7 @@ def compare(a: Recorder, b: Recorder) -> dict[str, Any]:
                     ),
                     "out_max_abs_diff": float((la["out"].float() - lb["out"].float()).abs().max()),
                     "x_meta": [la["x_meta"], lb["x_meta"]],
-                    "a_in_meta": [la.get("a_in_meta"), lb.get("a_in_meta")],
+                    "a_in_meta": [r.a_outs.get(name, {}).get("a_in_meta") for r in (a, b)],
                 }
     return row
 
@@ -238,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
                     generator=[torch.Generator().manual_seed(0) for _ in range(args.group)], return_outputs=True,
                     extra_fields={"rollout_debug_mode": True},
                 )  # fmt: skip
-                time.sleep(0.5)
             row["server_batches"] = len({o.batch_id for o in outs})
             row["weight_pushes"] = served.follower.pushes if served.follower else 0
             # The adapter the server holds against the trainer's.
