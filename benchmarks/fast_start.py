@@ -106,11 +106,13 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
             cmd.append("--no-warmup-profile-cprofile")
     seen = f"{logfile}" + (f" and {profile / 'warmup_stacks.txt'}" if profile else "")
     log(f"{name}: {' '.join(cmd[2:])}")
+    # The trainer is up before the server answers, as in a training job: its process (which imports
+    # torch) starts first, so the first answer's seconds are the server's, not the trainer's start.
+    clients = RemoteClients(url)
     with logfile.open("w") as out:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         row: dict[str, Any] = {"run": name, "flags": " ".join(flags) or "(defaults)"}
-        clients = None
         try:
             with httpx.Client(base_url=url, timeout=600) as c:
                 while True:
@@ -125,7 +127,6 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
                         pass
                     time.sleep(0.5)
                 row["start_to_ready_s"] = time.monotonic() - t0
-                clients = RemoteClients(url)
                 clients.time_one(grpo_body(args))
                 row["start_to_first_answer_s"] = time.monotonic() - t0
                 clients.run([grpo_body(args, seed=i) for i in range(args.in_flight)], args.in_flight)  # warm
@@ -135,8 +136,7 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
                 row["images_per_s"] = args.in_flight * args.group / reply["seconds"]
                 row["server_info"] = c.get("/server_info").json().get("speed")
         finally:
-            if clients is not None:
-                clients.close()
+            clients.close()
             stop_session(proc)
             if profile is not None:  # few files back from a GPU machine: the raw profiles stay in --work
                 keep = args.work / "warmup_profile" / name

@@ -213,6 +213,13 @@ def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_serve
         assert 0 < ph["dynamo_tracing_s"] < ph["dynamo_total_s"] <= info["warmup"]["elapsed_s"], ph
         assert ph["backend_s"] <= ph["dynamo_total_s"] and ph["outside_dynamo_s"] >= 0, ph
     assert warm["warmup"]["phases"]["inductor_codegen_s"] < cold["warmup"]["phases"]["inductor_codegen_s"]
+    # The restart's warm-up did not wait for inductor's workers: its kernels came from the cache.
+    if cold["workers"]["workers"] > 1:
+        assert "wait_s" in cold["workers"] and "no_wait" not in cold["workers"], cold["workers"]
+        assert "wait_s" not in warm["workers"], warm["workers"]
+        assert warm["workers"]["no_wait"] == (
+            f"the compile cache had {warm['cache']['artifacts_loaded']} artifacts for this key"
+        )
     # /health had an estimate from the first warm-up while the second ran.
     server = compiled_servers(1)
     assert all(h["warmup"]["estimate_remaining_s"] is not None for h, _, _ in server.warming)

@@ -85,7 +85,11 @@ class CompiledStart:
             on_warming()
             if self.workers is not None:
                 self.warmup.begin()  # the wait is part of the warm-up's seconds and of /health's progress
-                self.workers.wait()  # else every kernel compiles in-process, serially (compile_workers.py)
+                cached = self.cache.loaded_artifacts if self.cache is not None else 0
+                if cached:  # a restart: the kernels come from the cache, a wait would only add seconds
+                    self.workers.skip_wait(f"the compile cache had {cached} artifacts for this key")
+                else:  # else every kernel compiles in-process, serially (compile_workers.py)
+                    self.workers.wait()
             self.warmed = run_warmup(engine, self.warmup, _profile(engine))
             if self.cache is not None:
                 self.cache.save(self.warmup.seconds)
