@@ -524,6 +524,8 @@ def _clients_main(url: str) -> int:
     import httpx
 
     from diffusion_rollout import lean
+    from diffusion_rollout.client import receive  # noqa: F401  (post_rollout's imports: a trainer has
+    # them loaded before its first request, so they are not timed in it; they import diffusers)
 
     pool: list[httpx.Client] = []
 

@@ -171,3 +171,34 @@ def test_serve_exits_nonzero_with_one_line_reason_when_the_model_cannot_load(
     assert reason in last, last
     assert "Traceback" not in stderr, stderr[-3000:]
     assert seconds < 60
+
+
+def test_parsing_serve_leaves_the_tiny_builders_unimported():
+    """The tiny builders import every family's diffusers classes: seconds before `serve` starts
+    (issue #43). Only make-tiny-model imports them, and it still names the families it knows."""
+    code = (
+        "import sys\n"
+        "from diffusion_rollout.entrypoints.cli import build_parser\n"
+        "args = build_parser().parse_args(['serve', '--port', '1234'])\n"
+        "print(args.port, 'diffusion_rollout.models.tiny' in sys.modules, 'diffusers' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["1234", "False", "False"], out.stdout + out.stderr
+    wrong = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffusion_rollout.entrypoints.cli",
+            "make-tiny-model",
+            "--family",
+            "nope",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.returncode == 2
+    assert "'nope' is not one of sd3, flux," in wrong.stderr and "wan2.2-ti2v-i2v" in wrong.stderr
