@@ -16,8 +16,11 @@ saved model folder (the real architecture with random weights, built once under 
 
 Each server's ``/server_info`` (speed choice, compile counters, warm-up, cache) goes into the JSON.
 
-GPU (about 15-25 minutes on an H100 before the warm-up, most of it the cold compile; a GPU call is at
-most 10 minutes, so the runs can be split over calls on the same machine, sharing ``--work``)::
+The trainer process (``RemoteClients``, which imports its receive path before it says ready) starts
+before each server, as a training job's trainer is already up: the first answer's seconds are the
+server's. GPU: about 6 minutes for the four runs on an H100 (SD3.5-medium built once under
+``--work``, about 30 s; byte-compile a ``--no-compile`` install first, or every process compiles the
+sources it imports); the runs can also be split over calls on the same machine, sharing ``--work``::
 
     python -m benchmarks.fast_start --device cuda --out $OUT
     python -m benchmarks.fast_start --device cuda --runs fast_cold --out $OUT
