@@ -157,9 +157,15 @@ class Ranks:
                 if t is not p.data:
                     p.data.copy_(t)
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = True) -> None:
+        """Leave the process group. ``finished`` (the run ended normally): every rank first meets
+        the others, so none tears its group down while another still runs its last steps (rank 0
+        stops the rollout server after the others are done with it). A rank that failed leaves at
+        once: waiting for peers that may never come would only hide its error."""
         if self.grouped:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if finished and self.active:
+                    dist.barrier()
                 dist.destroy_process_group()

@@ -337,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.perf_counter()
     ranks = Ranks.from_env()
+    finished = False
     try:
         trainer_device(args, ranks)  # binds this rank's GPU before the first collective
         with (
@@ -347,8 +348,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ):
             wait_ready(client, args.recover_timeout)
             record = run(client, server.model_path, args, args.out, ranks)
+        finished = True
     finally:
-        ranks.close()
+        ranks.close(finished=finished)
     record["wall_s"] = round(time.perf_counter() - t0, 2)
     if ranks.is_main:
         write_run(args.out, record)

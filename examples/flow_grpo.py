@@ -508,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     t0 = time.perf_counter()
     ranks = Ranks.from_env(always_group=args.full_finetune)
+    finished = False
     try:
         trainer_device(args, ranks)  # binds this rank's GPU before the first collective
         with rollout_server(args, ranks=ranks) as server:
@@ -522,8 +523,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 ) as client:
                     wait_ready(client, args.recover_timeout)
                     record = run(client, server.model_path, args, args.out, ranks)
+        finished = True
     finally:
-        ranks.close()
+        ranks.close(finished=finished)
     record["wall_s"] = round(time.perf_counter() - t0, 2)
     if ranks.is_main:
         write_run(args.out, record)

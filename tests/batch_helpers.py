@@ -33,3 +33,14 @@ def generate_together(srv, reqs: Sequence[dict], *, queue_timeout: float = 30.0)
     for t in threads:
         t.join(60)
     return results
+
+
+def settled_batches(worker, timeout_s: float = 30.0) -> int:
+    """``worker.batches_run`` once nothing is queued or running. A request's answer comes back
+    before its batch is counted (the count follows the call), so a count read right after an answer
+    can miss that answer's own batch."""
+    deadline = time.monotonic() + timeout_s
+    while (worker.busy or worker.depth) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not worker.busy and not worker.depth, "the worker did not settle"
+    return worker.batches_run

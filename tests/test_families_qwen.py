@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests import family_helpers
-from tests.batch_helpers import generate_together
+from tests.batch_helpers import generate_together, settled_batches
 from tests.family_helpers import (
     REPLAY,
     assert_400_naming,
@@ -106,9 +106,9 @@ def test_prompts_of_different_lengths_batch_apart(fresh_server):
         body(prompt="a dog", seed=3),  # the same token count as "a cat": batched with it
     ]
     alone = [srv.generate(r) for r in reqs]
-    before = srv.engine.worker.batches_run
+    before = settled_batches(srv.engine.worker)
     results = generate_together(srv, reqs)
-    assert srv.engine.worker.batches_run == before + 1, "the three requests should be taken as one batch"
+    assert settled_batches(srv.engine.worker) == before + 1, "the three requests should be taken as one batch"
     # The long prompt ran alone (batch 1, bitwise); the two short ones shared a call of batch 2,
     # where CPU GEMM blocking may move the last bits (test_rollout_api.BATCH_SIZE_BOUND).
     assert torch.equal(results[1][0]["generated_output"], alone[1][0]["generated_output"])

@@ -14,7 +14,7 @@ import torch
 
 from diffusion_rollout.client.replay import replay_model_output
 from tests import family_helpers
-from tests.batch_helpers import generate_together
+from tests.batch_helpers import generate_together, settled_batches
 from tests.family_helpers import (
     REPLAY,
     assert_400_naming,
@@ -155,9 +155,9 @@ def test_prompts_of_different_lengths_share_one_call(fresh_server, tiny_model_pa
         body(prompt=p, seed=s, rollout=False, max_sequence_length=64)
         for p, s in zip(prompts, (1, 2), strict=True)
     ]
-    before = srv.engine.worker.batches_run
+    before = settled_batches(srv.engine.worker)
     results = generate_together(srv, reqs)
-    assert srv.engine.worker.batches_run == before + 1, "the two requests should share one pipeline call"
+    assert settled_batches(srv.engine.worker) == before + 1, "the two requests should share one pipeline call"
     pipe = stock_pipe(tiny_model_path(FAMILY))
     encs = [pipe.encode_prompt(p, max_sequence_length=64) for p in prompts]
     assert encs[0][0][0].shape[0] != encs[1][0][0].shape[0]
