@@ -524,8 +524,10 @@ def _clients_main(url: str) -> int:
     import httpx
 
     from diffusion_rollout import lean
-    from diffusion_rollout.client import receive  # noqa: F401  (post_rollout's imports: a trainer has
-    # them loaded before its first request, so they are not timed in it; they import diffusers)
+
+    # post_rollout's own imports (they pull in diffusers): a trainer has them loaded before its first
+    # request, so the first answer's seconds must not include them.
+    from diffusion_rollout.client import receive  # noqa: F401
 
     pool: list[httpx.Client] = []
 

@@ -44,6 +44,7 @@ CPU smoke (tiny SD3, 32x32; minutes, compiling on the CPU)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -111,8 +112,7 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
     log(f"{name}: {' '.join(cmd[2:])}")
     # The trainer is up before the server answers, as in a training job: its process (which imports
     # torch) starts first, so the first answer's seconds are the server's, not the trainer's start.
-    clients = RemoteClients(url)
-    with logfile.open("w") as out:
+    with contextlib.closing(RemoteClients(url)) as clients, logfile.open("w") as out:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         row: dict[str, Any] = {"run": name, "flags": " ".join(flags) or "(defaults)"}
@@ -139,7 +139,6 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
                 row["images_per_s"] = args.in_flight * args.group / reply["seconds"]
                 row["server_info"] = c.get("/server_info").json().get("speed")
         finally:
-            clients.close()
             stop_session(proc)
             if profile is not None:  # few files back from a GPU machine: the raw profiles stay in --work
                 keep = args.work / "warmup_profile" / name

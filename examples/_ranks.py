@@ -166,6 +166,6 @@ class Ranks:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                if finished and self.active:
-                    dist.barrier()
+                if finished:
+                    self.barrier()
                 dist.destroy_process_group()

@@ -6,6 +6,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tests.reliability_helpers import wait_until
+
 
 def generate_together(srv, reqs: Sequence[dict], *, queue_timeout: float = 30.0) -> list:
     """Pause ``srv``'s worker, send each request from its own thread, each once the one before is
@@ -39,8 +41,5 @@ def settled_batches(worker, timeout_s: float = 30.0) -> int:
     """``worker.batches_run`` once nothing is queued or running. A request's answer comes back
     before its batch is counted (the count follows the call), so a count read right after an answer
     can miss that answer's own batch."""
-    deadline = time.monotonic() + timeout_s
-    while (worker.busy or worker.depth) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not worker.busy and not worker.depth, "the worker did not settle"
+    wait_until(lambda: not worker.busy and not worker.depth, timeout_s, "the worker to settle")
     return worker.batches_run

@@ -66,8 +66,9 @@ def _tiny_family(name: str) -> str:
     # classes, seconds that `serve` would otherwise pay before it starts (issue #43).
     from diffusion_rollout.models.tiny import FAMILIES, IMAGE_FAMILIES
 
-    if name not in (*FAMILIES, *IMAGE_FAMILIES):
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join((*FAMILIES, *IMAGE_FAMILIES))}")
+    known = (*FAMILIES, *IMAGE_FAMILIES)
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(known)}")
     return name
 
 

@@ -212,8 +212,9 @@ def fp8_config() -> Any:
     ``set_inductor_config=False``: by default torchao's transform sets inductor's process-wide
     ``coordinate_descent_tuning`` (its "recommended" settings), which makes inductor tune every Triton
     kernel at its first launch, compiling and timing its neighbouring configs one after another on
-    the calling thread. On an H100 that was 345 of a 381 s warm-up (SD3.5-medium at 512², 69 of 76
-    stack samples; issue #43), on every restart too. The FP8 matmuls themselves are cuBLAS
+    the calling thread. A cold SD3.5-medium warm-up at 512² on an H100, cut off after 381 s, spent 69
+    of its 76 stack samples there (issue #43); without the tuning the whole cold warm-up took 49 s
+    (benchmarks/RESULTS.md#fast-start-cold). The FP8 matmuls themselves are cuBLAS
     (``torch._scaled_mm``), which no Triton tuning touches. ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``
     turns the tuning back on for whoever wants it.
     """
