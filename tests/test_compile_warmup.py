@@ -388,3 +388,28 @@ def test_compile_workers_never_stop_the_load(monkeypatch):
     gone.start()
     gone.wait(timeout_s=1)
     assert not gone.started and not gone.ready and "not readable" in gone.why_not
+
+
+def test_a_call_summary_waits_for_the_worker_to_leave_the_call(tmp_path):
+    """The warm-up's future resolves inside the worker's batch, before the profiling hook has ended:
+    write_pending, called right after the result, still writes that call's summary."""
+    import threading
+    from concurrent.futures import Future
+
+    from diffusion_rollout.server.warmup_profile import WarmupProfile
+
+    profile = WarmupProfile(tmp_path / "p", 10.0, lambda: [])
+    (tmp_path / "p").mkdir()
+    result: Future = Future()
+
+    def worker() -> None:
+        with profile.around_call([]):
+            result.set_result(None)  # the caller wakes here, the hook has not finished
+            time.sleep(0.3)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    result.result(timeout=10)
+    profile.write_pending()
+    t.join()
+    assert {Path(f).name for f in profile.files} == {"warmup_call_1.txt", "warmup_call_1.pstats"}

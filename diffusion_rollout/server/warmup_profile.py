@@ -61,6 +61,10 @@ class WarmupProfile:
         self._started = time.monotonic()
         self._current: str | None = None  # the call the worker runs now, for the samples
         self._pending: list[tuple[int, str, cProfile.Profile, float]] = []
+        # Set while no call is inside around_call: a call's future resolves inside the worker's batch,
+        # before the hook has stopped its profiler, so the waiting thread must wait for this first.
+        self._between_calls = threading.Event()
+        self._between_calls.set()
         self._tally: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -121,6 +125,7 @@ class WarmupProfile:
         index = self.calls
         label = jobs[0].request_id if jobs else "-"
         self._current = f"warm-up call {index} ({label})"
+        self._between_calls.clear()
         profiler: cProfile.Profile | None = cProfile.Profile() if self.cprofile else None
         try:
             if profiler is not None:
@@ -137,9 +142,13 @@ class WarmupProfile:
                 profiler.disable()
                 self._pending.append((index, label, profiler, seconds))
             self._current = None
+            self._between_calls.set()
 
     def write_pending(self) -> None:
-        """Write the pstats and summary of the calls profiled since the last write (caller's thread)."""
+        """Write the pstats and summary of the calls profiled since the last write (caller's thread),
+        once the worker has left the call it is in."""
+        if not self._between_calls.wait(timeout=60):
+            self._warn_once("wait", "warm-up profile: call %d still running after 60 s", self.calls)
         while self._pending:
             index, label, profiler, seconds = self._pending.pop(0)
             try:
