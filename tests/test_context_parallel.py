@@ -85,7 +85,10 @@ def settled(read, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = read()
-        caught_up = all(f["forwards"] == stats["forwards"] for f in stats["followers"])
+        caught_up = all(
+            f["forwards"] == stats["forwards"] and f.get("decodes") == stats.get("decodes")
+            for f in stats["followers"]
+        )
         if caught_up or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)

@@ -142,8 +142,9 @@ def follower_main(rank: int, world: int, port: int, spec: dict[str, Any], ops, e
                 vae = held["vae"]["vae"]
                 with torch.inference_mode():
                     split_tiled_decode(vae, z, settings)
-                stats[DECODES] += 1
+                # Tiles before the decode count: a reader that sees the decode counted sees its tiles.
                 stats[TILES] += len(owned_tiles(tile_grid(vae, shape, settings).count, rank, world))
+                stats[DECODES] += 1
     except BaseException as exc:
         events.put(("error", rank, f"{type(exc).__name__}: {exc}"[:2000]))
     finally:
