@@ -26,6 +26,10 @@ Not in the default phases: the fast tier compiles first (minutes on a GPU). One 
 
     python -m benchmarks.video_grpo --device cuda --models wan2.1-1.3b --phases grpo_fast,drift --out $OUT
 
+The image families run through it too, as a Flow-GRPO iteration (``--size`` sets a square size)::
+
+    python -m benchmarks.video_grpo --device cuda --models flux.1-dev --size 512 --steps 10 --group 8 --phases grpo_fast --out $OUT
+
 Ratios are throughput against stock (videos per second; higher is faster). Writes
 ``video_grpo.json`` under ``--out`` after every model.
 
@@ -80,6 +84,8 @@ def run(args) -> int:
             model.defaults["num_inference_steps"] = args.steps
         if args.frames:  # e.g. TI2V-5B's 81 frames at 1280x704 do not fit one device call
             model.defaults["num_frames"] = args.frames
+        if args.size:  # e.g. FLUX.1-dev at flow_grpo's 512x512 rather than the builder's 1024x1024
+            model.defaults["height"] = model.defaults["width"] = args.size
         # HunyuanVideo 1.5's stock pipeline decodes one video per call (its VAE's attention mask):
         # its requests hold one video each, and the iteration keeps more of them in flight.
         group = 1 if model.decodes_one_video_per_call else args.group
@@ -131,7 +137,8 @@ def run(args) -> int:
             "video_grpo",
             device,
             {"models": names, "group": args.group, "iteration_groups": args.iteration_groups,
-             "reps": args.reps, "steps": args.steps, "frames": args.frames, "phases": phases},
+             "reps": args.reps, "steps": args.steps, "frames": args.frames, "size": args.size,
+             "phases": phases},
             rows,
             ok=not failures,
             notes=per_model.failure_notes(failures),
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration-groups", type=int, default=4, help="requests in flight")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--frames", type=int, default=None, help="frames per video (default: each builder's)")
+    p.add_argument("--size", type=int, default=None, help="height and width (default: each builder's)")
     p.add_argument(
         "--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES + FAST_PHASES)}"
     )
