@@ -491,3 +491,44 @@ def test_the_video_token_count_must_divide_by_k_for_wan_too():
     with pytest.raises(RequestError, match="75 video tokens, not divisible by context_parallel=2") as exc:
         check_call(engine(2), call(80, 48, 17))  # 5 x 5 x 3
     assert exc.value.field == "num_frames"
+
+
+class _FollowerLeavingAfterRankZero:
+    """A follower process as NCCL makes it at stop: it leaves destroy_process_group (and so ends)
+    only once rank 0 has destroyed the group too."""
+
+    def __init__(self, closed) -> None:
+        self.pid, self.name, self.closed, self.terminated = 1, "context-parallel-rank1", closed, False
+
+    def join(self, timeout: float | None = None) -> None:
+        self.closed.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.closed.is_set() and not self.terminated
+
+    def terminate(self) -> None:
+        self.terminated = True
+
+
+def test_stop_closes_rank_zeros_group_while_it_waits_for_the_followers(monkeypatch, caplog):
+    """Every CUDA shutdown waited 10 s and terminated rank 1 (2x H200 logs): the follower's
+    destroy_process_group waited for rank 0's, which came only after the join."""
+    import threading
+
+    import torch.distributed as dist
+
+    from diffusion_rollout.server.context_parallel import ContextParallelGroup
+
+    closed = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", closed.set)
+    group = object.__new__(ContextParallelGroup)
+    follower = _FollowerLeavingAfterRankZero(closed)
+    sent: list[tuple] = []
+    group._hooks, group.vae, group._procs = [], None, [follower]
+    group._ops = [type("Ops", (), {"put": staticmethod(sent.append)})()]
+    with caplog.at_level("WARNING", logger="diffusion_rollout.server.context_parallel"):
+        group.stop(timeout_s=5.0)
+    assert sent == [("stop",)] and closed.is_set()
+    assert not follower.terminated, "the follower was terminated: rank 0 closed its group too late"
+    assert "did not stop" not in caplog.text

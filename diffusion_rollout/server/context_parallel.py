@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 from typing import Any
 
 import torch
@@ -375,6 +376,13 @@ class ContextParallelGroup:
         for q, p in zip(self._ops, self._procs, strict=True):
             if p.is_alive():
                 q.put(("stop",))
+        # A follower leaves through destroy_process_group, which with NCCL returns only once rank 0
+        # destroys the group too: rank 0 closes it on a side thread while it waits for the
+        # followers, or every GPU shutdown waited out the timeout and terminated them (2 GPUs, H200).
+        closer = None
+        if dist.is_initialized():
+            closer = threading.Thread(target=dist.destroy_process_group, name="cp-close", daemon=True)
+            closer.start()
         for p in self._procs:
             if p.pid is not None:
                 p.join(timeout_s)
@@ -382,8 +390,12 @@ class ContextParallelGroup:
                     logger.warning("context parallel: %s did not stop; terminating it", p.name)
                     p.terminate()
                     p.join(timeout_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if closer is not None:
+            closer.join(timeout_s)
+            if closer.is_alive():  # a daemon thread: it cannot hold the process open
+                logger.warning(
+                    "context parallel: the process group did not close in %.0f s; left open", timeout_s
+                )
         logger.info("context parallel: followers stopped")
 
     @property
