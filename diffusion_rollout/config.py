@@ -159,6 +159,13 @@ class ServerConfig(BaseModel):
         "the same torch, device, model, dtype and speed options (a keyed subfolder each); unset = "
         "<cache_dir>/compile; none = torch's own temporary cache",
     )
+    precompile_blocks: bool = Field(
+        True,
+        description="with compile and a compile cache: after a warm-up, save each kind of block compiled "
+        "ahead of time (torch's aot_compile) in the cache, and load them at the next start so its warm-up "
+        "skips Dynamo's tracing; off for the rest of the process at the first weight or LoRA change "
+        "(server/precompiled_blocks.py); --no-precompile-blocks traces at every start",
+    )
     warmup_profile: str | None = Field(
         None,
         description="with compile: folder (created if missing) for a profile of the warm-up: "

@@ -38,6 +38,7 @@ class ServeProcess:
     """``serve`` in a child process; its states as seen by ``/health`` while it started."""
 
     def __init__(self, model: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+        self.model = model
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -104,9 +105,11 @@ class ServeProcess:
 
 @pytest.fixture(scope="module")
 def compiled_servers(tiny_model_path, tmp_path_factory):
-    """``start(i)``: the i-th server process (0, then 1), both on one compile cache; the earlier one
-    is stopped before the next starts. The second profiles its warm-up (``--warmup-profile``, a stack
-    sample every 1 s) into ``root/warmup-profile``; the first has no such option."""
+    """``start(i)``: the i-th server process (0, 1, then 2), all on one compile cache; the earlier one
+    is stopped before the next starts. The second runs without the precompiled blocks the first saved
+    (``--no-precompile-blocks``: it traces, from inductor's cache) and profiles its warm-up
+    (``--warmup-profile``, a stack sample every 1 s) into ``root/warmup-profile``; the third loads
+    the precompiled blocks."""
     root = tmp_path_factory.mktemp("compile-warmup")
     model = tiny_model_path("sd3")
     started: dict[int, ServeProcess] = {}
@@ -116,7 +119,7 @@ def compiled_servers(tiny_model_path, tmp_path_factory):
         if i not in started:
             for s in started.values():
                 s.stop()
-            extra = profile if i == 1 else ()
+            extra = (*profile, "--no-precompile-blocks") if i == 1 else ()
             started[i] = ServeProcess(model, root / "compile-cache", root / f"serve-{i}.log", extra)
             started[i].root = root
         return started[i]
@@ -137,7 +140,9 @@ def test_a_compiled_server_is_ready_only_after_its_warmup(compiled_servers):
         assert (
             progress["total"] == 2 and progress["shapes"] == ["32x32"] and progress["batch_sizes"] == [2, 1]
         )
-        assert progress["done"] < progress["total"] and progress["elapsed_s"] >= 0
+        # Warming: calls still to make, or all made and the precompiled blocks being saved.
+        assert progress["done"] < progress["total"] or progress["stage"].startswith("saving precompiled")
+        assert progress["elapsed_s"] >= 0
     assert server.get("/health_generate").status_code == 200
     warmup = server.info()["speed"]["compile"]["warmup"]
     assert warmup["state"] == "done" and warmup["done"] == warmup["total"] == 2
@@ -223,6 +228,8 @@ def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_serve
     # /health had an estimate from the first warm-up while the second ran.
     server = compiled_servers(1)
     assert all(h["warmup"]["estimate_remaining_s"] is not None for h, _, _ in server.warming)
+    assert warm["precompiled"] is None  # --no-precompile-blocks
+    assert cold["precompiled"]["saved"] > 0 and cold["precompiled"]["active"] is False, cold["precompiled"]
 
 
 def test_the_cache_key_changes_with_dtype_options_and_model(tiny_model_path):
@@ -413,3 +420,36 @@ def test_a_call_summary_waits_for_the_worker_to_leave_the_call(tmp_path):
     profile.write_pending()
     t.join()
     assert {Path(f).name for f in profile.files} == {"warmup_call_1.txt", "warmup_call_1.pstats"}
+
+
+def test_a_restart_runs_the_precompiled_blocks_equal_to_the_traced_ones_until_the_weights_change(
+    compiled_servers,
+):
+    """The third start loads the blocks the first one saved: its warm-up traces nothing, and its
+    rollouts equal, bit for bit, those of the ordinary compiled path the same process takes once the
+    weights change (a full update from the same folder: identical weights)."""
+    server = compiled_servers(2)
+    warm = server.info()["speed"]["compile"]
+    pre = warm["precompiled"]
+    saved = sorted(Path(warm["cache"]["folder"], "blocks").glob("*.pt"))  # what the first start wrote
+    assert pre["active"] and pre["loaded"] == len(saved) > 0, (pre, saved)
+    assert warm["graphs_compiled"] == 0 and pre["calls"] > 0 and pre["fallbacks"] == 0, warm
+    assert warm["warmup"]["phases"].get("dynamo_tracing_s", 0.0) == 0.0, warm["warmup"]["phases"]
+    precompiled = [server.generate(n) for n in (1, 3)]
+    assert server.info()["speed"]["compile"]["graphs_compiled"] == 0
+    r = httpx.post(
+        server.base + "/update_weights_from_disk", json={"model_path": str(server.model)}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    after = server.info()["speed"]["compile"]
+    assert after["precompiled"]["active"] is False and "weights" in after["precompiled"]["off_because"]
+    calls = after["precompiled"]["calls"]
+    traced = [server.generate(n) for n in (1, 3)]
+    now = server.info()["speed"]["compile"]
+    assert now["graphs_compiled"] > 0 and now["precompiled"]["calls"] == calls  # the ordinary path served
+    import torch
+
+    for a, b in zip(precompiled, traced, strict=True):
+        for x, y in zip(a, b, strict=True):
+            tensors = [k for k, v in x.items() if isinstance(v, torch.Tensor)]
+            assert tensors and all(torch.equal(x[k], y[k]) for k in tensors), tensors

@@ -25,6 +25,7 @@ import torch
 
 from diffusion_rollout.server.compile_cache import CompileCache, cache_key
 from diffusion_rollout.server.compile_workers import CompileWorkers
+from diffusion_rollout.server.precompiled_blocks import FOLDER, PrecompiledBlocks
 from diffusion_rollout.server.warmup import Shape, Warmup, parse_shapes, run_warmup, shape_key, warmup_batches
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class CompiledStart:
         self.cache: CompileCache | None = None
         self.warmed: set[tuple] = set()
         self.workers: CompileWorkers | None = None
+        self.precompiled: PrecompiledBlocks | None = None
 
     def open_cache(
         self, config: ServerConfig, model_path: str | None, device: str, dtype: torch.dtype
@@ -78,7 +80,10 @@ class CompiledStart:
             batches=warmup_batches(engine.config.max_batch_size),
             estimate_s=self.cache.last_warmup_s() if self.cache is not None else None,
         )
+        self._attach_precompiled(engine)
         if not shapes:
+            if self.precompiled is not None:
+                self.precompiled.stop_capture()
             self.warmup.state = "off"
             logger.info("warm-up off (warmup_shapes=none): each new shape compiles on its first request")
         else:
@@ -91,11 +96,32 @@ class CompiledStart:
                 else:  # else every kernel compiles in-process, serially (compile_workers.py)
                     self.workers.wait()
             self.warmed = run_warmup(engine, self.warmup, _profile(engine))
+            if self.precompiled is not None and not self.precompiled.active:
+                self.warmup.stage = "saving precompiled blocks for the next start"
+                self.precompiled.save()  # the next start loads them: its warm-up traces none
+                self.warmup.stage = None
             if self.cache is not None:
                 self.cache.save(self.warmup.seconds)
         stats = engine.loaded.speed.compile_stats
         if stats is not None:
             stats.graphs_at_ready = stats.graphs
+
+    def _attach_precompiled(self, engine: Engine) -> None:
+        """With a compile cache: route the compiled blocks through the precompiled artifacts, loading
+        those an earlier start saved (server/precompiled_blocks.py)."""
+        if self.cache is None or not engine.config.precompile_blocks or self.precompiled is not None:
+            return
+        from diffusion_rollout.server.loader import denoisers, repeated_blocks
+
+        self.precompiled = PrecompiledBlocks(self.cache.folder / FOLDER)
+        for model in denoisers(engine.loaded.pipe).values():
+            self.precompiled.attach(repeated_blocks(model))
+        self.precompiled.load()
+
+    def weights_changed(self) -> None:
+        """The weights or modules changed: the precompiled blocks are off from now on."""
+        if self.precompiled is not None:
+            self.precompiled.turn_off("the weights or modules changed")
 
     def note_new_shape(self, call: Any) -> None:
         """A shape the warm-up did not cover compiles now, in the foreground (server/warmup.py)."""
@@ -124,6 +150,7 @@ class CompiledStart:
         compile_info["warmup"] = self.warmup_report()
         compile_info["cache"] = self.cache.report() if self.cache is not None else None
         compile_info["workers"] = self.workers.report() if self.workers is not None else None
+        compile_info["precompiled"] = self.precompiled.report() if self.precompiled is not None else None
 
     def metrics(self, stats: Any) -> dict[str, float] | None:
         """The compile series of ``/metrics`` from the blocks' ``CompileStats`` (None: no compile)."""

@@ -143,6 +143,7 @@ class Engine:
         """Weights replaced or memory moved: captured CUDA graphs may point at stale memory."""
         if self.loaded is not None:
             self.loaded.speed.invalidate()
+        self.compiled.weights_changed()
 
     # ------------------------------------------------------------------ lifecycle
     def load(self) -> None:

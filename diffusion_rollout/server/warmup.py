@@ -151,6 +151,7 @@ class Warmup:
     calls: list[dict[str, Any]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (_PHASES)
     profile: dict[str, Any] | None = None  # --warmup-profile's files (server/warmup_profile.py); None: off
+    stage: str | None = None  # after the calls, before ready: "saving precompiled blocks"
 
     @property
     def total(self) -> int:
@@ -190,11 +191,17 @@ class Warmup:
             **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
             "calls": self.calls,
             "phases": self.phases,
+            **({"stage": self.stage} if self.stage is not None else {}),
             **({"profile": self.profile} if self.profile is not None else {}),
         }
 
     def describe(self) -> str:
         """The 503 message while warming."""
+        if self.stage is not None:
+            return (
+                f"compiling for the expected request shapes before serving: {self.done}/{self.total} "
+                f"warm-up calls done in {self.elapsed():.0f} s; now {self.stage}"
+            )
         left = self.remaining_s()
         about = f", about {left:.0f} s left" if left is not None else ""
         return (

@@ -1,0 +1,71 @@
+"""Which calls a precompiled block serves (server/precompiled_blocks.py): the checks that stand in for
+the guards torch could not save. The whole path (save, load, bit-identical rollouts, off at a weight
+change) runs through real servers in tests/test_compile_warmup.py."""
+
+from __future__ import annotations
+
+import torch
+
+from diffusion_rollout.server.precompiled_blocks import PrecompiledBlocks, call_signature, structure_digest
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return self.proj(x) * (scale or 1.0)
+
+
+def _served(tmp_path) -> tuple[Block, PrecompiledBlocks, torch.Tensor]:
+    block = Block()
+    block._compiled_call_impl = lambda *a, **k: "ordinary"  # what compile_block installs
+    pre = PrecompiledBlocks(tmp_path)
+    pre.attach([block])
+    x = torch.zeros(2, 3, 4)
+    pre._table[(structure_digest(block), call_signature((x,), {}))] = lambda blk, *a, **k: "precompiled"
+    pre.active, pre._examples = True, None
+    return block, pre, x
+
+
+def test_a_matching_call_runs_the_artifact_and_every_other_call_the_ordinary_path(tmp_path):
+    block, pre, x = _served(tmp_path)
+    with torch.no_grad():
+        assert block(x) == "precompiled"
+        assert block(torch.zeros(5, 3, 4)) == "precompiled"  # any batch of 2 or more
+        assert block(torch.zeros(1, 3, 4)) == "ordinary"  # batch 1 is its own trace
+        assert block(torch.zeros(2, 6, 4)) == "ordinary"  # another token count
+        assert block(x, scale=0.5) == "ordinary"  # another non-tensor argument
+        assert block(torch.zeros(2, 4, 3).transpose(1, 2)) == "ordinary"  # other strides
+        assert block(x.to(torch.float64)) == "ordinary"
+    assert block(x) == "ordinary", "grad mode on: the artifact was traced without autograd"
+    with torch.no_grad():
+        handle = block.register_forward_pre_hook(lambda m, a: None)
+        assert block(x) == "ordinary", "a hooked block (a request's feature cache) must not skip its hooks"
+        handle.remove()
+        assert block(x) == "precompiled"
+        pre.turn_off("the weights or modules changed")
+        assert block(x) == "ordinary" and pre.report()["off_because"] == "the weights or modules changed"
+    assert pre.report()["calls"] == 3
+
+
+def test_the_structure_digest_sees_an_injected_adapter_and_a_new_dtype():
+    block = Block()
+    before = structure_digest(block)
+    assert structure_digest(Block()) == before  # the same kind of block, other weights
+    block.proj.lora_A = torch.nn.Linear(4, 2)  # what PEFT's injection adds
+    assert structure_digest(block) != before
+    assert structure_digest(Block().to(torch.bfloat16)) != before
+
+
+def test_a_refusing_artifact_is_dropped_and_the_call_served_by_the_ordinary_path(tmp_path):
+    block, pre, x = _served(tmp_path)
+
+    def refuses(blk, *a, **k):
+        raise RuntimeError("GuardManager check failed")
+
+    pre._table = {key: refuses for key in pre._table}
+    with torch.no_grad():
+        assert block(x) == "ordinary" and block(x) == "ordinary"
+    assert pre.report()["fallbacks"] == 1 and not pre._table
