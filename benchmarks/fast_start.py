@@ -150,6 +150,9 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
         row["warmup_s"] = compile_info["warmup"]["elapsed_s"]
         row["fx_cache_hits"] = compile_info["warmup"]["fx_graph_cache_hits"]
         row["recompiles"] = compile_info.get("recompiles")
+        pre = compile_info.get("precompiled") or {}
+        row["precompiled_loaded"] = pre.get("loaded")  # blocks a restart runs without Dynamo's tracing
+        row["precompiled_save_s"] = pre.get("save_s")  # what the cold start paid to save them
         if compile_info["warmup"].get("profile"):
             row["warmup_profile"] = str(profile)
     log(f"{name}: ready {row['start_to_ready_s']:.1f} s, first answer {row['start_to_first_answer_s']:.1f} s, "
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             ("warmup_s", "warm-up s", ".1f"),
             ("fx_cache_hits", "cache hits", ""),
             ("recompiles", "recompiles", ""),
+            ("precompiled_loaded", "precompiled", ""),
+            ("precompiled_save_s", "save s", ".1f"),
             ("images_per_s", "img/s", ".2f"),
             ("ratio_vs_stock", "vs stock", ".3f"),
             ("ratio_vs_defaults", "vs defaults", ".3f"),
