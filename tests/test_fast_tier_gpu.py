@@ -113,3 +113,32 @@ def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_lin
     assert push_weights(client, master, weight_version="fp8-1").weight_version == "fp8-1"
     outs = server.generate(_body(rollout=False))
     assert all(torch.isfinite(o["generated_output"]).all() for o in outs)
+
+
+def test_a_restart_runs_precompiled_fp8_blocks_bit_identical_to_the_traced_ones(
+    fresh_server, all_linears_fp8, tmp_path
+):
+    """The precompiled blocks (server/precompiled_blocks.py) with FP8 weights on the GPU: the first
+    server saves them, the second loads them and compiles no graph, and its rollouts equal those of
+    the ordinary compiled path it takes once they are off (as after any weight change)."""
+    _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+    config = dict(device="cuda", dtype="bfloat16", quantize="fp8", compile=True, compile_cache=str(tmp_path))
+    first = fresh_server("sd3", **config)
+    saved = first.client.get("/server_info").json()["speed"]["compile"]["precompiled"]
+    assert saved["saved"] > 0, saved  # why_not names what torch refused
+    first.close()
+    server = fresh_server("sd3", **config)
+    compile_info = server.client.get("/server_info").json()["speed"]["compile"]
+    assert compile_info["precompiled"]["active"] and compile_info["precompiled"]["loaded"] == saved["saved"]
+    assert compile_info["graphs_compiled"] == 0, compile_info
+    body = _body(rollout_debug_mode=True)
+    body.pop("max_sequence_length")  # the warm-up's text length: the precompiled blocks serve the call
+    calls = compile_info["precompiled"]["calls"]
+    precompiled = server.generate(body)
+    assert server.client.get("/server_info").json()["speed"]["compile"]["precompiled"]["calls"] > calls
+    server.engine.invalidate_captures()  # what every weight or LoRA change calls
+    assert server.client.get("/server_info").json()["speed"]["compile"]["precompiled"]["active"] is False
+    traced = server.generate(body)
+    for a, b in zip(precompiled, traced, strict=True):
+        tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+        assert tensors and all(torch.equal(a[k], b[k]) for k in tensors), tensors
