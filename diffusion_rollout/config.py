@@ -164,7 +164,7 @@ class ServerConfig(BaseModel):
         description="with compile and a compile cache: after a warm-up, save each kind of block compiled "
         "ahead of time (torch's aot_compile) in the cache, and load them at the next start so its warm-up "
         "skips Dynamo's tracing; off for the rest of the process at the first weight or LoRA change "
-        "(server/precompiled_blocks.py); --no-precompile-blocks traces at every start",
+        "(server/precompiled_blocks.py); off: every start traces the blocks",
     )
     warmup_profile: str | None = Field(
         None,
