@@ -195,6 +195,7 @@ class PrecompiledBlocks:
                 # Torch's tensor guards would also compare dispatch keys, and the server's calls carry
                 # inference tensors where the trace had plain ones; the signature above checks the
                 # rest of what they check (dtype, device, shape, stride, requires_grad, batch >= 2).
+                # A symbolic guard beyond those (a batch assumed even) goes unchecked: docs/speed.md.
                 fn.disable_guard_check()
             except Exception as exc:  # a damaged or foreign file: that kind compiles as before
                 logger.warning("precompiled blocks: could not load %s (%s)", meta_path.name, exc)
