@@ -69,3 +69,22 @@ def test_a_refusing_artifact_is_dropped_and_the_call_served_by_the_ordinary_path
     with torch.no_grad():
         assert block(x) == "ordinary" and block(x) == "ordinary"
     assert pre.report()["fallbacks"] == 1 and not pre._table
+
+
+def test_an_artifact_that_assumed_an_even_batch_is_caught_before_it_is_saved(tmp_path):
+    """Torch's symbolic guards are off when an artifact serves, so saving compares it with the
+    ordinary compiled path at the traced batch and others, an odd one among them."""
+    from diffusion_rollout.server.precompiled_blocks import _describe
+
+    block = Block()
+    block._compiled_call_impl = lambda x: x * 2
+    pre = PrecompiledBlocks(tmp_path)
+    pre.attach([block])
+    described = _describe(((torch.zeros(4, 3, 4),), {}))
+    assert pre._verify(lambda blk, x: x * 2, block, described, dynamic=True) is None
+
+    def even_only(blk, x):  # what a graph specialised on an even batch would compute for an odd one
+        return x * 2 if x.shape[0] % 2 == 0 else x * 2 + 1e-3
+
+    assert "batch 3 differs" in pre._verify(even_only, block, described, dynamic=True)
+    assert pre._verify(even_only, block, described, dynamic=False) is None  # a static trace: batch 4 only

@@ -195,7 +195,8 @@ class PrecompiledBlocks:
                 # Torch's tensor guards would also compare dispatch keys, and the server's calls carry
                 # inference tensors where the trace had plain ones; the signature above checks the
                 # rest of what they check (dtype, device, shape, stride, requires_grad, batch >= 2).
-                # A symbolic guard beyond those (a batch assumed even) goes unchecked: docs/speed.md.
+                # A symbolic guard beyond those (a batch assumed even) is checked by running, before the
+                # artifact was saved (_verify).
                 fn.disable_guard_check()
             except Exception as exc:  # a damaged or foreign file: that kind compiles as before
                 logger.warning("precompiled blocks: could not load %s (%s)", meta_path.name, exc)
@@ -243,6 +244,12 @@ class PrecompiledBlocks:
                 )
                 with mode():
                     fn = compiled.aot_compile(((block, *args), kwargs))
+                    fn.disable_guard_check()  # as it will serve (load)
+                    differs = self._verify(fn, block, described, dynamic)
+                if differs is not None:
+                    self.why_not = f"{type(block).__name__}: {differs}"
+                    logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
+                    continue
                 tmp = self.folder / (name + ".pt.tmp")
                 fn.save_compiled_function(str(tmp))
                 tmp.replace(self.folder / (name + ".pt"))
@@ -256,6 +263,27 @@ class PrecompiledBlocks:
         logger.info("precompiled blocks: %d artifact(s) saved in %s in %.1f s, for the next start",
                     self.saved, self.folder, self.save_s)  # fmt: skip
         return self.saved
+
+    def _verify(self, fn: Any, block: torch.nn.Module, described: Any, dynamic: bool) -> str | None:
+        """Run the artifact and the ordinary compiled path on the same random inputs, at the traced
+        batch and at others (an odd one among them): torch's symbolic shape guards are off when it
+        serves, so a graph that assumed more about its batch size is caught here, before it is saved.
+        Returns what differed, or None."""
+        ordinary = self._fallback[id(block)]
+        traced = _batch(*_materialize(described, meta=True))
+        batches = sorted({2, 3, traced, (traced or 2) + 1}) if dynamic else [traced]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for b in batches:
+            args, kwargs = _materialize(described, batch=b, generator=gen)
+            mine, theirs = fn(block, *args, **kwargs), ordinary(*args, **kwargs)
+            a, b_ = pytree.tree_leaves(mine), pytree.tree_leaves(theirs)
+            same = len(a) == len(b_) and all(
+                torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                for x, y in zip(a, b_, strict=True)
+            )
+            if not same:
+                return f"its output at batch {b} differs from the ordinary compiled path's"
+        return None
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -293,14 +321,26 @@ class _TensorSpec:
         self.requires_grad = requires_grad
 
 
-def _materialize(described: Any) -> tuple[tuple, dict]:
-    def one(v: Any) -> Any:
-        if isinstance(v, _TensorSpec):
-            t = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=v.device)
-            return (
-                t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point and not t.is_inference() else t
-            )
-        return v
+def _materialize(
+    described: Any, *, batch: int | None = None, generator: torch.Generator | None = None, meta: bool = False
+) -> tuple[tuple, dict]:
+    """Tensors for described arguments: empty, or random from ``generator``; the top-level ones
+    (dimension 0 the batch) with ``batch`` rows when given; on the meta device with ``meta``."""
+    args, kwargs = described
+    top = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, _TensorSpec) and len(v.shape) > 0}
 
-    args, kwargs = pytree.tree_map(one, described)
+    def one(v: Any) -> Any:
+        if not isinstance(v, _TensorSpec):
+            return v
+        shape = (batch, *v.shape[1:]) if batch is not None and id(v) in top else v.shape
+        device = "meta" if meta else v.device
+        t = torch.empty_strided(shape, v.stride, dtype=v.dtype, device=device)
+        if generator is not None and not meta:
+            if v.dtype.is_floating_point:
+                t.copy_(torch.randn(shape, generator=generator).to(v.dtype))
+            else:
+                t.zero_()
+        return t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point and not t.is_inference() else t
+
+    args, kwargs = pytree.tree_map(one, described, is_leaf=lambda x: isinstance(x, _TensorSpec))
     return tuple(args), dict(kwargs)
