@@ -18,8 +18,11 @@ Design decisions:
   (tensor and shape guards: identity guards on modules cannot be saved), so what those drop is checked
   here: the block's structure (module and parameter names, classes, shapes and dtypes, attention
   processors) must equal the saved one's, the call's non-tensor arguments must equal the traced
-  ones, and every tensor's non-batch dimensions, dtype and device must match. Any call through hooks
-  (a request's feature cache wraps the blocks) goes to the ordinary path.
+  ones, and every tensor's non-batch dimensions, strides, dtype and device must match. Any call
+  through hooks (a request's feature cache wraps the blocks), or with grad mode on, goes to the
+  ordinary path. Torch's guard check itself is off when an artifact serves (its dispatch-key guards
+  refuse the server's inference tensors, and its symbolic shape guards go with it), so before an
+  artifact is saved it must equal the ordinary path, bit for bit, at several batch sizes.
 - **Off at the first change of weights or modules.** A LoRA load or any weight update (the engine's
   ``invalidate_captures``) turns the artifacts off for the rest of the process: the ordinary path,
   which guards on everything, takes over, as it did before this module existed.
