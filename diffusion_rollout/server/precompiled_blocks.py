@@ -66,28 +66,36 @@ def _batch(args: tuple, kwargs: dict) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def call_signature(args: tuple, kwargs: dict) -> str | None:
-    """What a call must match to run an artifact: the argument tree, each non-tensor value, each
-    tensor's dtype, device and shape (its batch dimension only as "1" or "n", the top-level tensors'
-    dimension 0 being dynamic as in ``compile_block``). None: not a call this module serves."""
+def _signature_parts(args: tuple, kwargs: dict) -> tuple | None:
+    """What a call must match to run an artifact, as a hashable tuple: the argument tree, each
+    non-tensor value, each tensor's dtype, device, shape and strides (the top-level tensors' batch
+    dimension only as "1" or "n": dimension 0 is dynamic, as in ``compile_block``). None: not a call
+    this module serves."""
     batch = _batch(args, kwargs)
     if batch is None:
         return None
     top = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0}
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    desc: list[Any] = [str(spec), "1" if batch == 1 else "n"]
+    parts: list[Any] = [spec, batch == 1]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             cut = 1 if id(leaf) in top else 0
-            desc.append(
-                ("T", str(leaf.dtype), str(leaf.device), tuple(leaf.shape[cut:]), tuple(leaf.stride()[cut:]),
-                 leaf.requires_grad)
-            )  # fmt: skip
+            parts.append((leaf.dtype, leaf.device, leaf.shape[cut:], leaf.stride()[cut:], leaf.requires_grad))
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            desc.append(("V", repr(leaf)))
+            parts.append((type(leaf), leaf))
         else:  # an object the signature cannot vouch for
             return None
-    return hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
+    return tuple(parts)
+
+
+def call_signature(args: tuple, kwargs: dict) -> str | None:
+    """The call's signature as a string that is the same in every process (artifacts' names)."""
+    parts = _signature_parts(args, kwargs)
+    return None if parts is None else _digest_parts(parts)
+
+
+def _digest_parts(parts: tuple) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 def _hooked(block: torch.nn.Module) -> bool:
@@ -109,15 +117,16 @@ class PrecompiledBlocks:
         self.active = False
         self._lock = threading.Lock()
         self._table: dict[tuple[str, str], Any] = {}  # (structure, signature) -> compiled function
-        # (structure, signature) -> (a block, its arguments described, batch dynamic, inference tensors)
+        # (structure, signature) -> (a block, its arguments described, their batch, inference tensors)
         self._examples: dict[tuple[str, str], tuple[torch.nn.Module, Any, bool, bool]] | None = {}
         self._fallback: dict[int, Callable[..., Any]] = {}  # id(block) -> the ordinary compiled call
         self._digest: dict[int, str] = {}
+        # Signature tuples -> their digest: the hot path hashes a tuple, not a SHA-256 of its repr.
+        self._signatures: dict[tuple, str] = {}
         self.loaded = 0
         self.saved = 0
         self.save_s: float | None = None
         self.calls = 0
-        self.fallbacks = 0
         self.why_not: str | None = None
         self.off_because: str | None = None
 
@@ -142,29 +151,24 @@ class PrecompiledBlocks:
             return ordinary(*args, **kwargs)
         if _hooked(block) or torch.is_grad_enabled():  # traced without autograd, as generation runs
             return ordinary(*args, **kwargs)
-        sig = call_signature(args, kwargs)
-        if sig is None:
+        parts = _signature_parts(args, kwargs)
+        if parts is None:
             return ordinary(*args, **kwargs)
+        sig = self._signatures.get(parts)
+        if sig is None:
+            sig = self._signatures[parts] = _digest_parts(parts)
         key = (self._digest[id(block)], sig)
         if self._examples is not None and key not in self._examples:  # capturing (a warm-up)
             inference = any(
                 v.is_inference() for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)
             )
-            self._examples[key] = (block, _describe((args, kwargs)), _batch(args, kwargs) != 1, inference)
+            self._examples[key] = (block, _describe((args, kwargs)), _batch(args, kwargs), inference)
         fn = self._table.get(key) if self.active else None
         if fn is None:
             return ordinary(*args, **kwargs)
-        try:
-            out = fn(block, *args, **kwargs)
-        except RuntimeError as exc:  # the compiled function refused the call
-            with self._lock:
-                self._table.pop(key, None)
-                self.fallbacks += 1
-            logger.warning("precompiled block %s refused a call (%s): the ordinary compiled path serves it",
-                           type(block).__name__, " ".join(str(exc).split())[:600])  # fmt: skip
-            return ordinary(*args, **kwargs)
+        # No guard check runs here (it is off: load); what it would have refused, _verify checked.
         self.calls += 1
-        return out
+        return fn(block, *args, **kwargs)
 
     def stop_capture(self) -> None:
         """No warm-up to save after (``warmup_shapes=none``): nothing more is recorded."""
@@ -227,14 +231,14 @@ class PrecompiledBlocks:
             return 0
         self.folder.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        for (structure, sig), (block, described, dynamic, inference) in examples.items():
+        for (structure, sig), (block, described, batch, inference) in examples.items():
             name = f"{type(block).__name__}-{structure}-{sig}"
             # Traced as the calls run (inference tensors or not): torch's tensor guards check it.
             mode = torch.inference_mode if inference else torch.no_grad
             try:
                 with mode():
                     args, kwargs = _materialize(described)
-                if dynamic:
+                if batch != 1:  # the dynamic graph, as compile_block marks it
                     for v in (*args, *kwargs.values()):
                         if isinstance(v, torch.Tensor) and v.dim() > 0:
                             torch._dynamo.maybe_mark_dynamic(v, 0)
@@ -248,7 +252,7 @@ class PrecompiledBlocks:
                 with mode():
                     fn = compiled.aot_compile(((block, *args), kwargs))
                     fn.disable_guard_check()  # as it will serve (load)
-                    differs = self._verify(fn, block, described, dynamic)
+                    differs = self._verify(fn, block, described, batch)
                 if differs is not None:
                     self.why_not = f"{type(block).__name__}: {differs}"
                     logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
@@ -267,14 +271,13 @@ class PrecompiledBlocks:
                     self.saved, self.folder, self.save_s)  # fmt: skip
         return self.saved
 
-    def _verify(self, fn: Any, block: torch.nn.Module, described: Any, dynamic: bool) -> str | None:
+    def _verify(self, fn: Any, block: torch.nn.Module, described: Any, traced: int) -> str | None:
         """Run the artifact and the ordinary compiled path on the same random inputs, at the traced
         batch and at others (an odd one among them): torch's symbolic shape guards are off when it
         serves, so a graph that assumed more about its batch size is caught here, before it is saved.
         Returns what differed, or None."""
         ordinary = self._fallback[id(block)]
-        traced = _batch(*_materialize(described, meta=True))
-        batches = sorted({2, 3, traced, (traced or 2) + 1}) if dynamic else [traced]
+        batches = sorted({2, 3, traced, traced + 1}) if traced != 1 else [1]
         gen = torch.Generator(device="cpu").manual_seed(0)
         for b in batches:
             args, kwargs = _materialize(described, batch=b, generator=gen)
@@ -294,7 +297,6 @@ class PrecompiledBlocks:
             "loaded": self.loaded,
             "saved": self.saved,
             "calls": self.calls,
-            "fallbacks": self.fallbacks,
         }
         if self.save_s is not None:
             out["save_s"] = round(self.save_s, 3)
@@ -325,10 +327,10 @@ class _TensorSpec:
 
 
 def _materialize(
-    described: Any, *, batch: int | None = None, generator: torch.Generator | None = None, meta: bool = False
+    described: Any, *, batch: int | None = None, generator: torch.Generator | None = None
 ) -> tuple[tuple, dict]:
     """Tensors for described arguments: empty, or random from ``generator``; the top-level ones
-    (dimension 0 the batch) with ``batch`` rows when given; on the meta device with ``meta``."""
+    (dimension 0 the batch) with ``batch`` rows when given."""
     args, kwargs = described
     top = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, _TensorSpec) and len(v.shape) > 0}
 
@@ -336,9 +338,8 @@ def _materialize(
         if not isinstance(v, _TensorSpec):
             return v
         shape = (batch, *v.shape[1:]) if batch is not None and id(v) in top else v.shape
-        device = "meta" if meta else v.device
-        t = torch.empty_strided(shape, v.stride, dtype=v.dtype, device=device)
-        if generator is not None and not meta:
+        t = torch.empty_strided(shape, v.stride, dtype=v.dtype, device=v.device)
+        if generator is not None:
             if v.dtype.is_floating_point:
                 t.copy_(torch.randn(shape, generator=generator).to(v.dtype))
             else:
