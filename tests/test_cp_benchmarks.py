@@ -261,3 +261,66 @@ def test_tradeoff_output_check_names_what_a_trainer_would_miss():
     nan = check_outputs([output(rollout_log_probs=torch.tensor([0.0, float("nan"), 0.0])), output()], body)
     assert not nan["outputs_ok"] and nan["problems"][0].startswith("output 0: log-probs")
     assert not check_outputs([output()], body)["outputs_ok"]  # one output for a group of 2
+
+
+def test_cp_served_runs_of_each_gpu_count():
+    """``cp_served.phases``: k = 1, 2 (and 4) with their GPUs; side by side only where they fit on
+    disjoint GPUs (k = 1 on GPU 0 beside k = 2 on GPUs 1-2), k = 4 alone on all four."""
+    from benchmarks.cp_served import phases
+
+    assert phases(4, overlap=True) == [[(1, [0]), (2, [1, 2])], [(4, [0, 1, 2, 3])]]
+    assert phases(4, overlap=False) == [[(1, [0])], [(2, [0, 1])], [(4, [0, 1, 2, 3])]]
+    assert phases(2, overlap=True) == [[(1, [0])], [(2, [0, 1])]]  # 1 + 2 GPUs do not fit on 2
+
+
+def test_cp_served_comparison_names_the_field_that_differs():
+    """``cp_served.compare``: equal answers are equal; one log-prob changed, one video pixel off by 3
+    or a missing trajectory makes that field (and the whole) unequal with its |diff|."""
+    import torch
+
+    from benchmarks.cp_served import compare, kept
+
+    def answer(video_px: int = 7, lp: float = -1.0, trajectory: bool = True) -> list[dict]:
+        video = torch.full((3, 5, 4, 4), 9, dtype=torch.uint8)
+        video[0, 0, 0, 0] = video_px
+        out = {"generated_output": video, "rollout_log_probs": torch.tensor([lp, -2.0])}
+        if trajectory:
+            out["dit_trajectory"] = torch.ones(3, 2, 2)
+        return [out]
+
+    ref = kept(answer())
+    same = compare(kept(answer()), ref)
+    assert same["equal"] and same["generated_output"] == {"equal": True, "max_abs_diff": 0.0, "tensors": 1}
+    off = compare(kept(answer(video_px=4, lp=-1.5)), ref)
+    assert not off["equal"] and off["dit_trajectory"]["equal"]
+    assert off["generated_output"]["max_abs_diff"] == 3.0  # uint8 compared as integers, not wrapped
+    assert off["rollout_log_probs"] == {"equal": False, "max_abs_diff": 0.5, "tensors": 1}
+    missing = compare(kept(answer(trajectory=False)), ref)
+    assert not missing["equal"] and missing["dit_trajectory"]["max_abs_diff"] is None
+
+
+def test_cp_served_dry_run(tmp_path, tiny_model_path):
+    """One served rollout at k = 1 and k = 2 on the CPU (mirror mode), each from the CLI server: the
+    answers are checked, k = 2's equal k = 1's field by field, and the row carries the speedup."""
+    from benchmarks import cp_served
+
+    work = tmp_path / "w"
+    (work / "models").mkdir(parents=True)
+    (work / "models" / "tiny-wan").symlink_to(tiny_model_path("wan"), target_is_directory=True)
+    argv = ["--cases", "tiny-wan", "--cpu", "--out", str(tmp_path), "--work", str(work), "--steps", "2"]
+    assert cp_served.main(argv) == 0
+    doc = json.loads((tmp_path / "cp_served.json").read_text())
+    assert (
+        doc["benchmark"] == "cp_served"
+        and doc["ok"]
+        and doc["settings"]["runs"] == [[[1, [0]]], [[2, [0, 1]]]]
+    )
+    k1, k2 = doc["results"]
+    assert (k1["k"], k2["k"], k1["steps"], k2["beside"]) == (1, 2, 2, [])
+    assert "--context-parallel" not in k1["command"] and k2["command"][-2:] == ["--context-parallel", "2"]
+    for row in (k1, k2):
+        assert "error" not in row and row["exit_code"] == 0 and row["outputs_ok"] and row["layout_ok"], row
+        assert row["latency_s"] > 0 and row["ready_s"] > 0 and row["equal_to_k1"] is True
+        assert all(row["vs_k1"][f]["tensors"] >= 1 for f in ("generated_output", "rollout_log_probs"))
+    assert k2["context_parallel"]["ranks"] == 2 and k2["context_parallel"]["follower_forwards"][0] > 0
+    assert k2["speedup_vs_k1"] == k1["latency_s"] / k2["latency_s"] and k1["speedup_vs_k1"] == 1.0
