@@ -77,3 +77,22 @@ def test_an_artifact_that_assumed_an_even_batch_is_caught_before_it_is_saved(tmp
     assert "batch 3 differs" in pre._verify(even_only, block, described, traced=4)
     one = _describe(((torch.zeros(1, 3, 4),), {}))
     assert pre._verify(even_only, block, one, traced=1) is None  # a static trace of batch 1: that batch only
+
+
+def test_saves_and_loads_with_torchs_aot_compile_flag_off_as_torch_2_11_ships_it(tmp_path):
+    """torch 2.11 ships ``torch._dynamo.config.enable_aot_compile = False``, and then ``torch.compile(fn)``
+    has no ``.aot_compile`` (what the first GPU run reported in ``why_not``); the save and the load
+    turn the flag on for themselves, and the loaded artifact computes what the ordinary path does."""
+    torch.manual_seed(0)
+    block = Block()
+    block.compile(dynamic=False)
+    pre = PrecompiledBlocks(tmp_path)
+    pre.attach([block])
+    x = torch.randn(2, 3, 4)
+    with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
+        expected = block(x)  # the warm-up's call, captured
+        assert pre.save() == 1 and pre.why_not is None, pre.why_not
+        again = PrecompiledBlocks(tmp_path)
+        again.attach([block])
+        assert again.load() == 1 and again.active
+        assert torch.equal(block(x), expected) and again.report()["calls"] == 1

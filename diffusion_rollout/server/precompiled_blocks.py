@@ -32,6 +32,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -197,7 +198,7 @@ class PrecompiledBlocks:
                 meta = json.loads(meta_path.read_text())
                 if meta["structure"] not in wanted:
                     continue
-                with open(meta_path.with_suffix(".pt"), "rb") as f:
+                with open(meta_path.with_suffix(".pt"), "rb") as f, _aot_compile_enabled():
                     fn = load_compiled_function(f)
                 # Torch's tensor guards would also compare dispatch keys, and the server's calls carry
                 # inference tensors where the trace had plain ones; the signature above checks the
@@ -244,15 +245,16 @@ class PrecompiledBlocks:
                             torch._dynamo.maybe_mark_dynamic(v, 0)
                 # The class's forward with the block as its first argument: the block's own __call__
                 # runs the ordinary compiled path (and its dynamic marking), which must not be traced.
-                compiled = torch.compile(
-                    type(block).forward,
-                    fullgraph=True,
-                    options={"guard_filter_fn": keep_portable_guards_unsafe},
-                )
-                with mode():
-                    fn = compiled.aot_compile(((block, *args), kwargs))
-                    fn.disable_guard_check()  # as it will serve (load)
-                    differs = self._verify(fn, block, described, batch)
+                with _aot_compile_enabled():  # torch.compile attaches .aot_compile only under the flag
+                    compiled = torch.compile(
+                        type(block).forward,
+                        fullgraph=True,
+                        options={"guard_filter_fn": keep_portable_guards_unsafe},
+                    )
+                    with mode():
+                        fn = compiled.aot_compile(((block, *args), kwargs))
+                        fn.disable_guard_check()  # as it will serve (load)
+                        differs = self._verify(fn, block, described, batch)
                 if differs is not None:
                     self.why_not = f"{type(block).__name__}: {differs}"
                     logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
@@ -348,3 +350,14 @@ def _materialize(
 
     args, kwargs = pytree.tree_map(one, described, is_leaf=lambda x: isinstance(x, _TensorSpec))
     return tuple(args), dict(kwargs)
+
+
+def _aot_compile_enabled() -> contextlib.AbstractContextManager[Any]:
+    """Torch's ``enable_aot_compile`` flag on: torch 2.11 ships it off (so ``torch.compile(fn)`` has
+    no ``.aot_compile``), later releases on; a torch without the flag needs nothing."""
+    config = torch._dynamo.config
+    return (
+        config.patch(enable_aot_compile=True)
+        if hasattr(config, "enable_aot_compile")
+        else contextlib.nullcontext()
+    )
