@@ -96,3 +96,30 @@ def test_saves_and_loads_with_torchs_aot_compile_flag_off_as_torch_2_11_ships_it
         again.attach([block])
         assert again.load() == 1 and again.active
         assert torch.equal(block(x), expected) and again.report()["calls"] == 1
+
+
+class _Marked(torch.Tensor):
+    """A stand-in for torchao's Float8Tensor: a tensor subclass holding the weights."""
+
+
+def test_blocks_with_fp8_subclass_weights_are_skipped_and_a_restart_does_not_try_again(tmp_path):
+    """On the GPU, tracing blocks with Float8Tensor weights ahead of time failed after 34 s (torch 2.11,
+    torchao 0.18). Such blocks are skipped before any tracing, the reason is left in the folder, and
+    the next start on it reads the reason and captures nothing (no second attempt, no second cost)."""
+    from diffusion_rollout.server.precompiled_blocks import NOT_SAVED
+
+    block = Block()
+    block.proj.weight = torch.nn.Parameter(torch.randn(4, 4).as_subclass(_Marked))
+    block._compiled_call_impl = lambda *a, **k: "ordinary"
+    pre = PrecompiledBlocks(tmp_path)
+    pre.attach([block])
+    with torch.no_grad():
+        assert block(torch.zeros(2, 3, 4)) == "ordinary"  # the warm-up's call, captured
+    assert pre.save() == 0 and "_Marked" in pre.why_not and "FP8" in pre.why_not
+    assert (tmp_path / NOT_SAVED).read_text().strip() == pre.why_not
+    restart = PrecompiledBlocks(tmp_path)
+    restart.attach([block])
+    assert restart.load() == 0 and restart.why_not == pre.why_not and not restart.active
+    with torch.no_grad():
+        assert block(torch.zeros(2, 3, 4)) == "ordinary"
+    assert restart.save() == 0 and restart.save_s is None  # nothing captured: nothing tried

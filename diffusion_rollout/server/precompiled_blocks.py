@@ -27,7 +27,13 @@ Design decisions:
   ``invalidate_captures``) turns the artifacts off for the rest of the process: the ordinary path,
   which guards on everything, takes over, as it did before this module existed.
 - **Nothing stops the server.** A torch without ``aot_compile``, a block with a graph break, a file
-  that does not load: logged, reported, and the blocks run as before.
+  that does not load: logged, reported, and the blocks run as before. A cold start that saved none
+  leaves the reason in the folder (``NOT_SAVED``), so restarts on that cache key do not pay again.
+- **Not for FP8 weights (measured).** On an H200 with torch 2.11 and torchao 0.18, tracing a block
+  whose weights are torchao's ``Float8Tensor`` failed in every kind of SD3.5 block
+  (``aten.empty_like`` is not implemented for it) after 34 s of trying on the cold start, and 5.6 s
+  more on each restart. Blocks with tensor-subclass weights are skipped up front, so on the fast tier
+  (FP8 + compile) a restart traces its blocks as before; ``--compile`` alone keeps the artifacts.
 """
 
 from __future__ import annotations
@@ -109,6 +115,17 @@ def _hooked(block: torch.nn.Module) -> bool:
     )
 
 
+# In the blocks folder when a cold start saved none (why, in words): later starts on the same cache key
+# (the same torch, GPU, model and flags) skip the capture and the save, which would fail the same way.
+NOT_SAVED = "not_saved.txt"
+
+
+def _subclass_weights(block: torch.nn.Module) -> list[str]:
+    """The tensor-subclass types among the block's parameters and buffers (torchao's FP8 weights)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return sorted({type(t).__name__ for t in (*block.parameters(), *block.buffers()) if type(t) not in plain})
+
+
 class PrecompiledBlocks:
     """The artifacts of one engine's compiled blocks: captured during a warm-up, saved after it,
     loaded at the next start, used until the weights change."""
@@ -187,6 +204,11 @@ class PrecompiledBlocks:
         """Load the artifacts saved for these blocks' structures; returns how many loaded."""
         if not self.folder.is_dir():
             return 0
+        marker = self.folder / NOT_SAVED
+        if marker.is_file():  # an earlier start could save none: neither capture nor pay for it again
+            self.why_not = marker.read_text().strip() or "an earlier start saved none"
+            self.stop_capture()
+            return 0
         wanted = set(self._digest.values())
         try:
             from torch.compiler import load_compiled_function
@@ -234,6 +256,14 @@ class PrecompiledBlocks:
         t0 = time.perf_counter()
         for (structure, sig), (block, described, batch, inference) in examples.items():
             name = f"{type(block).__name__}-{structure}-{sig}"
+            subclasses = _subclass_weights(block)
+            if subclasses:
+                self.why_not = (
+                    f"{type(block).__name__}: weights of tensor subclass {', '.join(subclasses)} (FP8) are not "
+                    "compiled ahead of time: on an H200, torch 2.11 with torchao 0.18 failed to trace them "
+                    "(aten.empty_like is not implemented for Float8Tensor) after 34 s of trying"
+                )
+                continue
             # Traced as the calls run (inference tensors or not): torch's tensor guards check it.
             mode = torch.inference_mode if inference else torch.no_grad
             try:
@@ -269,6 +299,8 @@ class PrecompiledBlocks:
                 self.why_not = f"{type(block).__name__}: {type(exc).__name__}: {str(exc)[:300]}"
                 logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
         self.save_s = time.perf_counter() - t0
+        if not self.saved and self.why_not:
+            (self.folder / NOT_SAVED).write_text(self.why_not + "\n")
         logger.info("precompiled blocks: %d artifact(s) saved in %s in %.1f s, for the next start",
                     self.saved, self.folder, self.save_s)  # fmt: skip
         return self.saved
