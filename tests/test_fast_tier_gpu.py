@@ -117,8 +117,10 @@ def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_lin
 
 def test_a_restart_runs_precompiled_blocks_bit_identical_to_the_traced_ones(fresh_server, tmp_path):
     """The precompiled blocks (server/precompiled_blocks.py) with ``--compile`` on the GPU: the first
-    server saves them, the second loads them and compiles no graph, and its rollouts equal those of
-    the ordinary compiled path it takes once they are off (as after any weight change)."""
+    server saves them, the second loads them and compiles a graph only for a kind of call the save
+    refused, and its rollouts equal those of the ordinary compiled path it takes once they are off (as
+    after any weight change). On 4x H200 (torch 2.11) the save's batch check refused one of the tiny
+    SD3's kinds ("its output at batch 5 differs"), and the restart compiled that one graph."""
     config = dict(device="cuda", dtype="bfloat16", compile=True, compile_cache=str(tmp_path))
     first = fresh_server("sd3", **config)
     saved = first.client.get("/server_info").json()["speed"]["compile"]["precompiled"]
@@ -127,7 +129,7 @@ def test_a_restart_runs_precompiled_blocks_bit_identical_to_the_traced_ones(fres
     server = fresh_server("sd3", **config)
     compile_info = server.client.get("/server_info").json()["speed"]["compile"]
     assert compile_info["precompiled"]["active"] and compile_info["precompiled"]["loaded"] == saved["saved"]
-    assert compile_info["graphs_compiled"] == 0, compile_info
+    assert compile_info["graphs_compiled"] <= saved["not_saved"], (compile_info, saved)
     body = _body(rollout_debug_mode=True)
     body.pop("max_sequence_length")  # the warm-up's text length: the precompiled blocks serve the call
     calls = compile_info["precompiled"]["calls"]

@@ -143,6 +143,7 @@ class PrecompiledBlocks:
         self._signatures: dict[tuple, str] = {}
         self.loaded = 0
         self.saved = 0
+        self.not_saved = 0  # kinds of call the save skipped or refused: a restart traces those
         self.save_s: float | None = None
         self.calls = 0
         self.why_not: str | None = None
@@ -299,6 +300,7 @@ class PrecompiledBlocks:
                 self.why_not = f"{type(block).__name__}: {type(exc).__name__}: {str(exc)[:300]}"
                 logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
         self.save_s = time.perf_counter() - t0
+        self.not_saved = len(examples) - self.saved
         if not self.saved and self.why_not:
             (self.folder / NOT_SAVED).write_text(self.why_not + "\n")
         logger.info("precompiled blocks: %d artifact(s) saved in %s in %.1f s, for the next start",
@@ -334,6 +336,7 @@ class PrecompiledBlocks:
         }
         if self.save_s is not None:
             out["save_s"] = round(self.save_s, 3)
+            out["not_saved"] = self.not_saved
         if self.why_not is not None:
             out["why_not"] = self.why_not
         if self.off_because is not None:
