@@ -118,7 +118,7 @@ def evaluate(expr: str, json_path: Path) -> float:
     value = _operand(parts[0], json_path)
     for op, term in zip(parts[1::2], parts[2::2], strict=True):
         x = _operand(term, json_path)
-        value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[op]
+        value = value + x if op == "+" else value - x if op == "-" else value * x if op == "*" else value / x
     return value
 
 
