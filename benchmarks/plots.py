@@ -109,23 +109,43 @@ CP_SCALING_CASES = [
 ]
 
 
+# (JSON under h200x4/, model, legend) for the served panel: one whole request at k = 1, 2, 4.
+CP_SERVED_CASES = [
+    ("cp_served/cp_served_video3.json", "wan2.2-ti2v-5b", "TI2V-5B 704p x121, 1 video"),
+    ("cp_served/cp_served_video3.json", "ltx-2", "LTX-2 704p x121, 1 video"),
+    ("cp_served/cp_served_video3.json", "hunyuanvideo-1.5-480p", "HunyuanVideo 1.5 720p x33, 1 video"),
+]
+
+
 def scaling(out: Path) -> Path:
-    """Speedup of one transformer call over k = 1 against k (Ulysses), every video family, 4x H200."""
+    """Speedup over k = 1 against k (Ulysses), 4x H200: one transformer call of every video family
+    (left), and one whole served request (right: ``cp_served``, and Wan 2.1 1.3B's group of 4 from
+    ``cp_tradeoff``'s layouts)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, (ax, served) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    ks = [1, 2, 4]
     for rel, model, size, name in CP_SCALING_CASES:
         rows = _load(f"h200x4/cp_scaling/{rel}")["results"]
-        ks = [1, 2, 4]
         layouts = ["k1", "ulysses2", "ulysses4"]
         speedups = [_pick(rows, model=model, size=size, layout=lay)["speedup_vs_k1"] for lay in layouts]
         ax.plot(ks, speedups, "-o", label=name)
-    ax.plot([1, 4], [1, 4], ":", color="gray", label="linear")
-    ax.set_xticks([1, 2, 4])
-    ax.set_xlabel("GPUs for one video (context parallel k, Ulysses)")
-    ax.set_ylabel("speedup vs one GPU (one transformer call)")
-    ax.set_title("One video over GPUs, 4x H200 (benchmarks/cp_scaling.py)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    for rel, model, name in CP_SERVED_CASES:
+        rows = _load(f"h200x4/{rel}")["results"]
+        served.plot(ks, [_pick(rows, model=model, k=k)["speedup_vs_k1"] for k in ks], "-o", label=name)
+    tradeoff = _load("h200x4/cp_tradeoff/cp_tradeoff_wan2.1-1.3b_x4.json")["results"]
+    latency = [_pick(tradeoff, layout=lay)["latency_s"] for lay in ("4x1", "2x2", "1x4")]
+    served.plot(ks, [latency[0] / x for x in latency], "-o", label="Wan 2.1 1.3B 480p x81, group of 4")
+    for a, title in (
+        (ax, "one transformer call (cp_scaling.py)"),
+        (served, "one served request (cp_served.py)"),
+    ):
+        a.plot([1, 4], [1, 4], ":", color="gray", label="linear")
+        a.set_xticks(ks)
+        a.set_xlabel("GPUs for one video (context parallel k, Ulysses)")
+        a.set_title(f"{title}, 4x H200", fontsize=10)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    ax.set_ylabel("speedup vs one GPU")
     path = out / "scaling.png"
     _save(fig, path)
     return path
