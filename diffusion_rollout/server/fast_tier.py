@@ -266,6 +266,35 @@ def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return holder[0].weight.data
 
 
+def _float8_meta_like(func: Any, types: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``torch.empty_like(w, device="meta")`` for a ``Float8Tensor``: the same subclass over meta
+    inner tensors. Dynamo's guard serializer makes one of every tensor it saves a guard for, and
+    torchao implements no ``empty_like``; any other device stays unimplemented, as before."""
+    weight = args[0]
+    if torch.device(kwargs.get("device") or weight.device).type != "meta":
+        raise NotImplementedError(f"Float8Tensor: empty_like on {kwargs.get('device')!r}, only on meta")
+    names, context = weight.__tensor_flatten__()
+    inner = {n: torch.empty_like(getattr(weight, n), device="meta") for n in names}
+    return type(weight).__tensor_unflatten__(inner, context, weight.shape, weight.stride())
+
+
+def fp8_precompilable(model: torch.nn.Module) -> None:
+    """Let ``server/precompiled_blocks.py`` save blocks whose linears torchao quantized. Two things
+    stopped Dynamo's guard serializer (torch 2.11 on an H200, torch 2.13 on a CPU): torchao's
+    ``Float8Tensor`` has no ``empty_like`` (registered here, meta only), and ``quantize_`` gives each
+    quantized linear an instance ``extra_repr`` bound to a ``functools.partial``, which the serializer
+    cannot pickle (dropped here: it changes ``repr(module)`` only)."""
+    from torchao.quantization import Float8Tensor
+
+    from diffusion_rollout.server.precompiled_blocks import allow_subclass_weights
+
+    Float8Tensor.implements([torch.ops.aten.empty_like.default])(_float8_meta_like)
+    allow_subclass_weights(Float8Tensor)
+    for module in model.modules():
+        if isinstance(getattr(module, "weight", None), Float8Tensor):
+            vars(module).pop("extra_repr", None)
+
+
 def quantize_fp8(
     model: torch.nn.Module, name: str = "transformer", rule: Fp8Rule | None = None
 ) -> dict[str, Any]:
@@ -279,6 +308,7 @@ def quantize_fp8(
     rule = rule or fp8_rule_for(model)
     plan = fp8_plan(model, rule)
     quantize_(model, fp8_config(), filter_fn=fp8_filter(rule))
+    fp8_precompilable(model)
     pad_small_inputs(model, plan["fp8"])
     setattr(model, REQUANTIZE_ATTR, requantize_fp8)
     logger.info(

@@ -29,11 +29,13 @@ Design decisions:
 - **Nothing stops the server.** A torch without ``aot_compile``, a block with a graph break, a file
   that does not load: logged, reported, and the blocks run as before. A cold start that saved none
   leaves the reason in the folder (``NOT_SAVED``), so restarts on that cache key do not pay again.
-- **Not for FP8 weights (measured).** On an H200 with torch 2.11 and torchao 0.18, tracing a block
-  whose weights are torchao's ``Float8Tensor`` failed in every kind of SD3.5 block
-  (``aten.empty_like`` is not implemented for it) after 34 s of trying on the cold start, and 5.6 s
-  more on each restart. Blocks with tensor-subclass weights are skipped up front, so on the fast tier
-  (FP8 + compile) a restart traces its blocks as before; ``--compile`` alone keeps the artifacts.
+- **FP8 weights.** On an H200 (torch 2.11, torchao 0.18), saving blocks with torchao's
+  ``Float8Tensor`` weights failed in Dynamo's guard serializer after 34 s of tracing, as the subclass
+  has no ``empty_like``; on a CPU, past that, the instance ``extra_repr`` that ``quantize_`` binds to
+  each linear could not be pickled.
+  ``fast_tier.fp8_precompilable`` mends both and allows the subclass here; on a CPU (torch 2.13)
+  such a block now saves, loads and computes bit for bit what the ordinary path does. Weights of any
+  other tensor subclass are skipped up front (``why_not``).
 """
 
 from __future__ import annotations
@@ -120,9 +122,18 @@ def _hooked(block: torch.nn.Module) -> bool:
 NOT_SAVED = "not_saved.txt"
 
 
+# Tensor subclasses a block's weights may be and still be saved: the owner of the subclass made its
+# tensors serializable for Dynamo's guards (fast_tier.fp8_precompilable for torchao's Float8Tensor).
+_ALLOWED_SUBCLASSES: set[type] = set()
+
+
+def allow_subclass_weights(cls: type) -> None:
+    _ALLOWED_SUBCLASSES.add(cls)
+
+
 def _subclass_weights(block: torch.nn.Module) -> list[str]:
-    """The tensor-subclass types among the block's parameters and buffers (torchao's FP8 weights)."""
-    plain = (torch.Tensor, torch.nn.Parameter)
+    """The tensor-subclass types among the block's parameters and buffers not known to be savable."""
+    plain = (torch.Tensor, torch.nn.Parameter, *_ALLOWED_SUBCLASSES)
     return sorted({type(t).__name__ for t in (*block.parameters(), *block.buffers()) if type(t) not in plain})
 
 
@@ -260,9 +271,10 @@ class PrecompiledBlocks:
             subclasses = _subclass_weights(block)
             if subclasses:
                 self.why_not = (
-                    f"{type(block).__name__}: weights of tensor subclass {', '.join(subclasses)} (FP8) are not "
-                    "compiled ahead of time: on an H200, torch 2.11 with torchao 0.18 failed to trace them "
-                    "(aten.empty_like is not implemented for Float8Tensor) after 34 s of trying"
+                    f"{type(block).__name__}: weights of tensor subclass {', '.join(subclasses)} are not "
+                    "compiled ahead of time: Dynamo's guard serializer needs their empty_like and their "
+                    "modules picklable (torchao's Float8Tensor failed there after 34 s on an H200 before "
+                    "fast_tier.fp8_precompilable)"
                 )
                 continue
             # Traced as the calls run (inference tensors or not): torch's tensor guards check it.
