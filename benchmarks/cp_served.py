@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import free_port, stop_session
-from benchmarks.cp_tradeoff import Layout, check_layout, check_outputs, request_body, serve_command
+from benchmarks.cp_tradeoff import Layout, check_layout, request_body, serve_command, timed_request
 from benchmarks.train_recipes import model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ COLUMNS = [  # (key, header, format)
     ("latency_s", "latency s", ".2f"),
     ("speedup_vs_k1", "speedup", ".2f"),
     ("efficiency", "speedup / k", ".2f"),
-    ("inference_s", "server s", ".2f"),
+    ("latency_inference_s", "server s", ".2f"),
     ("ready_s", "start s", ".1f"),
     ("equal_to_k1", "equal to k1", ""),
     ("outputs_ok", "outputs ok", ""),
@@ -130,7 +130,6 @@ def serve_once(
     import httpx
 
     from benchmarks.common import post_rollout
-    from diffusion_rollout import lean
     from diffusion_rollout.client import RolloutClient
 
     port = free_port()
@@ -157,15 +156,10 @@ def serve_once(
                 http, {**body, "num_outputs_per_prompt": 1, "num_inference_steps": 1, "seed": 10_000}
             )
             row["warmup_s"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            decoded, size = post_rollout(http, {**body, "seed": 1})
-            results = lean.from_lean(decoded)
-            row["latency_s"] = time.perf_counter() - t1
-        row["inference_s"] = max(float(r.get("inference_time_s") or 0.0) for r in results)
-        row["response_mb"] = size / 1e6
-        row.update(check_outputs(results, body))
+        results, timed = timed_request(url, body)
+        row.update(timed)
         tensors = kept(results)
-        del decoded, results
+        del results
         with RolloutClient(url, timeout=60.0) as client:
             row.update(check_layout(Layout(1, k), client.server_info(), cuda=not args.cpu))
     except Exception as exc:  # one layout failing must not hide the others' figures
@@ -204,8 +198,8 @@ def run_case(case: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         if base and r.get("latency_s"):
             r["speedup_vs_k1"] = base["latency_s"] / r["latency_s"]
             r["efficiency"] = r["speedup_vs_k1"] / r["k"]
-            if r.get("inference_s") and base.get("inference_s"):
-                r["inference_speedup_vs_k1"] = base["inference_s"] / r["inference_s"]
+            if r.get("latency_inference_s") and base.get("latency_inference_s"):
+                r["inference_speedup_vs_k1"] = base["latency_inference_s"] / r["latency_inference_s"]
     return rows
 
 
@@ -250,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else "cuda"
     settings = {**vars(args), "work": str(args.work), "runs": phases(args.gpus, args.overlap)}
     notes = ["latency_s: one Flow-GRPO request alone after one warm-up request, from the request to its "
-             "decoded answer; inference_s: the server's own time for it; speedup_vs_k1: k = 1's latency_s "
+             "decoded answer; latency_inference_s: the server's own time for it; speedup_vs_k1: k = 1's latency_s "
              "over this row's; vs_k1: each compared field equal to k = 1's (torch.equal) and its max |diff|; "
              "beside: the k that ran at the same time on other GPUs"]  # fmt: skip
     name = "cp_served" + (f"_{args.tag}" if args.tag else "")

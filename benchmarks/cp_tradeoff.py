@@ -228,13 +228,34 @@ def check_layout(layout: Layout, info: dict[str, Any], cuda: bool) -> dict[str, 
     return out
 
 
+def timed_request(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One Flow-GRPO group request alone, as a trainer sends and reads it: (its decoded outputs;
+    ``latency_s`` until they are decoded, the server's ``latency_inference_s``, ``response_mb`` and
+    :func:`check_outputs`'s fields)."""
+    import httpx
+
+    from benchmarks.common import post_rollout
+    from diffusion_rollout import lean
+
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0)) as http:
+        t0 = time.perf_counter()
+        decoded, size = post_rollout(http, {**body, "seed": 1})
+        results = lean.from_lean(decoded)
+        latency = time.perf_counter() - t0
+    fields = {
+        "latency_s": latency,
+        "latency_inference_s": max(float(r.get("inference_time_s") or 0.0) for r in results),
+        "response_mb": size / 1e6,
+        **check_outputs(results, body),
+    }
+    return results, fields
+
+
 def run_layout(
     layout: Layout, folder: Path, body: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    import httpx
 
-    from benchmarks.common import RemoteClients, post_rollout
-    from diffusion_rollout import lean
+    from benchmarks.common import RemoteClients
     from diffusion_rollout.client import RolloutClient
 
     port = free_port()
@@ -261,15 +282,9 @@ def run_layout(
         small = {**body, "num_outputs_per_prompt": 1, "num_inference_steps": 1}
         warm = remote.run([{**small, "seed": 10_000 + i} for i in range(args.gpus)], args.gpus)
         row["warmup_s"] = warm["seconds"]
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0)) as http:
-            t1 = time.perf_counter()
-            decoded, size = post_rollout(http, {**body, "seed": 1})
-            results = lean.from_lean(decoded)
-            row["latency_s"] = time.perf_counter() - t1
-        row["latency_inference_s"] = max(float(r.get("inference_time_s") or 0.0) for r in results)
-        row["response_mb"] = size / 1e6
-        row.update(check_outputs(results, body))
-        del decoded, results
+        results, timed = timed_request(url, body)
+        row.update(timed)
+        del results
         bodies = [{**body, "prompt": f"{GRPO_PROMPT}, variation {i}", "seed": 1000 * (i + 1)}
                   for i in range(args.requests)]  # fmt: skip
         reply = remote.run(bodies, args.clients)
