@@ -74,6 +74,13 @@ def phases(gpus: int, overlap: bool) -> list[list[tuple[int, list[int]]]]:
     return runs
 
 
+def visible_devices(gpu_ids: list[int], outer: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a server on ``gpu_ids``, indices into this process's GPUs: the
+    outer setting's entries when there is one (``CUDA_VISIBLE_DEVICES=4,5,6,7`` runs on those)."""
+    names = [x.strip() for x in outer.split(",") if x.strip()] if outer else None
+    return ",".join(names[i] if names else str(i) for i in gpu_ids)
+
+
 def _tensors(value: Any) -> list[Any]:
     import torch
 
@@ -139,7 +146,7 @@ def serve_once(
     if args.cpu:
         env.setdefault("OMP_NUM_THREADS", "1")
     else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
     print(f"[cp_served] {model} k={k} on {gpu_ids}: {' '.join(cmd)}", flush=True)
     row: dict[str, Any] = {"k": k, "gpu_ids": gpu_ids, "cp_mode": args.cp_mode if k > 1 else None,
                            "command": cmd[cmd.index("serve") :]}  # fmt: skip

@@ -273,6 +273,15 @@ def test_cp_served_runs_of_each_gpu_count():
     assert phases(2, overlap=True) == [[(1, [0])], [(2, [0, 1])]]  # 1 + 2 GPUs do not fit on 2
 
 
+def test_cp_served_servers_see_their_gpus_through_an_outer_setting():
+    """A run under ``CUDA_VISIBLE_DEVICES=4,5,6,7`` puts k = 2's server (indices 1-2) on GPUs 5 and 6."""
+    from benchmarks.cp_served import visible_devices
+
+    assert visible_devices([1, 2], None) == "1,2"
+    assert visible_devices([1, 2], "4,5,6,7") == "5,6"
+    assert visible_devices([0], "GPU-aa, GPU-bb") == "GPU-aa"
+
+
 def test_cp_served_comparison_names_the_field_that_differs():
     """``cp_served.compare``: equal answers are equal; one log-prob changed, one video pixel off by 3
     or a missing trajectory makes that field (and the whole) unequal with its |diff|."""
