@@ -308,28 +308,53 @@ def test_cp_served_comparison_names_the_field_that_differs():
     assert not missing["equal"] and missing["dit_trajectory"]["max_abs_diff"] is None
 
 
-def test_cp_served_dry_run(tmp_path, tiny_model_path):
-    """One served rollout at k = 1 and k = 2 on the CPU (mirror mode), each from the CLI server: the
-    answers are checked, k = 2's equal k = 1's field by field, and the row carries the speedup."""
+def test_cp_served_runs_every_k_and_compares_it_with_k1(tmp_path, tiny_model_path, monkeypatch):
+    """``cp_served.main`` over its runs, each server stood in by a fake ``serve_once`` (the CLI path it
+    drives, ``serve_command``, ``timed_request`` and ``check_layout``, runs for real in the
+    ``cp_tradeoff`` dry run above; ``cp_served`` itself ran on 4x H200, ``cp-served-video``): the rows
+    carry k, what ran beside them, the speedup and efficiency over k = 1, and the comparison with
+    k = 1's tensors; a k whose answer differs is not equal (the run stays ok: its outputs were well
+    formed), and the JSON is written."""
+    import torch
+
     from benchmarks import cp_served
 
     work = tmp_path / "w"
     (work / "models").mkdir(parents=True)
     (work / "models" / "tiny-wan").symlink_to(tiny_model_path("wan"), target_is_directory=True)
-    argv = ["--cases", "tiny-wan", "--cpu", "--out", str(tmp_path), "--work", str(work), "--steps", "2"]
+    seen = []
+
+    def fake_serve_once(model, folder, k, gpu_ids, body, args):
+        seen.append((k, gpu_ids, body["num_inference_steps"], body["num_outputs_per_prompt"]))
+        lp = torch.tensor([-1.0, -2.0]) if k != 4 else torch.tensor([-1.0, -2.5])
+        out = [{"generated_output": torch.zeros(3, 5, 32, 32, dtype=torch.uint8), "rollout_log_probs": lp,
+                "dit_trajectory": torch.ones(3, 4)}]  # fmt: skip
+        row = {"k": k, "gpu_ids": gpu_ids, "latency_s": 8.0 / k**0.5, "latency_inference_s": 6.0 / k**0.5,
+               "outputs_ok": True, "layout_ok": True, "exit_code": 0}  # fmt: skip
+        return row, cp_served.kept(out)
+
+    monkeypatch.setattr(cp_served, "serve_once", fake_serve_once)
+    argv = [
+        "--cases",
+        "tiny-wan",
+        "--cpu",
+        "--gpus",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--work",
+        str(work),
+        "--tag",
+        "t",
+    ]
     assert cp_served.main(argv) == 0
-    doc = json.loads((tmp_path / "cp_served.json").read_text())
-    assert (
-        doc["benchmark"] == "cp_served"
-        and doc["ok"]
-        and doc["settings"]["runs"] == [[[1, [0]]], [[2, [0, 1]]]]
-    )
-    k1, k2 = doc["results"]
-    assert (k1["k"], k2["k"], k1["steps"], k2["beside"]) == (1, 2, 2, [])
-    assert "--context-parallel" not in k1["command"] and k2["command"][-2:] == ["--context-parallel", "2"]
-    for row in (k1, k2):
-        assert "error" not in row and row["exit_code"] == 0 and row["outputs_ok"] and row["layout_ok"], row
-        assert row["latency_s"] > 0 and row["ready_s"] > 0 and row["equal_to_k1"] is True
-        assert all(row["vs_k1"][f]["tensors"] >= 1 for f in ("generated_output", "rollout_log_probs"))
-    assert k2["context_parallel"]["ranks"] == 2 and k2["context_parallel"]["follower_forwards"][0] > 0
-    assert k2["speedup_vs_k1"] == k1["latency_s"] / k2["latency_s"] and k1["speedup_vs_k1"] == 1.0
+    assert seen == [(1, [0], 4, 1), (2, [0, 1], 4, 1), (4, [0, 1, 2, 3], 4, 1)]  # defaults: 4 steps, 1 video
+    doc = json.loads((tmp_path / "cp_served_t.json").read_text())
+    assert doc["settings"]["overlap"] is False and len(doc["settings"]["runs"]) == 3  # one at a time on a CPU
+    k1, k2, k4 = doc["results"]
+    assert (k1["beside"], k2["beside"], k4["beside"], k4["model"], k4["steps"]) == ([], [], [], "tiny-wan", 4)
+    assert k1["speedup_vs_k1"] == 1.0 and abs(k2["speedup_vs_k1"] - 2**0.5) < 1e-12
+    assert abs(k4["efficiency"] - 0.5) < 1e-12 and abs(k4["inference_speedup_vs_k1"] - 2.0) < 1e-12
+    assert k1["equal_to_k1"] and k2["equal_to_k1"] and not k4["equal_to_k1"]
+    assert k4["vs_k1"]["rollout_log_probs"] == {"equal": False, "max_abs_diff": 0.5, "tensors": 1}
+    assert k4["vs_k1"]["generated_output"]["equal"] and doc["ok"] is True

@@ -79,25 +79,6 @@ def test_an_artifact_that_assumed_an_even_batch_is_caught_before_it_is_saved(tmp
     assert pre._verify(even_only, block, one, traced=1) is None  # a static trace of batch 1: that batch only
 
 
-def test_saves_and_loads_with_torchs_aot_compile_flag_off_as_torch_2_11_ships_it(tmp_path):
-    """torch 2.11 ships ``torch._dynamo.config.enable_aot_compile = False``, and then ``torch.compile(fn)``
-    has no ``.aot_compile`` (what the first GPU run reported in ``why_not``); the save and the load
-    turn the flag on for themselves, and the loaded artifact computes what the ordinary path does."""
-    torch.manual_seed(0)
-    block = Block()
-    block.compile(dynamic=False)
-    pre = PrecompiledBlocks(tmp_path)
-    pre.attach([block])
-    x = torch.randn(2, 3, 4)
-    with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
-        expected = block(x)  # the warm-up's call, captured
-        assert pre.save() == 1 and pre.why_not is None, pre.why_not
-        again = PrecompiledBlocks(tmp_path)
-        again.attach([block])
-        assert again.load() == 1 and again.active
-        assert torch.equal(block(x), expected) and again.report()["calls"] == 1
-
-
 class _Marked(torch.Tensor):
     """A tensor subclass holding weights that nothing made savable (unlike torchao's Float8Tensor)."""
 
@@ -138,8 +119,11 @@ class Fp8Block(torch.nn.Module):
 def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_path, monkeypatch):
     """torchao's Float8Tensor weights (the fast tier's), quantized as ``fast_tier.quantize_fp8`` does on
     the CPU (torchao's float8 hardware check bypassed, as ``benchmarks/dynamo_trace_cpu.py`` does):
-    without ``fast_tier.fp8_precompilable`` Dynamo's guard serializer refuses them, with it the
-    artifact saves, loads in a fresh table and computes bit for bit what the ordinary path does."""
+    without ``fast_tier.fp8_precompilable`` they are skipped, with it the artifact saves, loads in a
+    fresh table and computes bit for bit what the ordinary path does. All under torch's
+    ``enable_aot_compile = False``, as torch 2.11 ships it (``torch.compile(fn)`` then has no
+    ``.aot_compile``: what the first GPU run reported in ``why_not``); the save and the load turn the
+    flag on for themselves."""
     import torchao.float8.inference as float8_inference
     import torchao.quantization.quant_api as quant_api
     from torchao.quantization import quantize_
@@ -167,7 +151,7 @@ def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_
     assert "extra_repr" not in vars(block.proj)
     pre = PrecompiledBlocks(tmp_path / "after")
     pre.attach([block])
-    with torch.inference_mode():
+    with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
         expected = block(x)
         assert pre.save() == 1 and pre.not_saved == 0, pre.why_not
         again = PrecompiledBlocks(tmp_path / "after")
