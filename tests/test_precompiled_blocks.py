@@ -124,7 +124,7 @@ class Fp8Block(torch.nn.Module):
 
 
 # scripts/test.sh installs torchao here, outside the environment: installed, it is imported by diffusers
-# in every process (0.3-0.7 s each), about a minute over the suite's servers.
+# in every process (0.3-0.7 s each).
 TORCHAO_DIR = Path(__file__).resolve().parents[1] / ".test-extras" / "torchao"
 
 
