@@ -242,13 +242,26 @@ def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class PaddedLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` with :func:`_padded_forward`. A class, not a forward bound to each instance:
+    Dynamo's serializer (server/precompiled_blocks.py) names a bound method by its function's name
+    and then looks it up on the module, which an instance-bound ``_padded_forward`` fails ("'Linear'
+    object has no attribute '_padded_forward'": every SD3.5 block unsaved on an H100, 31 s lost)."""
+
+    forward = _padded_forward
+
+
 def pad_small_inputs(model: torch.nn.Module, names: list[str]) -> None:
-    """Give each FP8 linear of ``names`` the padded forward, bound to it as an instance attribute:
-    the module, its parameters and its path stay as they are (weight updates, LoRA layers that wrap
-    it), and a deep copy of the model rebinds it to the copied linear."""
+    """Make each FP8 linear of ``names`` a :class:`PaddedLinear` (its class swapped in place): the
+    module, its parameters and its path stay as they are (weight updates, LoRA layers that wrap it,
+    ``isinstance(m, torch.nn.Linear)``), and a deep copy keeps it. A linear of another subclass gets
+    the padded forward bound to it instead (its blocks are then not precompiled)."""
     for fqn in names:
         linear = model.get_submodule(fqn)
-        linear.forward = types.MethodType(_padded_forward, linear)
+        if type(linear) is torch.nn.Linear:
+            linear.__class__ = PaddedLinear
+        else:
+            linear.forward = types.MethodType(_padded_forward, linear)
 
 
 def requantize_fp8(values: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
