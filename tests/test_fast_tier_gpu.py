@@ -26,6 +26,7 @@ import torch
 
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
 from diffusion_rollout.server import fast_tier
+from diffusion_rollout.server.precompiled_blocks import rel_diff
 
 pytestmark = pytest.mark.gpu
 
@@ -116,7 +117,7 @@ def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_lin
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])
-def test_a_restart_runs_precompiled_blocks_bit_identical_to_the_traced_ones(
+def test_a_restart_runs_precompiled_blocks_matching_the_traced_ones(
     fresh_server, tmp_path, request, quantize
 ):
     """The precompiled blocks (server/precompiled_blocks.py) with ``--compile`` on the GPU, and with
@@ -124,8 +125,9 @@ def test_a_restart_runs_precompiled_blocks_bit_identical_to_the_traced_ones(
     and compiles a graph only for a kind of call the save refused, and its rollouts equal those of the
     ordinary compiled path it takes once they are off (as after any weight change). On 4x H200 (torch
     2.11) without FP8, the save's batch check refused one of the tiny SD3's kinds ("its output at
-    batch 5 differs"), and the restart compiled that one graph; with FP8 nothing had saved before the
-    serializer fixes, and they have not run on a GPU yet."""
+    batch 5 differs"), and the restart compiled that one graph; with FP8 (H100) this test passed with
+    every kind saved. Where the save accepted a rounding difference (``max_rel_diff`` > 0: SD3.5-medium
+    with FP8 on an H100), the rollouts match within a relative L2 of 5e-2, else bit for bit."""
     config = dict(device="cuda", dtype="bfloat16", compile=True, compile_cache=str(tmp_path))
     if quantize:
         _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
@@ -147,6 +149,12 @@ def test_a_restart_runs_precompiled_blocks_bit_identical_to_the_traced_ones(
     server.engine.invalidate_captures()  # what every weight or LoRA change calls
     assert server.client.get("/server_info").json()["speed"]["compile"]["precompiled"]["active"] is False
     traced = server.generate(body)
+    exact = saved.get("max_rel_diff", 0.0) == 0.0
     for a, b in zip(precompiled, traced, strict=True):
         tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
-        assert tensors and all(torch.equal(a[k], b[k]) for k in tensors), tensors
+        assert tensors, a.keys()
+        for k in tensors:
+            if exact or not a[k].is_floating_point():
+                assert torch.equal(a[k], b[k]), k
+            else:
+                assert rel_diff(a[k], b[k]) <= 5e-2, (k, rel_diff(a[k], b[k]))

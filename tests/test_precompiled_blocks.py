@@ -78,12 +78,32 @@ def test_an_artifact_that_assumed_an_even_batch_is_caught_before_it_is_saved(tmp
     described = _describe(((torch.zeros(4, 3, 4),), {}))
     assert pre._verify(lambda blk, x: x * 2, block, described, traced=4) is None
 
+    assert pre.max_rel_diff == 0.0  # bit for bit
+
     def even_only(blk, x):  # what a graph specialised on an even batch would compute for an odd one
-        return x * 2 + 1e-3 if x.shape[0] == 3 else x * 2
+        return (x * 2).flip(0) if x.shape[0] == 3 else x * 2  # its rows mixed up
 
     assert "batch 3 differs" in pre._verify(even_only, block, described, traced=4)
     one = _describe(((torch.zeros(1, 3, 4),), {}))
     assert pre._verify(even_only, block, one, traced=1) is None  # a static trace of batch 1: that batch only
+
+
+def test_an_artifact_that_differs_by_rounding_is_saved_with_the_difference_reported(tmp_path):
+    """On GPUs the ahead-of-time compile may pick other kernels than the ordinary one (SD3.5 with FP8
+    on an H100: every kind of block differed in its last bits): a difference at bfloat16's rounding
+    passes and is reported, one over MAX_REL_DIFF (or a NaN) does not."""
+    from diffusion_rollout.server.precompiled_blocks import MAX_REL_DIFF, _describe
+
+    block = Block()
+    block._compiled_call_impl = lambda x: x * 2
+    pre = PrecompiledBlocks(tmp_path)
+    pre.attach([block])
+    described = _describe(((torch.zeros(4, 3, 4),), {}))
+    rounded = pre._verify(lambda blk, x: (x * 2).bfloat16().float(), block, described, traced=4)
+    assert rounded is None and 0 < pre.max_rel_diff < MAX_REL_DIFF
+    assert pre.report()["max_rel_diff"] == pre.max_rel_diff
+    assert "relative L2" in pre._verify(lambda blk, x: x * 2.1, block, described, traced=4)
+    assert "relative L2 nan" in pre._verify(lambda blk, x: x * float("nan"), block, described, traced=4)
 
 
 class _Marked(torch.Tensor):
