@@ -86,6 +86,8 @@ _FACTS: dict[str, Any] | None = None
 
 def facts(device: str) -> dict[str, Any]:
     """Device, commit, versions, host: collected once per process."""
+    from diffusion_rollout.entrypoints.cli import missing_bytecode
+
     global _FACTS
     if _FACTS is None or _FACTS["device"] != device:
         info: dict[str, Any] = {
@@ -95,6 +97,8 @@ def facts(device: str) -> dict[str, Any]:
             "versions": versions(),
             "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
             "torch_threads": torch.get_num_threads(),
+            # Start-up figures depend on it (RESULTS fast-start-bytecode): None when byte code is fine.
+            "python_bytecode": missing_bytecode(),
         }
         if device.startswith("cuda"):
             props = torch.cuda.get_device_properties(device)

@@ -202,3 +202,26 @@ def test_parsing_serve_leaves_the_tiny_builders_unimported():
     )
     assert wrong.returncode == 2
     assert "'nope' is not one of sd3, flux," in wrong.stderr and "wan2.2-ti2v-i2v" in wrong.stderr
+
+
+def test_serve_names_a_start_up_slowed_by_missing_python_byte_code(tmp_path, monkeypatch):
+    """An image that ships no byte code and sets PYTHONDONTWRITEBYTECODE recompiled the server's imports
+    at every start (about 10 s on an H100 host, RESULTS fast-start-bytecode): serve says so, with the
+    fix, and says nothing once the byte code is there or may be written."""
+    import py_compile
+
+    from diffusion_rollout.entrypoints.cli import missing_bytecode
+
+    pkg = tmp_path / "slowpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    why = missing_bytecode("slowpkg")
+    assert why is not None and "PYTHONPYCACHEPREFIX" in why and "slowpkg" in why
+    assert "slowpkg" not in sys.modules  # the check imports nothing
+    py_compile.compile(str(pkg / "__init__.py"))  # what pip's install-time byte-compile writes
+    assert missing_bytecode("slowpkg") is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    (pkg / "__pycache__").rename(tmp_path / "gone")
+    assert missing_bytecode("slowpkg") is None  # the first start writes it

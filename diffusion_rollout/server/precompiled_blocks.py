@@ -33,9 +33,10 @@ Design decisions:
 - **FP8 weights.** On an H200 (torch 2.11, torchao 0.18), saving blocks with torchao's
   ``Float8Tensor`` weights failed in Dynamo's guard serializer after 34 s of tracing, as the subclass
   has no ``empty_like``; on a CPU, past that, the instance ``extra_repr`` that ``quantize_`` binds to
-  each linear could not be pickled.
-  ``fast_tier.fp8_precompilable`` mends both and allows the subclass here; on a CPU (torch 2.13)
-  such a block now saves, loads and computes bit for bit what the ordinary path does. Weights of any
+  each linear could not be pickled, and on an H100 the padded forward bound to each FP8 linear could
+  not be named. ``fast_tier.fp8_precompilable`` mends the first two and allows the subclass here;
+  ``fast_tier.PaddedLinear`` makes the padding a class. An SD3.5 restart then loaded all three kinds
+  of block and its warm-up took 1.9 s (H100, benchmarks/RESULTS.md#fast-start-warm). Weights of any
   other tensor subclass are skipped up front (``why_not``).
 """
 
