@@ -21,7 +21,8 @@ before each server, as a training job's trainer is already up: the first answer'
 server's. GPU: about 6 minutes for the four runs on an H100 (SD3.5-medium built once under
 ``--work``, about 30 s; byte-compile a ``--no-compile`` install first, or every process compiles the
 sources it imports: on an image that sets ``PYTHONDONTWRITEBYTECODE=1``, unset it and set
-``PYTHONPYCACHEPREFIX``, RESULTS ``fast-start-bytecode``; ``facts.python_bytecode`` records it); the runs can also be split over calls on the same machine, sharing ``--work``::
+``PYTHONPYCACHEPREFIX``, RESULTS ``fast-start-bytecode``; ``facts.python_bytecode`` records it); the
+runs can also be split over calls on the same machine, sharing ``--work``::
 
     python -m benchmarks.fast_start --device cuda --out $OUT
     python -m benchmarks.fast_start --device cuda --runs fast_cold --out $OUT

@@ -417,6 +417,7 @@ def test_fp8_linears_pad_inputs_of_few_rows(rows, monkeypatch):
     x = torch.randn(1, rows, 64)
     plain = model(x)
     fast_tier.pad_small_inputs(model, ["0"])  # the first linear only, as a plan would name it
+    assert type(model[0]) is fast_tier.PaddedLinear and type(model[1]) is torch.nn.Linear
     seen: list[tuple[int, ...]] = []
     linear = torch.nn.functional.linear
 

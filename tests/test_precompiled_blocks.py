@@ -104,6 +104,9 @@ def test_an_artifact_that_differs_by_rounding_is_saved_with_the_difference_repor
     assert pre.report()["max_rel_diff"] == pre.max_rel_diff
     assert "relative L2" in pre._verify(lambda blk, x: x * 2.1, block, described, traced=4)
     assert "relative L2 nan" in pre._verify(lambda blk, x: x * float("nan"), block, described, traced=4)
+    ints = _describe(((torch.zeros(4, 3, 4, dtype=torch.int64),), {}))  # no rounding excuse: must be equal
+    block._compiled_call_impl = lambda x: x * 2
+    assert "relative L2 inf" in pre._verify(lambda blk, x: x * 2 + 1, block, ints, traced=4)
 
 
 class _Marked(torch.Tensor):
@@ -183,6 +186,7 @@ def _fp8_check(tmp_path: Path) -> None:
     with torch.inference_mode():
         quantize_(block, fast_tier.fp8_config())
     fast_tier.pad_small_inputs(block, ["proj"])  # as quantize_fp8 does: x's 32 rows reach it padded
+    assert type(block.proj) is fast_tier.PaddedLinear
     assert type(block.proj.weight).__name__ == "Float8Tensor"
     block.compile(dynamic=False)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
@@ -200,6 +204,7 @@ def _fp8_check(tmp_path: Path) -> None:
     with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
         expected = block(x)
         assert pre.save() == 1 and pre.not_saved == 0, pre.why_not
+        assert pre.max_rel_diff == 0.0  # on the CPU the saved artifact is bit-identical, not merely close
         again = PrecompiledBlocks(tmp_path / "after")
         again.attach([block])
         assert again.load() == 1 and again.active
