@@ -230,8 +230,8 @@ def check_layout(layout: Layout, info: dict[str, Any], cuda: bool) -> dict[str, 
 
 def timed_request(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One Flow-GRPO group request alone, as a trainer sends and reads it: (its decoded outputs;
-    ``latency_s`` until they are decoded, the server's ``latency_inference_s``, ``response_mb`` and
-    :func:`check_outputs`'s fields)."""
+    ``latency_s`` until they are decoded, the server's ``latency_inference_s``, ``response_mb``,
+    ``peak_memory_gib`` and :func:`check_outputs`'s fields)."""
     import httpx
 
     from benchmarks.common import post_rollout
@@ -242,10 +242,14 @@ def timed_request(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]],
         decoded, size = post_rollout(http, {**body, "seed": 1})
         results = lean.from_lean(decoded)
         latency = time.perf_counter() - t0
+    peaks = [r["peak_memory_mb"] for r in results if r.get("peak_memory_mb")]
     fields = {
         "latency_s": latency,
         "latency_inference_s": max(float(r.get("inference_time_s") or 0.0) for r in results),
         "response_mb": size / 1e6,
+        # rank 0's torch.cuda.max_memory_allocated over the batch (None on a CPU): what a layout
+        # whose one GPU runs the whole group must fit
+        "peak_memory_gib": max(peaks) / 1024 if peaks else None,
         **check_outputs(results, body),
     }
     return results, fields

@@ -12,4 +12,7 @@ python3 -m pip install -q -e ".[test]"
 python3 -m pip install -q --no-deps --upgrade --target .test-extras/torchao "torchao>=0.18" \
   || echo "torchao not installed under .test-extras: the FP8 precompile test will skip"
 ruff check .
-python3 -m pytest -q "$@"
+# Two workers (pytest-xdist), whole files each, the slowest files first (tests/conftest.py): the
+# suite is mostly one busy core at a time, so this roughly halves it on two cores. `-n 0` runs it in
+# one process.
+python3 -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -20,6 +20,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Under pytest-xdist (scripts/test.sh runs two workers) every worker gets its own Ray temp dir: a
+# plain `ray.init()` joins the cluster named in `<RAY_TMPDIR>/ray/ray_current_cluster`, so without
+# this one worker's `ray start --head` (tests/test_cluster_multinode.py) would capture the other
+# worker's Ray tests. Short, because Ray's unix socket paths must fit 107 bytes.
+if os.environ.get("PYTEST_XDIST_WORKER") and "RAY_TMPDIR" not in os.environ:
+    os.environ["RAY_TMPDIR"] = f"/tmp/dr-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 import threading
 from collections.abc import Callable
@@ -33,12 +40,31 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Files with more ``slow`` tests run first, each file's tests in their own order.
+
+    scripts/test.sh hands whole files to two xdist workers in this order (``--dist loadfile
+    --no-loadscope-reorder``): the long files start at once and the short ones fill the end, so the
+    two workers finish close together instead of one waiting on a long file picked last.
+    """
+
+    def path(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[path(item)] = slow.get(path(item), 0) + (item.get_closest_marker("slow") is not None)
+    first_seen = {p: i for i, p in enumerate(dict.fromkeys(path(item) for item in items))}
+    items.sort(key=lambda item: (-slow[path(item)], first_seen[path(item)]))
 
 
 @pytest.fixture(scope="session")

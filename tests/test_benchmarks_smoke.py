@@ -33,6 +33,7 @@ def _doc(path, name, benchmark=None):
     return doc
 
 
+@pytest.mark.slow
 def test_ode_regression_every_family_bit_exact(tmp_path, capsys):
     assert ode_regression.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
     doc = _doc(tmp_path, "ode_regression")
@@ -83,6 +84,7 @@ def test_throughput(tmp_path):
     assert "grpo_vs_stock_batched" in doc["targets"]
 
 
+@pytest.mark.slow
 def test_weight_sync(tmp_path):
     argv = [
         "--device", "cpu", "--models", "tiny-flux", "--lora-rank", "4", "--lora-reps", "2",
@@ -106,6 +108,7 @@ def test_weight_sync(tmp_path):
     assert doc["ok"], doc["notes"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gpu_suite_dry_run_on_tiny_models(tmp_path):
     argv = ["--device", "cpu", "--tiny", "--no-compile", "--no-wan", "--out", str(tmp_path)]
@@ -275,6 +278,7 @@ def test_speed_options_grpo_lanes_tiny(tmp_path):
     assert gate["exact"] and gate["max_abs_diff"] == 0.0
 
 
+@pytest.mark.slow
 def test_train_recipes_tiny_runs(tmp_path):
     """The recipe runner on the tiny SD3 model: each recipe in its own process (the server layout
     starts ``diffusion-rollout serve`` as a subprocess), from a model folder saved under ``--work``."""
@@ -297,6 +301,7 @@ def test_train_recipes_tiny_runs(tmp_path):
     assert served["final_adapter_checksum"] == served["server_adapter_checksum"]
 
 
+@pytest.mark.slow
 def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
     """The GPU command of ``replica_push`` on CPU replicas: the CLI server with two Ray replicas,
     verified pushes through the replicas' own ports and through the object store."""
@@ -330,6 +335,7 @@ def test_fast_tier_figure_waits_for_its_run_and_draws_both_axes(tmp_path):
     assert png.name == "reward_fast_tier.png" and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.slow
 def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
     """The one-GPU video-vs-stock command (issue #27) on a tiny video model with one video per
     request (HunyuanVideo 1.5's stock decode): every variant of both default phases against stock.
@@ -360,6 +366,7 @@ def test_video_grpo_dry_run_on_tiny_video_families(tmp_path):
         assert not any("equal_priority" in r["variant"] for r in iteration)  # an image-lane experiment
 
 
+@pytest.mark.slow
 def test_video_grpo_phases_and_profile(tmp_path):
     """``--phases grpo_iteration,grpo_fast,drift --profile --whole-messages --fresh-memory
     --socket-answers``: the iteration (with the unsliced answer's variant, and the trainers decoding

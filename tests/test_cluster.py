@@ -158,6 +158,7 @@ def test_concurrent_rollouts_spread_over_both_replicas(cluster):
     assert float(total.split()[-1]) == sum(per) >= 16
 
 
+@pytest.mark.slow
 def test_a_replica_runs_pipeline_lanes(cluster, tiny_model_path):
     # Beside the module's two replicas (which hold Ray's 2 CPUs), one replica at a time without a
     # CPU reserved: one lane, then two. Both get the same thread settings from Ray, so their outputs
@@ -649,6 +650,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(cluster, served):
     """Issue #42 item 3. After a LoRA push, then after a full-weight push, one replica's process is
     SIGKILLed while it is idle (the front learns of it only from the next call). Requests sent

@@ -115,6 +115,7 @@ def test_placement_option_is_validated_and_documented(capsys):
         main(["serve", "--placement", "pack"])
 
 
+@pytest.mark.slow
 def test_placement_spread_and_pack_on_two_nodes(tiny_model_path):
     """Two CPUs per node: both replicas fit on one node, so only --placement decides."""
     model = tiny_model_path("sd3")
@@ -136,6 +137,7 @@ def test_placement_spread_and_pack_on_two_nodes(tiny_model_path):
 
 # spread only (the suite's time): a replica Ray restarts without a placement group is what
 # tests/test_cluster.py's replica kills cover; spread adds its bundle moving to a node added back.
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["spread"])
 def test_a_node_lost_under_load_loses_no_request_and_the_replica_comes_back(
     tiny_model_path, served, placement
@@ -226,6 +228,7 @@ def _restore(path: Path, content: bytes | None) -> None:
         path.write_bytes(content)
 
 
+@pytest.mark.slow
 def test_documented_multi_host_commands_run_two_nodes(tiny_model_path, tmp_path):
     """The documented commands, run as they are on one host: the head and the joining node as real
     ``ray start`` processes (one CPU each, so the replicas land on both), then ``serve`` on them.

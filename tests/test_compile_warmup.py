@@ -129,6 +129,7 @@ def compiled_servers(tiny_model_path, tmp_path_factory):
         s.stop()
 
 
+@pytest.mark.slow
 def test_a_compiled_server_is_ready_only_after_its_warmup(compiled_servers):
     server = compiled_servers(0)
     assert server.warming, "never saw the warming state"
@@ -198,6 +199,7 @@ def test_without_warmup_profile_nothing_is_profiled_or_written(compiled_servers)
     assert written == [], written
 
 
+@pytest.mark.slow
 def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_servers):
     cold = compiled_servers(0).info()["speed"]["compile"]
     warm = compiled_servers(1).info()["speed"]["compile"]
@@ -423,6 +425,7 @@ def test_a_call_summary_waits_for_the_worker_to_leave_the_call(tmp_path):
     assert {Path(f).name for f in profile.files} == {"warmup_call_1.txt", "warmup_call_1.pstats"}
 
 
+@pytest.mark.slow
 def test_a_restart_runs_the_precompiled_blocks_equal_to_the_traced_ones_until_the_weights_change(
     compiled_servers,
 ):

@@ -330,6 +330,7 @@ def test_a_split_vae_needs_ranks_and_a_wan_vae_naming_the_field():
         start_for(engine)
 
 
+@pytest.mark.slow
 def test_a_ray_replica_runs_its_own_follower(tiny_model_path, served):
     """``--replicas 1 --context-parallel 2``: the replica actor spawns the follower and serves as k = 1."""
     import ray

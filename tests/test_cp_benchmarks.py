@@ -12,6 +12,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_context_parallel_image_to_video_harness_on_cpu(tmp_path):
     """Wan 2.1 I2V (CLIP image tokens) and TI2V-5B image-to-video (per-token timesteps) through the
     benchmark's k = 1 call and transformer call on two gloo ranks; CP itself is skipped on the CPU."""
@@ -53,6 +54,7 @@ def test_wan21_i2v_14b_builder_architecture():
     assert tuple(embeds.shape) == (1, 257, 1280)
 
 
+@pytest.mark.slow
 def test_cp_tradeoff_dry_run_both_layouts(tmp_path, tiny_model_path):
     """The trade-off command on the CPU for two "GPUs": the CLI server with two CPU Ray replicas
     (``2x1``), then with ``--context-parallel 2`` (``1x2``, mirror mode), each under the same

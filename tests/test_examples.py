@@ -211,6 +211,7 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint(examples, 
     assert _rewards(straight) == _rewards(resumed)
 
 
+@pytest.mark.slow
 def test_flow_grpo_stops_when_the_server_never_takes_its_weights(examples, monkeypatch, tmp_path):
     """Negative control: pushes after the first only relabel the server's adapter (its weights stay at
     the initial zero adapter). The checksum check catches it, the push is repeated a bounded number of
@@ -323,6 +324,7 @@ def test_plot_reward_curves_writes_a_png(examples, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- Ray
+@pytest.mark.slow
 def test_ray_trainer_places_replicas_and_trains_without_http(tmp_path):
     """The Ray example in its own process (it starts and stops its own Ray instance)."""
     import os

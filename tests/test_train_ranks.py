@@ -45,6 +45,7 @@ def adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint / "trainer.pt", weights_only=True)["adapters"]["default"]
 
 
+@pytest.mark.slow
 def test_two_ranks_make_the_one_rank_batch_and_update(examples, tmp_path):
     """Same seeds: the 2-rank iteration's rewards and advantages equal the 1-rank one's bit for bit,
     the first-step ratio is exactly 1 on both ranks, and the LoRA after the step equals the 1-rank
@@ -76,6 +77,7 @@ def test_two_ranks_make_the_one_rank_batch_and_update(examples, tmp_path):
     assert worst <= 1e-4 * lr, worst
 
 
+@pytest.mark.slow
 def test_two_ranks_async_against_a_ray_pool_agree_on_every_batch_version(tmp_path):
     """--async-depth 1, two ranks, a 2-replica Ray pool started by rank 0 (`serve --replicas 2`):
     every iteration's batches come from one version on every rank, staleness 0 is exact."""
@@ -97,6 +99,7 @@ def test_two_ranks_async_against_a_ray_pool_agree_on_every_batch_version(tmp_pat
     assert run["final_adapter_checksum"] == run["server_adapter_checksum"]
 
 
+@pytest.mark.slow
 def test_full_finetune_fsdp2_syncs_every_replica_with_checksums(tmp_path):
     """--full-finetune on two ranks: the denoiser sharded with FSDP2 (gloo), its full weights
     broadcast to both replicas of a Ray pool after every step, each tensor's hash verified; the
@@ -117,6 +120,7 @@ def test_full_finetune_fsdp2_syncs_every_replica_with_checksums(tmp_path):
     assert run["history"][0]["loss"] != 0.0
 
 
+@pytest.mark.slow
 def test_full_finetune_over_http_on_two_ranks(tmp_path):
     """--weight-sync http (a server on another host): push_weights of the gathered parameters."""
     run = torchrun(
@@ -128,6 +132,7 @@ def test_full_finetune_over_http_on_two_ranks(tmp_path):
     assert all(h["checksum_ok"] is True and h["first_ratio_max_dev"] == 0.0 for h in run["history"])
 
 
+@pytest.mark.slow
 def test_diffusion_nft_two_ranks_match_one_rank(examples, tmp_path):
     """DiffusionNFT's ranks draw the loss noise each group gets in a 1-rank run: same rewards, same
     loss up to float rounding, parity exact, both adapters verified."""
