@@ -687,8 +687,14 @@ def batch1(
 # ---------------------------------------------------------------------------------------------
 # 4. Drift per speed option
 # ---------------------------------------------------------------------------------------------
-def _option_contexts(model: BenchModel, backends, caches, with_compile: bool, fp8: bool = False):
-    """(name, context manager factory, extra body fields, note) per option; compile is last."""
+FP8_ALL_OPTION = "quantize fp8 every linear + regional compile"
+
+
+def _option_contexts(
+    model: BenchModel, backends, caches, with_compile: bool, fp8: bool = False, fp8_all: bool = False
+):
+    """(name, context manager factory, extra body fields) per option; compile is last. ``fp8_all``
+    adds FP8 on every linear not kept by name (``fast_tier.EVERY_LINEAR``), compiled."""
 
     backend = functools.partial(_attention_backend, model)
 
@@ -726,6 +732,8 @@ def _option_contexts(model: BenchModel, backends, caches, with_compile: bool, fp
                     {},
                 )
             )
+        if fp8_all and with_compile:
+            options.append((FP8_ALL_OPTION, lambda: _fp8_compiled(model, every_linear=True), {}))
     return options
 
 
@@ -743,9 +751,11 @@ def drift(
     n: int = 2,
     fp8: bool = False,
     only: Sequence[str] | None = None,
+    fp8_all: bool = False,
 ) -> list[dict[str, Any]]:
     """The drift table: each option's rollout against the eager server's (always first, the
-    reference). ``only``: just these options (by name) beside eager, to split a long run over calls."""
+    reference). ``only``: just these options (by name) beside eager, to split a long run over calls.
+    ``fp8_all`` (with ``fp8``): also every linear not kept by name in FP8, compiled."""
     srv = model.server()
     body = _body(model, num_outputs_per_prompt=n, seed=5, **SDE_ROLLOUT_ENV, lean_response=True)
     body["return_generated_output"] = False
@@ -757,7 +767,7 @@ def drift(
     rows: list[dict[str, Any]] = []
     ref = ref_ode = None
     eager_ms = None
-    options = _option_contexts(model, backends, caches, with_compile, fp8)
+    options = _option_contexts(model, backends, caches, with_compile, fp8, fp8_all=fp8_all)
     if only is not None:
         unknown = sorted(set(only) - {name for name, _, _ in options})
         if unknown:

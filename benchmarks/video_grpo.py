@@ -20,7 +20,9 @@ families' (``speed_options``), side by side in one process, interleaved repeats,
   the JSON says why;
 - ``drift``: the fast tier's rollouts and ODE outputs against the eager server's (``speed_options
   .drift``, only the compiled and FP8 + compiled options beside eager): how far the tier moves a
-  video.
+  video. ``--fp8-all`` adds, to both, every linear not kept by name in FP8 (``fast_tier
+  .EVERY_LINEAR``) beside the family's rule: the measurement that settles a provisional size
+  threshold.
 
 Not in the default phases: the fast tier compiles first (minutes on a GPU). One device call each::
 
@@ -114,7 +116,9 @@ def run(args) -> int:
         fp8_missing = fast_tier_gap(model)
         if "grpo_fast" in phases:
             if fp8_missing is None:
-                fast = speed_options.grpo_fast(model, group=group, groups=groups, reps=args.reps)
+                fast = speed_options.grpo_fast(
+                    model, group=group, groups=groups, reps=args.reps, fp8_all=args.fp8_all
+                )
             else:  # what --speed fast serves here: the compiled blocks alone
                 fast = speed_options.grpo_compiled(model, group=group, groups=groups, reps=args.reps)
                 for row in fast:
@@ -124,10 +128,12 @@ def run(args) -> int:
         if "drift" in phases:
             fp8 = fp8_missing is None
             only = ["regional compile", *(["quantize fp8 + regional compile"] if fp8 else [])]
+            if fp8 and args.fp8_all:
+                only.append(speed_options.FP8_ALL_OPTION)
             rows.extend(
                 speed_options.drift(
                     model, reps=1, backends=(), caches=(), with_compile=True, deadline=Deadline(None),
-                    fp8=fp8, only=only,
+                    fp8=fp8, only=only, fp8_all=args.fp8_all,
                 )
             )  # fmt: skip
             save()
@@ -194,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         "socket, as before same-host answers",
     )
     p.add_argument("--profile", action="store_true", help="add the iteration's GPU idle gaps (grpo_profile)")
+    # To settle a family's provisional FP8 size threshold (fast_tier.FP8_RULES): the family rule against
+    # every linear not kept by name, in speed (grpo_fast) and in drift.
+    p.add_argument(
+        "--fp8-all",
+        action="store_true",
+        help="grpo_fast and drift: also every linear not kept by name in FP8 (fast_tier.EVERY_LINEAR)",
+    )
     return run(p.parse_args(argv))
 
 

@@ -477,6 +477,34 @@ def test_grpo_fast_every_linear_alone_leaves_out_the_family_rule(monkeypatch):
     assert seen == [["fp8_all_compiled"], ["fp8_compiled", "fp8_all_compiled"]]
 
 
+def test_video_grpo_fp8_all_times_and_drifts_every_linear_beside_the_family_rule(monkeypatch, tmp_path):
+    """``video_grpo --fp8-all`` (how a video family's provisional FP8 threshold is settled): grpo_fast
+    times every linear beside the family rule, and drift adds its compiled option after the family
+    rule's. The CPU cannot run FP8, so the device check and both phases are stood in for."""
+    from benchmarks import speed_options, video_grpo
+
+    calls = {}
+    monkeypatch.setattr(video_grpo, "fast_tier_gap", lambda model: None)
+    monkeypatch.setattr(speed_options, "_has_graphs", lambda model: False)
+    monkeypatch.setattr(
+        speed_options, "grpo_fast", lambda model, **kw: calls.setdefault("grpo_fast", kw) and []
+    )
+
+    def drift(model, *, only, fp8, fp8_all, with_compile, **kw):
+        names = [n for n, _, _ in speed_options._option_contexts(model, (), (), with_compile, fp8, fp8_all)]
+        calls["drift"] = [n for n in names if n == "eager" or n in only]
+        return []
+
+    monkeypatch.setattr(speed_options, "drift", drift)
+    argv = ["--tiny", "--device", "cpu", "--models", "tiny-wan", "--phases", "grpo_fast,drift",
+            "--fp8-all", "--out", str(tmp_path)]  # fmt: skip
+    assert video_grpo.main(argv) == 0
+    assert calls["grpo_fast"]["fp8_all"] is True
+    assert calls["drift"] == [
+        "eager", "regional compile", "quantize fp8 + regional compile", speed_options.FP8_ALL_OPTION
+    ]  # fmt: skip
+
+
 def test_soak_runs_a_cli_server_and_reports_memory_slopes(tmp_path, tiny_model_path):
     """``benchmarks/soak.py`` with tiny counts: the CLI server on the tiny SD3 folder, rollouts
     between LoRA and full pushes, every answer at the version last pushed, and slopes of the server's
