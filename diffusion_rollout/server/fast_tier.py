@@ -206,6 +206,13 @@ def fp8_filter(rule: Fp8Rule) -> Callable[[torch.nn.Module, str], bool]:
     return keep
 
 
+# torchao scales each activation row by its amax / 448 with no floor, so an all-zero row (Wan's
+# zero-padded text context in the cross-attention K/V projections, the rows PaddedLinear adds) gets
+# scale 0 and comes out NaN: Wan 2.1 1.3B with every linear in FP8 gave NaN rollouts until this floor
+# (H200, benchmarks/RESULTS.md#fast-fp8-zero-rows). Only rows whose amax is below it are affected.
+FP8_ROW_AMAX_FLOOR = 1e-12
+
+
 def fp8_config() -> Any:
     """torchao's config for the FP8 linears: dynamic rowwise activations, rowwise weights.
 
@@ -220,7 +227,9 @@ def fp8_config() -> Any:
     """
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    return Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), set_inductor_config=False, activation_value_lb=FP8_ROW_AMAX_FLOOR
+    )
 
 
 # cuBLASLt (torch 2.11+cu130, H100) has no rowwise-scaled FP8 kernel for a matrix of few rows and
