@@ -116,11 +116,22 @@ CP_SERVED_CASES = [
     ("cp_served/cp_served_video3.json", "hunyuanvideo-1.5-480p", "HunyuanVideo 1.5 720p x33, 1 video"),
 ]
 
+# (JSON under results/, model, legend): served at k = 1 and 2 only, on a 2x H200 host (dashed).
+CP_SERVED_K2_CASES = [
+    ("h200x2/cp_served/cp_served_wan14b_k2.json", "wan2.1-14b", "Wan 14B 480p x81, 1 video (2x H200)"),
+    (
+        "h200x2/cp_served/cp_served_wan14b_k2.json",
+        "wan2.1-i2v-14b-480p",
+        "Wan 2.1 I2V 14B, 1 video (2x H200)",
+    ),
+    ("h200x2/cp_served/cp_served_a14b_i2v_k2.json", "wan2.2-i2v-a14b", "Wan 2.2 I2V-A14B, 1 video (2x H200)"),
+]
+
 
 def scaling(out: Path) -> Path:
     """Speedup over k = 1 against k (Ulysses), 4x H200: one transformer call of every video family
-    (left), and one whole served request (right: ``cp_served``, and Wan 2.1 1.3B's group of 4 from
-    ``cp_tradeoff``'s layouts)."""
+    (left), and one whole served request (right: ``cp_served``, the 14B-class models at k = 1 and 2
+    on 2x H200 dashed, and Wan 2.1 1.3B's group of 4 from ``cp_tradeoff``'s layouts)."""
     plt = _plt()
     fig, (ax, served) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     ks = [1, 2, 4]
@@ -132,6 +143,11 @@ def scaling(out: Path) -> Path:
     for rel, model, name in CP_SERVED_CASES:
         rows = _load(f"h200x4/{rel}")["results"]
         served.plot(ks, [_pick(rows, model=model, k=k)["speedup_vs_k1"] for k in ks], "-o", label=name)
+    for rel, model, name in CP_SERVED_K2_CASES:
+        rows = _load(rel)["results"]
+        served.plot(
+            [1, 2], [_pick(rows, model=model, k=k)["speedup_vs_k1"] for k in (1, 2)], "--o", label=name
+        )
     tradeoff = _load("h200x4/cp_tradeoff/cp_tradeoff_wan2.1-1.3b_x4.json")["results"]
     latency = [_pick(tradeoff, layout=lay)["latency_s"] for lay in ("4x1", "2x2", "1x4")]
     served.plot(ks, [latency[0] / x for x in latency], "-o", label="Wan 2.1 1.3B 480p x81, group of 4")
@@ -142,7 +158,7 @@ def scaling(out: Path) -> Path:
         a.plot([1, 4], [1, 4], ":", color="gray", label="linear")
         a.set_xticks(ks)
         a.set_xlabel("GPUs for one video (context parallel k, Ulysses)")
-        a.set_title(f"{title}, 4x H200", fontsize=10)
+        a.set_title(f"{title}, 4x H200" + (" (dashed: 2x H200)" if a is served else ""), fontsize=10)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     ax.set_ylabel("speedup vs one GPU")

@@ -123,7 +123,11 @@ def test_fp8_config_leaves_inductors_settings_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", quantization)
     fast_tier.fp8_config()
-    assert seen == {"granularity": "per-row", "set_inductor_config": False}
+    assert seen == {
+        "granularity": "per-row",
+        "set_inductor_config": False,
+        "activation_value_lb": fast_tier.FP8_ROW_AMAX_FLOOR,  # tests/test_fp8_zero_rows.py
+    }
 
 
 def test_loader_refuses_the_fast_tier_on_a_cpu_pipeline(tiny_model_path):
