@@ -5,46 +5,27 @@ torchao scales each activation row by its amax, with no floor: a zero row gets s
 NaN, and on a GPU Wan 2.1 1.3B with every linear in FP8 gave NaN rollouts that way. ``fp8_config``
 floors the amax (``FP8_ROW_AMAX_FLOOR``): the zero rows come out finite (the bias alone) and every
 other row is bit-identical to torchao's unfloored result. torchao's float8 needs a GPU of compute
-capability 8.9+, so the check runs in a process of its own with torchao's hardware check bypassed, as
-``tests/test_precompiled_blocks.py`` does.
+capability 8.9+: the check runs in a process of its own with that check bypassed
+(``tests/torchao_helpers.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
-TORCHAO_DIR = Path(__file__).resolve().parents[1] / ".test-extras" / "torchao"
+from tests.torchao_helpers import run_check
 
 
 def test_an_all_zero_row_comes_out_finite_and_the_other_rows_unchanged():
-    env = dict(os.environ)
-    if importlib.util.find_spec("torchao") is None:
-        if not TORCHAO_DIR.is_dir():
-            pytest.skip("torchao is not installed (scripts/test.sh installs it under .test-extras/torchao)")
-        env["PYTHONPATH"] = os.pathsep.join([str(TORCHAO_DIR), env.get("PYTHONPATH", "")])
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_fp8_zero_rows as t; t._check()"
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_check("tests.test_fp8_zero_rows", "_check")
 
 
 def _check() -> None:
-    """The body of the test above, in a process of its own (torchao's hardware check patched there)."""
-    import torchao.float8.inference as float8_inference
-    import torchao.quantization.quant_api as quant_api
+    """The body of the test above, in a process of its own (``tests/torchao_helpers.py``)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     from diffusion_rollout.server import fast_tier
 
-    float8_inference._check_hardware_support = lambda *a, **k: None  # (a process of its own)
-    quant_api._check_hardware_support = lambda *a, **k: None
     torch.manual_seed(0)
     source = torch.nn.Linear(64, 64).to(torch.bfloat16)
     x = torch.randn(1, 160, 64, dtype=torch.bfloat16)

@@ -4,16 +4,12 @@ change) runs through real servers in tests/test_compile_warmup.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from diffusion_rollout.server.precompiled_blocks import PrecompiledBlocks, call_signature, structure_digest
+from tests.torchao_helpers import run_check
 
 
 class Block(torch.nn.Module):
@@ -146,11 +142,6 @@ class Fp8Block(torch.nn.Module):
         return self.proj(x) * 2
 
 
-# scripts/test.sh installs torchao here, outside the environment: installed, it is imported by diffusers
-# in every process (0.3-0.7 s each).
-TORCHAO_DIR = Path(__file__).resolve().parents[1] / ".test-extras" / "torchao"
-
-
 def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_path):
     """torchao's Float8Tensor weights (the fast tier's), quantized as ``fast_tier.quantize_fp8`` does on
     the CPU (torchao's float8 hardware check bypassed, as ``benchmarks/dynamo_trace_cpu.py`` does):
@@ -159,27 +150,16 @@ def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_
     ``enable_aot_compile = False``, as torch 2.11 ships it (``torch.compile(fn)`` then has no
     ``.aot_compile``: what the first GPU run reported in ``why_not``); the save and the load turn the
     flag on for themselves."""
-    env = dict(os.environ)
-    if importlib.util.find_spec("torchao") is None:
-        if not TORCHAO_DIR.is_dir():
-            pytest.skip("torchao is not installed (scripts/test.sh installs it under .test-extras/torchao)")
-        env["PYTHONPATH"] = os.pathsep.join([str(TORCHAO_DIR), env.get("PYTHONPATH", "")])
-    code = "import sys, pathlib; sys.path.insert(0, sys.argv[1]); import test_precompiled_blocks as t; t._fp8_check(pathlib.Path(sys.argv[2]))"
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_check("tests.test_precompiled_blocks", "_fp8_check", str(tmp_path))
 
 
-def _fp8_check(tmp_path: Path) -> None:
-    """The body of the test above, in a process of its own (torchao's hardware check patched there)."""
-    import torchao.float8.inference as float8_inference
-    import torchao.quantization.quant_api as quant_api
+def _fp8_check(tmp: str) -> None:
+    """The body of the test above, in a process of its own (``tests/torchao_helpers.py``)."""
     from torchao.quantization import quantize_
 
     from diffusion_rollout.server import fast_tier, precompiled_blocks
 
-    float8_inference._check_hardware_support = lambda *a, **k: None  # (a process of its own)
-    quant_api._check_hardware_support = lambda *a, **k: None
+    tmp_path = Path(tmp)
     assert not precompiled_blocks._ALLOWED_SUBCLASSES
     torch.manual_seed(0)
     block = Fp8Block().to(torch.bfloat16)
