@@ -195,6 +195,11 @@ def _has_graphs(model: BenchModel) -> bool:
 # (queueing, copies, serialization, transfer, the client's decode) that a request did not overlap.
 _INFERENCE: dict[str, list[float]] = {}
 
+# Outputs the server flagged non-finite (NaN/Inf) while a variant was timed, keyed by variant: such
+# times are of no usable rollout (FP8 on every Wan linear was once timed at 1.42x stock that way,
+# RESULTS fast-fp8-every-linear-wan), so the row says so.
+_NONFINITE: dict[str, int] = {}
+
 
 def _time_interleaved(fns: dict[str, Any], reps: int, device: str) -> tuple[dict[str, list[float]], dict]:
     """Warm-up each, then ``reps`` interleaved rounds; fns return (seconds or None, bytes or None) or
@@ -271,6 +276,7 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
                 "outside_pipeline_s": m - inference if inference is not None and not overlapped else None,
                 "note": (notes or {}).get(name, "")
                 or ("pipeline s: the lanes' overlapping calls, summed" if overlapped else ""),
+                "nonfinite_outputs": _NONFINITE.get(name, 0),
             }
         )
     return rows
@@ -915,11 +921,14 @@ def _fa4_compiled(model: BenchModel) -> Iterator[None]:
 def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
     """Time ``fns_for(tag)`` ({name: fn}, interleaved) under each of ``options`` ({tag: context
     manager factory}) in turn, CUDA graphs off. An option this build lacks (FA4 missing, a refusal)
-    is skipped: (times, sizes, one line per failure)."""
+    is skipped; one whose outputs the server flagged non-finite is timed, named among the failures
+    and its rows say how many (``nonfinite_outputs``): (times, sizes, one line per failure)."""
     times: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
     failures: list[str] = []
+    metrics = model.server().engine.metrics
     for tag, option in options.items():
+        before = metrics.nonfinite_total
         try:
             with option(), _graphs(model, False):
                 t, sz = _time_interleaved(fns_for(tag), reps, model.device)
@@ -927,6 +936,12 @@ def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
             failures.append(f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}")
             log(f"{phase}: {failures[-1]}")
             continue
+        if nonfinite := metrics.nonfinite_total - before:
+            failures.append(
+                f"{tag}: {nonfinite} outputs non-finite (NaN/Inf), its times are of no usable rollout"
+            )
+            log(f"{phase}: {failures[-1]}")
+            _NONFINITE.update(dict.fromkeys(t, nonfinite))
         times.update(t)
         sizes.update(sz)
     return times, sizes, failures

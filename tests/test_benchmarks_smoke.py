@@ -443,23 +443,42 @@ def test_grpo_against_stock_times_each_option_and_names_the_one_that_failed():
         raise RuntimeError("not on this build")
 
     model = build("tiny-sd3", "cpu")
+
+    @contextlib.contextmanager
+    def nan_weights():  # an option whose rollouts come out NaN (as FP8 on a zero row once did)
+        weight = model.pipe.transformer.proj_out.weight
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.fill_(float("nan"))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+
     try:
         rows = speed_options._grpo_against_stock(
-            model, {"plain": contextlib.nullcontext, "broken": refused}, phase="grpo_fast",
+            model, {"plain": contextlib.nullcontext, "broken": refused, "nan": nan_weights}, phase="grpo_fast",
             note="stock first", group=2, groups=2, reps=1,
         )  # fmt: skip
     finally:
         model.close()
     by = {(r["phase"], r["variant"]): r for r in rows}
     assert set(by) == {
-        ("grpo_fast", "stock"), ("grpo_fast", "server_lean_uint8_plain"),
+        ("grpo_fast", "stock"), ("grpo_fast", "server_lean_uint8_plain"), ("grpo_fast", "server_lean_uint8_nan"),
         ("grpo_iteration_fast", "stock"), ("grpo_iteration_fast", "server_lean_uint8_plain_2_in_flight"),
+        ("grpo_iteration_fast", "server_lean_uint8_nan_2_in_flight"),
     }  # fmt: skip
     assert by[("grpo_fast", "server_lean_uint8_plain")]["outputs"] == 2
     assert by[("grpo_iteration_fast", "server_lean_uint8_plain_2_in_flight")]["outputs"] == 4
     assert all(r["response_mb"] > 0 for r in rows if r["variant"] != "stock")
     note = by[("grpo_fast", "stock")]["note"]
     assert note.startswith("stock first; broken failed: RuntimeError: not on this build")
+    # The NaN option is timed but flagged, in its rows and in stock's note; the others are clean.
+    assert "nan: " in note and "non-finite" in note
+    flagged = {v for (_, v), r in by.items() if r["nonfinite_outputs"]}
+    assert flagged == {"server_lean_uint8_nan", "server_lean_uint8_nan_2_in_flight"}
+    assert by[("grpo_fast", "server_lean_uint8_nan")]["nonfinite_outputs"] >= 2
 
 
 def test_grpo_fast_every_linear_alone_leaves_out_the_family_rule(monkeypatch):
