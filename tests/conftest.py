@@ -28,6 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "RAY_TMPDIR" not in os.environ:
     os.environ["RAY_TMPDIR"] = f"/tmp/dr-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    own = f"/tmp/dr-{os.environ.get('PYTEST_XDIST_WORKER')}-{os.getpid()}"
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("RAY_TMPDIR") == own:
+        shutil.rmtree(own, ignore_errors=True)  # this worker's Ray session logs; its clusters are stopped
 
 
 def _slow_files_first(items: list[pytest.Item]) -> None:
