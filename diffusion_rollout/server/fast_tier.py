@@ -217,7 +217,7 @@ def fp8_filter(rule: Fp8Rule) -> Callable[[torch.nn.Module, str], bool]:
 # torchao scales each activation row by its amax / 448 with no floor, so an all-zero row (Wan's
 # zero-padded text context in the cross-attention K/V projections, the rows PaddedLinear adds) gets
 # scale 0 and comes out NaN: Wan 2.1 1.3B with every linear in FP8 gave NaN rollouts until this floor
-# (H200, benchmarks/RESULTS.md#fast-fp8-zero-rows). Only rows whose amax is below it are affected.
+# (H200, benchmarks/RESULTS.md#fast-fp8-every-linear-wan). Only rows whose amax is below it are affected.
 FP8_ROW_AMAX_FLOOR = 1e-12
 
 
