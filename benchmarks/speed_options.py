@@ -936,12 +936,14 @@ def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
             failures.append(f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}")
             log(f"{phase}: {failures[-1]}")
             continue
-        if nonfinite := metrics.nonfinite_total - before:
+        nonfinite = metrics.nonfinite_total - before
+        # Written for every variant, 0 too: a later model in the same process reuses the names.
+        _NONFINITE.update(dict.fromkeys(t, nonfinite))
+        if nonfinite:
             failures.append(
                 f"{tag}: {nonfinite} outputs non-finite (NaN/Inf), its times are of no usable rollout"
             )
             log(f"{phase}: {failures[-1]}")
-            _NONFINITE.update(dict.fromkeys(t, nonfinite))
         times.update(t)
         sizes.update(sz)
     return times, sizes, failures
