@@ -301,8 +301,13 @@ class ServerSupervisor:
             return
         self.restarts += 1
         self.start()
+        if wait_ready:
+            self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Return once the server answers ``/health_generate`` (or after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
-        while wait_ready and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(f"{self.url}/health_generate", timeout=5) as r,
@@ -398,6 +403,9 @@ def run_training(
     cmd = trainer_command(args, f"http://127.0.0.1:{proxy.port}", checkpoint, out)
     t0 = time.monotonic()
     server.start()
+    # The first trainer starts on a ready server: its start-up wait is --recover-timeout (seconds,
+    # in the tests), and on a loaded 2-core CI machine the tiny server's load alone took longer.
+    server.wait_ready()
     completed, stopped = False, None
     try:
         while time.monotonic() < deadline:
