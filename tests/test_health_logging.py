@@ -91,3 +91,19 @@ def test_a_failure_inside_generation_is_still_an_error(fresh_server, caplog):
     r = s.client.post("/rollout/generate", json={"prompt": "a cat", "num_inference_steps": 1})
     assert r.status_code == 500 and "the transformer broke" in r.json()["error"]["message"]
     assert any("the transformer broke" in r.getMessage() for r in _records(caplog, logging.ERROR))
+
+
+def test_a_request_answered_already_counts_as_the_last_good_generation(served, monkeypatch):
+    # /health_generate reads ``last_generate_ok_at``; it must be set before the request is answered,
+    # or a probe right after a generation (a loaded CI machine got there first) sees it stale.
+    s = served("sd3")
+    mark = s.engine.runner._mark_ok
+
+    def slow_mark() -> None:
+        time.sleep(0.3)  # widen the window a late mark would leave open
+        mark()
+
+    monkeypatch.setattr(s.engine.runner, "_mark_ok", slow_mark)
+    s.engine.last_generate_ok_at = before = time.time() - 100
+    s.generate({"prompt": "a cat", "num_inference_steps": 1, "rollout": False})
+    assert s.engine.last_generate_ok_at > before

@@ -218,11 +218,14 @@ class BatchRunner:
         except RuntimeError:  # the results thread is shut down (a batch outlived stop()): finish here
             self._deliver(*args)
 
+    def _mark_ok(self) -> None:
+        self.engine.last_generate_ok_at = time.time()
+
     def _deliver(self, jobs, plans, results, flags, copier, call, version, elapsed) -> None:
         """On the results thread: wait for the host copies, check them, answer the requests."""
         token = request_id_var.set(",".join(j.request_id for j in jobs))  # log lines name the batch
         try:
-            if deliver(jobs, plans, results, flags, copier, call, version, elapsed, self.engine.metrics):
-                self.engine.last_generate_ok_at = time.time()
+            metrics = self.engine.metrics
+            deliver(jobs, plans, results, flags, copier, call, version, elapsed, metrics, self._mark_ok)
         finally:
             request_id_var.reset(token)

@@ -10,6 +10,7 @@ with a ``GenerationError``: nothing is left waiting.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from diffusion_rollout import lean
 from diffusion_rollout.errors import GenerationError
@@ -18,9 +19,13 @@ from diffusion_rollout.server.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 
-def deliver(jobs, plans, results, flags, copier, call, version, elapsed, metrics: Metrics) -> bool:
+def deliver(
+    jobs, plans, results, flags, copier, call, version, elapsed, metrics: Metrics, on_ok: Callable[[], None]
+) -> bool:
     """Answer a batch's requests once its host copies are done; False when finishing failed (every
-    request of the batch then gets the error)."""
+    request of the batch then gets the error). ``on_ok`` runs before any request is answered, so a
+    caller that awaited its answer already sees what it records (the engine's last good generation,
+    which ``/health_generate`` reads)."""
     try:
         copier.wait()
         nonfinite = flags.tolist()
@@ -51,6 +56,7 @@ def deliver(jobs, plans, results, flags, copier, call, version, elapsed, metrics
             version,
         )
     metrics.batch_done(len(results), call.num_inference_steps, elapsed, nonfinite=len(bad))
+    on_ok()
     row = 0
     for job, pl in zip(jobs, plans, strict=True):
         n = len(pl.seeds)
