@@ -43,6 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.model_builders import build
+from diffusion_rollout.server.precompiled_blocks import rel_diff
 
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.IGNORECASE)
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|_mm_|triton_tem|splitk", re.IGNORECASE)
@@ -125,7 +126,7 @@ def fp8_rows(
             timing = time_forward(transformer, inputs, device, reps)
             with torch.inference_mode():
                 out = _sample(transformer(**inputs)).float()
-        drift = float((out - reference).norm() / reference.norm())
+        drift = rel_diff(out, reference)
         rows.append({"variant": f"{label} + fp8, {name}", **timing, "rel_l2_vs_eager_bf16": drift,
                      "note": f"{note}; output rel. L2 vs eager bf16 {drift:.4f}"})  # fmt: skip
     if fa4:
@@ -148,7 +149,7 @@ def fa4_rows(
     timing = time_forward(transformer, inputs, device, reps)
     with torch.inference_mode():
         out = _sample(transformer(**inputs)).float()
-    drift = float((out - reference).norm() / reference.norm())
+    drift = rel_diff(out, reference)
     lead = f"{note}; " if note else ""
     return [{"variant": f"{label}, fa4", **timing, "rel_l2_vs_eager_bf16": drift,
              "note": f"{lead}output rel. L2 vs eager bf16 {drift:.4f}"}]  # fmt: skip
