@@ -21,7 +21,9 @@ from benchmarks import chaos_train
 from benchmarks.chaos_train import GENERATE, Fault
 
 # Each test starts `serve` and the trainer as processes, and restarts them: tens of seconds each.
-pytestmark = pytest.mark.slow
+# A run stops itself at its --deadline-s (up to 400 s) with a report of where it was; pytest's own
+# 300 s timeout must not cut it short first (a loaded CI machine got past 300 s once).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
