@@ -195,11 +195,6 @@ def _has_graphs(model: BenchModel) -> bool:
 # (queueing, copies, serialization, transfer, the client's decode) that a request did not overlap.
 _INFERENCE: dict[str, list[float]] = {}
 
-# Outputs the server flagged non-finite (NaN/Inf) while a variant was timed, keyed by variant: such
-# times are of no usable rollout (FP8 on every Wan linear was once timed at 1.42x stock that way,
-# RESULTS fast-fp8-every-linear-wan), so the row says so.
-_NONFINITE: dict[str, int] = {}
-
 
 def _time_interleaved(fns: dict[str, Any], reps: int, device: str) -> tuple[dict[str, list[float]], dict]:
     """Warm-up each, then ``reps`` interleaved rounds; fns return (seconds or None, bytes or None) or
@@ -248,7 +243,11 @@ def _remote_fn(model: BenchModel, body: dict[str, Any], graphs: bool | None = No
     return fn
 
 
-def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[str, Any]]:
+def _rows(model, phase, times, sizes, outputs, steps, notes=None, nonfinite=None) -> list[dict[str, Any]]:
+    """One row per variant of ``times``. ``nonfinite``: outputs the server flagged NaN/Inf per variant
+    (``_time_options``); such times are of no usable rollout (FP8 on every Wan linear was once timed at
+    1.42x stock that way, RESULTS.md#fast-fp8-every-linear-wan). None where nothing counted them (stock's
+    pipeline runs outside the server)."""
     base = median(times["stock"])
     rows = []
     for name, ts in times.items():
@@ -276,7 +275,7 @@ def _rows(model, phase, times, sizes, outputs, steps, notes=None) -> list[dict[s
                 "outside_pipeline_s": m - inference if inference is not None and not overlapped else None,
                 "note": (notes or {}).get(name, "")
                 or ("pipeline s: the lanes' overlapping calls, summed" if overlapped else ""),
-                "nonfinite_outputs": _NONFINITE.get(name, 0),
+                "nonfinite_outputs": (nonfinite or {}).get(name),
             }
         )
     return rows
@@ -922,10 +921,11 @@ def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
     """Time ``fns_for(tag)`` ({name: fn}, interleaved) under each of ``options`` ({tag: context
     manager factory}) in turn, CUDA graphs off. An option this build lacks (FA4 missing, a refusal)
     is skipped; one whose outputs the server flagged non-finite is timed, named among the failures
-    and its rows say how many (``nonfinite_outputs``): (times, sizes, one line per failure)."""
+    and named among the failures: (times, sizes, one line per failure, {variant: outputs flagged})."""
     times: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
     failures: list[str] = []
+    nonfinite: dict[str, int] = {}
     metrics = model.server().engine.metrics
     for tag, option in options.items():
         before = metrics.nonfinite_total
@@ -936,17 +936,16 @@ def _time_options(model: BenchModel, options, fns_for, reps: int, phase: str):
             failures.append(f"{tag} failed: {type(exc).__name__}: {str(exc)[:200]}")
             log(f"{phase}: {failures[-1]}")
             continue
-        nonfinite = metrics.nonfinite_total - before
-        # Written for every variant, 0 too: a later model in the same process reuses the names.
-        _NONFINITE.update(dict.fromkeys(t, nonfinite))
-        if nonfinite:
+        flagged = metrics.nonfinite_total - before
+        nonfinite.update(dict.fromkeys(t, flagged))
+        if flagged:
             failures.append(
-                f"{tag}: {nonfinite} outputs non-finite (NaN/Inf), its times are of no usable rollout"
+                f"{tag}: {flagged} outputs non-finite (NaN/Inf), its times are of no usable rollout"
             )
             log(f"{phase}: {failures[-1]}")
         times.update(t)
         sizes.update(sz)
-    return times, sizes, failures
+    return times, sizes, failures, nonfinite
 
 
 def _grpo_against_stock(
@@ -960,7 +959,7 @@ def _grpo_against_stock(
     stock_iteration, served = _iteration_fns(model, group=group, groups=groups)
     times, _ = _time_interleaved({"stock": _stock_fn(model, body)}, reps, model.device)
     it_times, _ = _time_interleaved({"stock": stock_iteration}, reps, model.device)
-    served_times, sizes, failures = _time_options(
+    served_times, sizes, failures, nonfinite = _time_options(
         model, options, lambda tag: {
             f"server_lean_uint8_{tag}": _remote_fn(model, full),
             f"server_lean_uint8_{tag}_{groups}_in_flight": served(False),
@@ -971,9 +970,9 @@ def _grpo_against_stock(
     note = "; ".join([note, *failures])
     steps = body["num_inference_steps"]
     return [
-        *_rows(model, phase, times, sizes, group, steps, {"stock": note}),
+        *_rows(model, phase, times, sizes, group, steps, {"stock": note}, nonfinite),
         *_rows(model, f"grpo_iteration_{phase.removeprefix('grpo_')}", it_times, sizes, group * groups, steps,
-               {"stock": note}),
+               {"stock": note}, nonfinite),
     ]  # fmt: skip
 
 
@@ -1056,12 +1055,12 @@ def flux_fast(
         variants["server_fp8_fa4_compiled"] = lambda: _fp8_compiled(model, fa4=True)
     if fp8_all:
         variants["server_fp8_all_compiled"] = lambda: _fp8_compiled(model, every_linear=True)
-    served, sizes, failures = _time_options(
+    served, sizes, failures, nonfinite = _time_options(
         model, variants, lambda name: {name: _remote_fn(model, full)}, reps, "flux_fast"
     )
     times.update(served)
     note = {"stock": "; ".join(["stock eager timed first, in the same process", *failures])}
-    return _rows(model, "flux_fast", times, sizes, 1, body["num_inference_steps"], note)
+    return _rows(model, "flux_fast", times, sizes, 1, body["num_inference_steps"], note, nonfinite)
 
 
 # ---------------------------------------------------------------------------------------------
