@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 
 def deliver(
     jobs, plans, results, flags, copier, call, version, elapsed, metrics: Metrics, on_ok: Callable[[], None]
-) -> bool:
-    """Answer a batch's requests once its host copies are done; False when finishing failed (every
-    request of the batch then gets the error). ``on_ok`` runs before any request is answered, so a
-    caller that awaited its answer already sees what it records (the engine's last good generation,
-    which ``/health_generate`` reads)."""
+) -> None:
+    """Answer a batch's requests once its host copies are done; when finishing fails, every request of
+    the batch gets the error and ``on_ok`` does not run. ``on_ok`` runs before any request is
+    answered, so a caller that awaited its answer already sees what it records (the engine's last
+    good generation, which ``/health_generate`` reads)."""
     try:
         copier.wait()
         nonfinite = flags.tolist()
@@ -46,7 +46,7 @@ def deliver(
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(err)
-        return False
+        return
     bad = [r for r in results if r.nonfinite_output]
     for r in bad:
         logger.warning(
@@ -63,4 +63,3 @@ def deliver(
         if not job.future.done():
             job.future.set_result(results[row : row + n])
         row += n
-    return True
