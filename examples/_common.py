@@ -69,6 +69,25 @@ PROMPTS = [
 ]  # fmt: skip
 # The adapter's target layers: attention projections, the same names in SD3/SD3.5, FLUX and Wan.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+# Named target lists for --lora-targets. ``qwen-image``: verl-omni's Qwen-Image Flow-GRPO recipe
+# (both streams' attention projections and both streams' MLPs).
+LORA_TARGET_PRESETS = {
+    "attention": LORA_TARGETS,
+    "qwen-image": [
+        *LORA_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    ],
+}  # fmt: skip
+
+
+def lora_targets(text: str) -> list[str]:
+    """``--lora-targets``: a preset name of :data:`LORA_TARGET_PRESETS` or a comma list of module names."""
+    if text in LORA_TARGET_PRESETS:
+        return list(LORA_TARGET_PRESETS[text])
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a preset {sorted(LORA_TARGET_PRESETS)} or module names")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -169,6 +188,14 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
     g.add_argument("--checkpoint", help="save adapters and optimizer here every iteration; resume from it")
     g = p.add_argument_group("trainer")
     g.add_argument("--lora-rank", type=int, default=4)
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
+    g.add_argument(
+        "--lora-targets",
+        type=lora_targets,
+        default=list(LORA_TARGETS),
+        help=f"the adapter's target modules: a preset {sorted(LORA_TARGET_PRESETS)} or a comma list "
+        "(default: attention, the projections every family names alike)",
+    )
     g.add_argument("--lr", type=float, default=1e-2)
     g.add_argument(
         "--dtype",
@@ -427,16 +454,24 @@ def load_trainer_transformer(
 
 
 def add_lora(
-    transformer: torch.nn.Module, rank: int, dtype: torch.dtype, name: str = "default"
+    transformer: torch.nn.Module,
+    rank: int,
+    dtype: torch.dtype,
+    name: str = "default",
+    *,
+    alpha: float | None = None,
+    targets: Sequence[str] | None = None,
 ) -> list[torch.nn.Parameter]:
-    """A PEFT LoRA adapter ``name`` in ``dtype`` (the served dtype); returns its trainable parameters."""
+    """A PEFT LoRA adapter ``name`` in ``dtype`` (the served dtype); returns its trainable parameters.
+    ``alpha`` defaults to the rank (scale 1), ``targets`` to :data:`LORA_TARGETS`."""
     import warnings
 
     from peft import LoraConfig
 
     config = LoraConfig(
-        r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights=True
-    )
+        r=rank, lora_alpha=alpha or rank, target_modules=list(targets or LORA_TARGETS), lora_dropout=0.0,
+        init_lora_weights=True,
+    )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT warns about a second adapter (DiffusionNFT's "old")
         transformer.add_adapter(config, adapter_name=name)

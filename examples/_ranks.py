@@ -126,14 +126,24 @@ class Ranks:
         return float(sum(self.gather(value))) if self.active else value
 
     def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the ranks, in float32, in one collective."""
+        """Sum the gradients of ``params`` over the ranks, in float32, in one collective.
+
+        A parameter no rank's loss reached (Qwen-Image's last block feeds only its image stream
+        onwards, so that block's text-stream LoRA never gets a gradient) keeps no gradient, as in a
+        1-rank run; one that some ranks reached and others did not counts as zero on the others."""
         if not self.active:
             return
         import torch.distributed as dist
 
-        grads = [p.grad for p in params]
-        if any(g is None for g in grads):
-            raise RuntimeError("a trainable parameter has no gradient on this rank")
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        dist.all_reduce(reached, op=dist.ReduceOp.SUM)
+        live = [p for p, n in zip(params, reached.tolist(), strict=True) if n > 0]
+        for p in live:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in live]
+        if not grads:
+            return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         if self.device is not None:
             flat = flat.to(self.device)

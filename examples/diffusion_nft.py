@@ -203,8 +203,9 @@ def run(
     transformer = load_trainer_transformer(
         model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
     )
-    params = add_lora(transformer, args.lora_rank, dtype, "default")
-    add_lora(transformer, args.lora_rank, dtype, "old")
+    lora = {"alpha": args.lora_alpha, "targets": args.lora_targets}
+    params = add_lora(transformer, args.lora_rank, dtype, "default", **lora)
+    add_lora(transformer, args.lora_rank, dtype, "old", **lora)
     with torch.no_grad():  # old starts as a copy of default (both change nothing yet: lora_B = 0)
         named = dict(transformer.named_parameters())
         for n, p in named.items():

@@ -121,6 +121,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="sde: Flow-GRPO; dance: DanceGRPO; cps: coefficients-preserving",
     )
     g.add_argument("--guidance-scale", type=float, default=4.5)
+    g.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        default=None,
+        help="true CFG (Qwen-Image, FLUX): a conditional and an unconditional call per step; needs "
+        "--negative-prompt (Qwen-Image runs no CFG without one)",
+    )
+    g.add_argument("--negative-prompt", default=None, help="the negative prompt of every request")
+    g.add_argument(
+        "--max-sequence-length", type=int, default=None, help="text tokens per prompt (default: the model's)"
+    )
+    g.add_argument(
+        "--prompt-set",
+        choices=["animals", "ocr"],
+        default="animals",
+        help="animals: DDPO's subjects; ocr: prompts that ask for a quoted text (for an OCR reward)",
+    )
     g.add_argument("--noise-level", type=float, default=0.7, help="rollout_noise_level (eta)")
     g.add_argument("--sde-window", type=int, default=2, help="stochastic steps per rollout (0: every step)")
     g.add_argument(
@@ -204,6 +221,7 @@ def train_iteration(
     # FSDP2 averages the gradients over the ranks (gloo has no pre-scaled sum): scale up to a sum.
     divisor = n_terms / ranks.world if sharded else n_terms
     first_dev, ratios, clip_fracs, losses, kls, first = 0.0, [], [], [], [], []
+    optimizer_s = 0.0  # the gradient all-reduce, clipping and the optimizer step: the rest is replay
     proximal: dict[tuple[int, int], torch.Tensor] = {}
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -243,10 +261,12 @@ def train_iteration(
                 ratios.append(step.ratio.detach().float().cpu())
                 clip_fracs.append(stats["clip_frac"])
                 losses.append(float(loss.detach()))
+        t_opt = _synced_clock(params)
         if not sharded:
             ranks.all_reduce_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        optimizer_s += _synced_clock(params) - t_opt
     # Every rank's replays, in rank order (one rank: its own).
     parts = ranks.gather(
         {"first_dev": first_dev, "ratios": torch.cat(ratios), "clip_fracs": clip_fracs, "losses": losses,
@@ -266,11 +286,37 @@ def train_iteration(
         "ratio_max": float(r.max()),
         "clip_frac": sum(clip_fracs) / len(clip_fracs),
         "loss": sum(losses) / len(losses),
+        "optimizer_s": round(optimizer_s, 4),
         # Whether the loss was TIS-weighted against the trainer's own recomputed log-probs.
         "tis_weighted": tis,
         **({"kl": sum(kls) / len(kls)} if kls else {}),
         **({"staleness": staleness, "ratio_by_staleness": by_staleness} if by_staleness is not None else {}),
     }
+
+
+def _synced_clock(params) -> float:
+    """``perf_counter`` once the device of ``params`` has finished its queued work."""
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def prompt_set(name: str) -> list[str]:
+    """``--prompt-set``'s prompts."""
+    if name == "ocr":
+        from rewards import OCR_PROMPTS
+
+        return list(OCR_PROMPTS)
+    return list(PROMPTS)
+
+
+def guidance_record(output) -> dict[str, Any] | None:
+    """The guidance the replay applied (the rule and its scale), from the rollout's conditioning."""
+    guidance = (output.denoising_env or {}).get("guidance")
+    if not guidance:
+        return None
+    return {k: v for k, v in guidance.items() if isinstance(v, (str, int, float, bool)) or v is None}
 
 
 def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str:
@@ -298,7 +344,9 @@ def run(
         transformer = load_trainer_transformer(
             model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
         )
-        params = add_lora(transformer, args.lora_rank, dtype)
+        params = add_lora(
+            transformer, args.lora_rank, dtype, alpha=args.lora_alpha, targets=args.lora_targets
+        )
         ranks.broadcast_params(params)  # every rank starts from rank 0's adapter
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     checkpoint = Checkpoint(args.checkpoint)
@@ -357,6 +405,10 @@ def run(
         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, rollout_debug_mode=False,
         output_dtype="uint8", generator_device="cuda" if device.type == "cuda" else "cpu",
     )  # fmt: skip
+    # Sent only when set, so the families that take no such field are asked exactly as before.
+    shared.update({k: v for k, v in (("true_cfg_scale", args.true_cfg_scale), ("negative_prompt", args.negative_prompt),
+                                     ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
+    prompts = prompt_set(args.prompt_set)
 
     def iteration_jobs(it: int) -> list[dict[str, Any]]:
         """This rank's groups of iteration ``it``: its block of the iteration's ``--prompts`` groups,
@@ -367,7 +419,7 @@ def run(
             seed = (it * args.prompts + k) * 1000 + args.seed * 10_000_000
             # One x_T per group (Flow-GRPO-Fast): samples of a group differ only by the noise of the
             # steps being trained, which sharpens the credit assignment.
-            jobs.append({"prompt": PROMPTS[(it * args.prompts + k) % len(PROMPTS)], "seed": seed,
+            jobs.append({"prompt": prompts[(it * args.prompts + k) % len(prompts)], "seed": seed,
                          "initial_noise_seed": seed + 999, "rollout_sde_step_indices": window,
                          # Replay needs the latents entering and leaving each stochastic step, nothing else.
                          "rollout_return_step_indices":
@@ -472,6 +524,7 @@ def run(
             record = iteration_record(
                 it, version, all_rewards, outputs, phases, t_iter,
                 sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
+                guidance=guidance_record(outputs[0]),
                 advantages=[float(a) for q in seen for a in q["advantages"].flatten()],
                 **({"server_span": server_span} if server_span else {}), **extra,
                 images=len(all_rewards), server_peak=max((q["server_peak"] for q in seen if q["server_peak"] is not None), default=None),
