@@ -49,7 +49,19 @@ _COLOCATED = ["--server-gpus", "0,1,2,3", "--trainer-gpus", "0,1,2,3"]  # a repl
 _DISAGG = ["--server-gpus", "0,1", "--trainer-gpus", "2,3"]  # a 2-replica pool, 2 trainer ranks
 _FAST = ["--recompute-old-log-probs", "--server-args=--quantize fp8 --compile"]
 
-# run name -> (model, recipe, arguments)
+# verl-omni's Qwen-Image OCR Flow-GRPO recipe (examples/flowgrpo_trainer/run_qwen_image_ocr_lora.sh in
+# verl-project/verl-omni, v0.3): 32 prompts x 16 images at 512², 10 steps, true CFG 4 with a negative
+# prompt, 256 text tokens, an SDE window of 2 within steps 0..5 at noise level 1.2, LoRA rank 64 alpha
+# 128 on both streams' attention and MLPs, lr 3e-4, a VLM judge's OCR score as the reward. The judge
+# (Qwen3-VL-8B's architecture, random weights; JUDGE) runs on every trainer rank, 32 new tokens each.
+JUDGE = "judge-qwen3-vl-8b"
+_PEER_QWEN = ["--steps", "10", "--size", "512", "--group-size", "16", "--lora-rank", "64", "--lora-alpha", "128",
+              "--lora-targets", "qwen-image", "--lr", "3e-4", "--true-cfg-scale", "4", "--negative-prompt", " ",
+              "--max-sequence-length", "256", "--noise-level", "1.2", "--sde-window", "2", "--sde-window-range", "6",
+              "--prompt-set", "ocr", "--gradient-checkpointing", "--iterations", "4",
+              "--reward", f"vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32"]  # fmt: skip
+
+# run name -> (model, recipe, arguments); "{work}" in an argument is --work.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
     "sd35-flow-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "40"]),
     "sd35-in-process": (
@@ -178,6 +190,42 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
             "1",
         ],
     ),
+    # The peer's step on 4 GPUs, colocated (a replica and a trainer rank per GPU), and on 2 GPUs with
+    # half the prompts (the same work per GPU) where no 4-GPU machine is lent.
+    "peer-qwen-image-lora": ("qwen-image", "flow_grpo", [*_PEER_QWEN, "--prompts", "32", *_COLOCATED]),
+    "peer-qwen-image-lora-2gpu": (
+        "qwen-image",
+        "flow_grpo",
+        [*_PEER_QWEN, "--prompts", "16", "--server-gpus", "0,1", "--trainer-gpus", "0,1"],
+    ),
+    # The same path at CPU size: a tiny Qwen-Image and a tiny judge, two ranks.
+    "tiny-peer-qwen-image": (
+        "tiny-qwenimage",
+        "flow_grpo",
+        [
+            *_TINY,
+            "--iterations",
+            "1",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "qwen-image",
+            "--true-cfg-scale",
+            "4",
+            "--negative-prompt",
+            " ",
+            "--max-sequence-length",
+            "32",
+            "--noise-level",
+            "1.2",
+            "--sde-window-range",
+            "3",
+            "--prompt-set",
+            "ocr",
+            "--reward",
+            "vlm_ocr_judge?model={work}/models/judge-tiny&max_new_tokens=4&device=cpu",
+        ],
+    ),
     "tiny-scale-2": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-flow-grpo": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "2"]),
     "tiny-async1": ("tiny-sd3", "flow_grpo", [*_TINY, "--iterations", "3", "--async-depth", "1"]),
@@ -191,7 +239,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 RANKS: dict[str, int] = {
     "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
     "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
-    "tiny-scale-2": 2,
+    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2,
 }  # fmt: skip
 
 
@@ -203,7 +251,9 @@ def model_folder(name: str, work: Path) -> Path:
     code = (
         "import sys, torch; from pathlib import Path\n"
         "name, path = sys.argv[1], Path(sys.argv[2])\n"
-        "if name.startswith('tiny-'):\n"
+        "if name.startswith('judge-'):\n"
+        "    from benchmarks.judge_builders import save_vlm_judge; print(save_vlm_judge(path, name[6:]))\n"
+        "elif name.startswith('tiny-'):\n"
         "    from diffusion_rollout.models import save_tiny_model; save_tiny_model(name[5:], path)\n"
         "else:\n"
         "    from benchmarks import model_builders_scale  # noqa: F401  (registers the large models)\n"
@@ -219,6 +269,9 @@ def model_folder(name: str, work: Path) -> Path:
 def run_one(name: str, args: argparse.Namespace, deadline: float) -> int:
     model, recipe, extra = RUNS[name]
     path = model_folder(model, args.work)
+    extra = [a.replace("{work}", str(args.work)) for a in extra]
+    for judge in {a.split("model=")[1].split("&")[0] for a in extra if "vlm_ocr_judge?model=" in a}:
+        model_folder(Path(judge).name, args.work)  # the reward's judge, built beside the model
     out = Path(args.out) / f"{name}.json"
     launch = [sys.executable]
     if RANKS.get(name, 1) > 1:
