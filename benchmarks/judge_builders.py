@@ -236,7 +236,11 @@ def _qwen25_vl_config(size: str, tokenizer):
             "num_key_value_heads": 4,
             "max_position_embeddings": 128000,
             "rms_norm_eps": 1e-6,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [16, 24, 24],
+            },
         }
         vision = {
             "depth": 32,
@@ -364,7 +368,11 @@ def save_vlm_judge(
         from transformers import Qwen3VLProcessor as processor_cls
 
         config = _qwen3_vl_config(size, tokenizer)
-        architecture, image_settings, video_settings = "qwen3_vl", QWEN3_VL_IMAGE_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR
+        architecture, image_settings, video_settings = (
+            "qwen3_vl",
+            QWEN3_VL_IMAGE_PROCESSOR,
+            QWEN3_VL_VIDEO_PROCESSOR,
+        )
     else:
         from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
         from transformers import Qwen2_5_VLProcessor as processor_cls
