@@ -22,7 +22,10 @@ Design decisions:
   can move it (smoother images compress better), which makes it the default.
 - **The images arrive as bytes**, not floats: rewards are scored on exactly what a user would save,
   and the server's uint8 answer is a quarter of the float32 one.
-- Rewards run in the trainer's process on the CPU; the recipes time them as their own phase.
+- Rewards run in the trainer's process on the CPU; the recipes time them as their own phase. The
+  one exception is ``vlm_ocr_judge``, a generative VLM that reads the text in each image (verl-omni's
+  OCR task): it runs on the rank's GPU and keeps ``last_seconds`` / ``tokens_generated`` of its last
+  call for the recipe to report.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import importlib
 import importlib.util
 import inspect
 import io
+import json
+import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -40,11 +46,17 @@ import torch
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "OCR_PROMPTS",
     "Reward",
+    "VlmOcrJudge",
     "brightness",
     "jpeg_compressibility",
     "jpeg_incompressibility",
+    "levenshtein",
     "load_reward",
+    "ocr_similarity",
+    "ocr_target",
+    "vlm_ocr_judge",
 ]
 
 
@@ -102,10 +114,271 @@ def brightness(target: float = 0.8) -> Reward:
     return reward
 
 
+# ---------------------------------------------------------------------------------------------------
+# OCR: a VLM judge reads each image's text; the score is its edit-distance match to the prompt's text
+# ---------------------------------------------------------------------------------------------------
+
+#: Prompts that each ask for a text in double quotes (the OCR task's target), for ``--prompt-set ocr``.
+OCR_PROMPTS = [
+    'A street sign that says "OPEN 24 HOURS"',
+    'A coffee cup with the word "LATTE" written on it',
+    'A neon sign in a dark alley reading "NIGHT MARKET"',
+    'A chalkboard menu that says "SOUP OF THE DAY"',
+    'A wooden signpost with the text "TRAIL HEAD"',
+    'A birthday cake with "HAPPY 30TH" in icing',
+    'A vintage poster with the title "SPACE RACE 1969"',
+    'A shop window with a sticker that says "SALE 50% OFF"',
+    'A road sign that reads "SLOW DOWN"',
+    'A book cover titled "THE LAST LIGHTHOUSE"',
+    'A t-shirt printed with the words "KEEP CALM"',
+    'A license plate that says "GRPO 2026"',
+    'A movie theater marquee showing "NOW PLAYING"',
+    'A handwritten note on a fridge saying "BUY MILK"',
+    'A train station board displaying "PLATFORM 9"',
+    'A protest banner with the slogan "SAVE THE BEES"',
+    'A mailbox labeled "SMITH FAMILY"',
+    'A cereal box with the brand name "CRUNCHY OATS"',
+    'A graffiti wall spelling "DREAM BIG"',
+    'A door plaque engraved with "ROOM 404"',
+    'A cinema ticket printed with "ADMIT ONE"',
+    'A bakery storefront sign reading "FRESH BREAD"',
+    'A laptop sticker that says "HELLO WORLD"',
+    'A road billboard advertising "VISIT MARS"',
+    'A warning sign on a fence that says "HIGH VOLTAGE"',
+    'A greeting card with the message "THANK YOU"',
+    'A hotel lobby sign reading "WELCOME GUESTS"',
+    'A sailboat with the name "SEA BREEZE" painted on its hull',
+    'A bottle label that reads "SPRING WATER"',
+    'A parking lot sign saying "RESERVED"',
+    'A vintage typewriter page typed with "CHAPTER ONE"',
+    'A football jersey with "CHAMPIONS" across the back',
+]
+
+_QUOTED = re.compile(r'"([^"]*)"|\u201c([^\u201d]*)\u201d')
+
+
+def ocr_target(prompt: str) -> str:
+    """The text a prompt asks to be written: between its first pair of double quotes (straight or
+    typographic), else the whole prompt."""
+    m = _QUOTED.search(prompt)
+    if m is None:
+        return prompt
+    return m.group(1) if m.group(1) is not None else m.group(2)
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The edit distance (insertions, deletions, substitutions, each 1) between ``a`` and ``b``."""
+    if len(a) < len(b):
+        a, b = b, a  # one row of the shorter string's length
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        diag, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diag, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diag + (ca != cb))
+    return row[-1]
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def ocr_similarity(prediction: str, target: str) -> float:
+    """``max(0, 1 - edit distance / len(target))``, both texts lower-cased with runs of whitespace
+    collapsed to one space (so a reading that differs only in case or spacing scores 1)."""
+    pred, tgt = _normalise(prediction), _normalise(target)
+    return max(0.0, 1.0 - levenshtein(pred, tgt) / max(len(tgt), 1))
+
+
+class VlmOcrJudge:
+    """A generative VLM (Qwen3-VL, Qwen2.5-VL...) reads the text in each image; the reward is
+    ``ocr_similarity(reading, ocr_target(prompt))`` in [0, 1].
+
+    ``model``: a transformers folder that ``AutoModelForImageTextToText`` loads, e.g. a downloaded
+    Qwen3-VL-8B-Instruct, or a random-weight one from ``benchmarks.judge_builders.save_vlm_judge``
+    (time and memory real, readings meaningless).
+
+    Decoding is greedy with a fixed budget: ``min_new_tokens = max_new_tokens``, so every image costs
+    ``max_new_tokens`` decode steps whatever the model says. A real judge mostly stops early; this is
+    its worst case, and it keeps a random-weight judge's cost from depending on when noise emits an
+    end token. The whole reading counts (no early stop to cut at).
+    """
+
+    INSTRUCTION = "Read all the text in this image. Answer with the text only."
+
+    def __init__(
+        self,
+        model: str,
+        max_new_tokens: int = 32,
+        batch_size: int = 32,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        if max_new_tokens < 1 or batch_size < 1:
+            raise ValueError(
+                f"vlm_ocr_judge: max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}"
+            )
+        path = Path(str(model))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"vlm_ocr_judge: model={model!r} is not a transformers folder (no config.json)")
+        if device is None:
+            # Under torchrun each rank has set its own CUDA device; the judge runs beside it.
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = getattr(torch, str(dtype))
+        self.max_new_tokens = int(max_new_tokens)
+        self.batch_size = int(batch_size)
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            str(path), dtype=self.dtype, device_map={"": str(self.device)}
+        ).eval()
+        self.tokenizer, self.image_processor, self.chat_template = _load_vlm_processor(path)
+        self.tokenizer.padding_side = "left"  # generation appends on the right of every row
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.image_token = "<|image_pad|>"
+        self.image_token_id = self.model.config.image_token_id
+        self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        # transformers versions differ in what the forward needs beside input ids (newer ones want
+        # the per-token modality, mm_token_type_ids, for mRoPE); pass it only where it is accepted.
+        self._pass_token_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
+        self.last_seconds = 0.0
+        self.tokens_generated = 0
+        self.last_readings: list[str] = []
+
+    def _prompt_text(self) -> str:
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.INSTRUCTION}]}
+        ]
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
+
+    def _inputs(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs for uint8 ``[B, 3, H, W]``: what a Qwen-VL processor makes for images
+        (pixel patches, each image's grid, its pad token repeated once per merged patch)."""
+        from PIL import Image
+
+        pil = [Image.fromarray(f.permute(1, 2, 0).contiguous().numpy()) for f in frames]
+        vision = self.image_processor(images=pil, return_tensors="pt")
+        grids = vision["image_grid_thw"]
+        template = self._prompt_text()
+        texts = [
+            template.replace(self.image_token, self.image_token * (int(g.prod()) // self.merge**2), 1)
+            for g in grids
+        ]
+        text = self.tokenizer(texts, padding=True, return_tensors="pt")
+        inputs = {
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            "pixel_values": vision["pixel_values"].to(self.dtype),
+            "image_grid_thw": grids,
+        }
+        if self._pass_token_types:
+            inputs["mm_token_type_ids"] = (text["input_ids"] == self.image_token_id).to(torch.int32)
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def _decode(self, ids: list[int]) -> str:
+        # Ids past the tokenizer's vocabulary (a random-weight 8B has the real 151936 rows, the offline
+        # tokenizer far fewer; a real checkpoint pads its embedding beyond its tokenizer too) are
+        # read as nothing.
+        known = [i for i in ids if 0 <= i < len(self.tokenizer)]
+        return self.tokenizer.decode(known, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        frames = _frames(images)[:, 0]  # a video is judged on its first frame
+        if len(prompts) != frames.shape[0]:
+            raise ValueError(f"vlm_ocr_judge: {frames.shape[0]} images but {len(prompts)} prompts")
+        start = time.perf_counter()
+        readings: list[str] = []
+        generated = 0
+        for lo in range(0, frames.shape[0], self.batch_size):
+            inputs = self._inputs(frames[lo : lo + self.batch_size])
+            out = self.model.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.max_new_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            new = out[:, inputs["input_ids"].shape[1] :].tolist()
+            generated += sum(len(row) for row in new)
+            readings.extend(self._decode(row) for row in new)
+        scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
+        self.last_readings = readings
+        self.tokens_generated = generated
+        self.last_seconds = time.perf_counter() - start
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+def _load_vlm_processor(path: Path):
+    """(tokenizer, image processor, chat template) of a VLM folder.
+
+    ``AutoProcessor`` first, as for any checkpoint. transformers 5 builds a Qwen-VL processor only
+    with torchvision (for its video half, which the judge never uses); without it the same files are
+    read part by part.
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+        return processor.tokenizer, processor.image_processor, getattr(processor, "chat_template", None)
+    except (ImportError, AttributeError, TypeError, ValueError, OSError):
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    template = None
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = path / name
+        if file.is_file():
+            text = file.read_text()
+            template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            break
+    return tokenizer, _load_image_processor(path), template or tokenizer.chat_template
+
+
+def _load_image_processor(path: Path):
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(str(path))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    # The PIL backend of Qwen2-VL's image processor (Qwen3-VL uses the same one) needs no torchvision.
+    for name in ("Qwen2VLImageProcessorPil", "Qwen2VLImageProcessor"):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls.from_pretrained(str(path))
+    raise ImportError(f"vlm_ocr_judge: no image processor for {path} in this transformers")
+
+
+def vlm_ocr_judge(
+    model: str | None = None,
+    max_new_tokens: int = 32,
+    batch_size: int = 32,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Reward:
+    """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``."""
+    if model is None:
+        raise ValueError(
+            "vlm_ocr_judge needs model=/path/to/folder: a Qwen3-VL-8B-Instruct (or other "
+            "AutoModelForImageTextToText) folder, e.g. one written by "
+            "benchmarks.judge_builders.save_vlm_judge"
+        )
+    return VlmOcrJudge(
+        model, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device, dtype=dtype
+    )
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., Reward]] = {
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
     "brightness": brightness,
+    "vlm_ocr_judge": vlm_ocr_judge,
 }
 
 

@@ -112,6 +112,8 @@ def test_rewards_refuse_float_images_and_other_shapes(rewards):
 def test_load_reward_builtin_names_and_kwargs(rewards):
     images = _images()
     for name, make in rewards.BUILTIN_REWARDS.items():
+        if name == "vlm_ocr_judge":  # needs model=FOLDER: tests/test_vlm_judge.py
+            continue
         assert torch.equal(rewards.load_reward(name)(images, PROMPTS3), make()(images, PROMPTS3)), name
     q80 = rewards.load_reward("jpeg_compressibility?quality=80")(images, PROMPTS3)
     assert torch.equal(q80, rewards.jpeg_compressibility(quality=80)(images, PROMPTS3))
