@@ -191,12 +191,18 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         ],
     ),
     # The peer's step on 4 GPUs, colocated (a replica and a trainer rank per GPU), and on 2 GPUs with
-    # half the prompts (the same work per GPU) where no 4-GPU machine is lent.
-    "peer-qwen-image-lora": ("qwen-image", "flow_grpo", [*_PEER_QWEN, "--prompts", "32", *_COLOCATED]),
+    # half the prompts (the same work per GPU) where no 4-GPU machine is lent. The replicas give their
+# GPU memory back while the trainer replays: a 41 GB transformer each for replica and trainer, the
+# judge and the replay's activations would not fit one H200 together.
+    "peer-qwen-image-lora": (
+        "qwen-image",
+        "flow_grpo",
+        [*_PEER_QWEN, "--prompts", "32", *_COLOCATED, "--release-memory"],
+    ),
     "peer-qwen-image-lora-2gpu": (
         "qwen-image",
         "flow_grpo",
-        [*_PEER_QWEN, "--prompts", "16", "--server-gpus", "0,1", "--trainer-gpus", "0,1"],
+        [*_PEER_QWEN, "--prompts", "16", "--server-gpus", "0,1", "--trainer-gpus", "0,1", "--release-memory"],
     ),
     # The same path at CPU size: a tiny Qwen-Image and a tiny judge, two ranks.
     "tiny-peer-qwen-image": (
