@@ -175,3 +175,15 @@ def test_eight_b_config_has_qwen3_vl_8b_numbers():
     with init_empty_weights():
         model = Qwen3VLForConditionalGeneration(cfg)
     assert sum(p.numel() for p in model.parameters()) == 8_767_123_696
+
+
+def test_fallback_without_qwen3_vl_builds_qwen25_vl(rewards, tmp_path, monkeypatch):
+    """A transformers without Qwen3-VL gets Qwen2.5-VL's architecture, and the folder says so."""
+    import benchmarks.judge_builders as jb
+
+    monkeypatch.setattr(jb, "_has_qwen3_vl", lambda: False)
+    info = jb.save_vlm_judge(tmp_path, size="tiny", dtype=torch.float32, device="cpu")
+    assert info.architecture == "qwen2_5_vl" and info.model_class == "Qwen2_5_VLForConditionalGeneration"
+    judge = rewards.load_reward(f"vlm_ocr_judge?model={tmp_path}&device=cpu&max_new_tokens=2")
+    r = judge(_images(1), ['a sign "HI"'])
+    assert r.shape == (1,) and judge.tokens_generated == 2
