@@ -406,3 +406,22 @@ def save_vlm_judge(
         tokenizer_size=len(tokenizer),
         seconds=time.perf_counter() - start,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser(description="Write a random-weight VLM judge folder (no hub).")
+    parser.add_argument("path")
+    parser.add_argument("--size", choices=SIZES, default="qwen3-vl-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    info = save_vlm_judge(args.path, args.size, getattr(torch, args.dtype), args.device, args.seed)
+    print(json.dumps(dataclasses.asdict(info)))
+
+
+if __name__ == "__main__":
+    main()

@@ -212,6 +212,7 @@ class VlmOcrJudge:
         batch_size: int = 32,
         device: str | None = None,
         dtype: str | None = None,
+        attn_implementation: str | None = None,
     ) -> None:
         from transformers import AutoModelForImageTextToText
 
@@ -232,8 +233,9 @@ class VlmOcrJudge:
             self.dtype = getattr(torch, str(dtype))
         self.max_new_tokens = int(max_new_tokens)
         self.batch_size = int(batch_size)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForImageTextToText.from_pretrained(
-            str(path), dtype=self.dtype, device_map={"": str(self.device)}
+            str(path), dtype=self.dtype, device_map={"": str(self.device)}, **extra
         ).eval()
         self.tokenizer, self.image_processor, self.chat_template = _load_vlm_processor(path)
         self.tokenizer.padding_side = "left"  # generation appends on the right of every row
@@ -361,8 +363,11 @@ def vlm_ocr_judge(
     batch_size: int = 32,
     device: str | None = None,
     dtype: str | None = None,
+    attn_implementation: str | None = None,
 ) -> Reward:
-    """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``."""
+    """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``
+    (also ``batch_size``, ``device``, ``dtype`` such as ``bfloat16``, ``attn_implementation`` such as
+    ``sdpa`` or ``flash_attention_2``)."""
     if model is None:
         raise ValueError(
             "vlm_ocr_judge needs model=/path/to/folder: a Qwen3-VL-8B-Instruct (or other "
@@ -370,7 +375,12 @@ def vlm_ocr_judge(
             "benchmarks.judge_builders.save_vlm_judge"
         )
     return VlmOcrJudge(
-        model, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device, dtype=dtype
+        model,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
     )
 
 
