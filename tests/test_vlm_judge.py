@@ -129,12 +129,23 @@ def test_judge_runs_the_model_in_batches(judge, monkeypatch):
     generate = judge.model.generate
 
     def counting(**kwargs):
-        calls.append(kwargs["input_ids"].shape[0])
+        calls.append((kwargs["input_ids"].shape[0], kwargs["min_new_tokens"], kwargs["max_new_tokens"]))
         return generate(**kwargs)
 
     monkeypatch.setattr(judge.model, "generate", counting)
     judge(_images(3), ["a"] * 3)
-    assert calls == [2, 1]  # batch_size=2, left-padded batches of the same prompt
+    # batch_size=2: left-padded batches of the same prompt, each held to the fixed budget of 4 tokens
+    assert calls == [(2, 4, 4), (1, 4, 4)]
+
+
+def test_without_the_fixed_budget_a_reading_ends_at_its_end_token(rewards, judge_dir):
+    path, _ = judge_dir
+    judge = rewards.load_reward(f"vlm_ocr_judge?model={path}&device=cpu&max_new_tokens=4&fixed_budget=0")
+    eos = next(iter(judge.eos_ids))
+    assert judge._until_eos([7, 8, eos, 9, eos]) == [7, 8, eos]
+    assert judge._until_eos([7, 8]) == [7, 8]
+    r = judge(_images(2), ["a", "b"])
+    assert r.shape == (2,) and 2 <= judge.tokens_generated <= 2 * 4
 
 
 def test_score_is_the_readings_match_to_the_prompt(judge, monkeypatch):
