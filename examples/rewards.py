@@ -343,7 +343,7 @@ def _load_vlm_processor(path: Path):
     try:
         processor = AutoProcessor.from_pretrained(str(path))
         return processor.tokenizer, processor.image_processor, getattr(processor, "chat_template", None)
-    except (ImportError, AttributeError, TypeError, ValueError, OSError):
+    except Exception:  # the parts below are read on their own, and fail loudly if they must
         pass
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     template = None
