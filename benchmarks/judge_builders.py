@@ -3,27 +3,33 @@
 ``save_vlm_judge(path, size=...)`` writes an ordinary transformers folder (``config.json``,
 safetensors weights, tokenizer, image processor, chat template) that
 ``AutoModelForImageTextToText.from_pretrained(path)`` and ``AutoProcessor.from_pretrained(path)``
-read exactly as they read a downloaded Qwen3-VL-8B-Instruct. Nothing touches the hub.
+read exactly as they read a downloaded Qwen3-VL-8B-Instruct. Nothing touches the hub. (transformers 5
+builds a Qwen-VL ``AutoProcessor`` only with torchvision installed, for its video half, with this
+folder as with the real one; the reward then reads the tokenizer and image processor on their own.)
 
 Sizes:
 
 - ``qwen3-vl-8b``: Qwen3-VL-8B-Instruct's architecture at its real widths, so the judge costs what
   the real one costs in time and memory (its scores are meaningless: random weights read nothing).
-  Numbers checked against published ``config.json`` / ``preprocessor_config.json`` files of
-  Qwen3-VL-8B-Instruct copies on the Hugging Face hub (found with the project's search tool; the
-  official repository's own page was not in the index, the copies state ``base_model`` Qwen3-VL-8B-
-  Instruct and agree with each other):
+  Numbers checked against public copies of its files (found with the project's search tool; the
+  official repository's own config page was not in the index): ``config.json`` of fine-tunes whose
+  ``base_model`` is Qwen3-VL-8B-Instruct (huggingface.co Steinate/Cortex,
+  Chhagan005/CSM-DocExtract-8N), Ollama's GGUF metadata of ``qwen3-vl:8b-instruct``, and
+  ``preprocessor_config.json`` of cdreetz/Qwen3-VL-8B-Instruct (a re-upload of the original):
 
   * text: hidden 4096, intermediate 12288, 36 layers, 32 heads, 8 KV heads, head_dim 128, vocab
     151936, ``tie_word_embeddings`` false, rms_norm_eps 1e-6, rope_theta 5e6, interleaved mRoPE with
-    sections [24, 20, 20], max_position_embeddings 262144: **verified**;
+    sections [24, 20, 20], max_position_embeddings 262144: **verified** (config.json and GGUF agree);
   * vision: depth 27, hidden 1152, intermediate 4304, 16 heads, patch 16, temporal patch 2, spatial
-    merge 2, ``num_position_embeddings`` 2304, ``gelu_pytorch_tanh``, deepstack indexes [8, 16, 24]:
-    **verified**; ``out_hidden_size`` 4096 (the text width, which the merger must project to; the
-    hub copies list it as the text hidden size, and a 32B copy's 5120 follows the same rule);
+    merge 2, deepstack indexes [8, 16, 24], ``gelu_pytorch_tanh``, ``num_position_embeddings`` 2304:
+    **verified** (the last two from a 32B sibling's config.json, which shares the vision tower);
+    ``out_hidden_size`` 4096: not seen in an 8B file's excerpt, but it must equal the text width (the
+    merger projects into the text embeddings; the 32B's is its 5120), and Megatron-Bridge's
+    Qwen3-VL config defaults to 4096;
   * image processor: patch 16, merge 2, temporal patch 2, mean/std 0.5, ``size`` shortest_edge
     65536 / longest_edge 16777216 pixels: **verified** (so a 512x512 image is 32x32 patches, 256
-    image tokens after the 2x2 merge).
+    image tokens after the 2x2 merge);
+  * the whole: 8,767,123,696 parameters (576M in the vision tower), about the 8.8B that model listings give.
 
   If the installed transformers has no ``Qwen3VLForConditionalGeneration``, Qwen2.5-VL-7B-Instruct's
   config is used instead (text 3584 wide, 18944 intermediate, 28 layers, 28 heads, 4 KV heads, vocab
@@ -311,8 +317,8 @@ def _save_processor(path: Path, tokenizer, image_settings: dict, video_settings:
         )
         processor.save_pretrained(str(path))
         return
-    except (AttributeError, ImportError, TypeError, ValueError):
-        pass  # no torchvision: no video processor, so no whole processor; write the parts
+    except Exception:  # whatever stops the whole processor, the parts below still make a folder
+        pass  # typically no torchvision: no video processor, so no whole processor; write the parts
     tokenizer.save_pretrained(str(path))
     image_processor.save_pretrained(str(path))
     _patch_json(path / "preprocessor_config.json", {"processor_class": processor_cls.__name__})
@@ -387,6 +393,8 @@ def save_vlm_judge(
     parameters = sum(p.numel() for p in model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # give the 17 GB back to whatever runs next in this process
     _save_processor(out, tokenizer, image_settings, video_settings, processor_cls)
     return JudgeInfo(
         path=str(out),
@@ -398,3 +406,22 @@ def save_vlm_judge(
         tokenizer_size=len(tokenizer),
         seconds=time.perf_counter() - start,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser(description="Write a random-weight VLM judge folder (no hub).")
+    parser.add_argument("path")
+    parser.add_argument("--size", choices=SIZES, default="qwen3-vl-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    info = save_vlm_judge(args.path, args.size, getattr(torch, args.dtype), args.device, args.seed)
+    print(json.dumps(dataclasses.asdict(info)))
+
+
+if __name__ == "__main__":
+    main()

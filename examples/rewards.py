@@ -197,10 +197,13 @@ class VlmOcrJudge:
     Qwen3-VL-8B-Instruct, or a random-weight one from ``benchmarks.judge_builders.save_vlm_judge``
     (time and memory real, readings meaningless).
 
-    Decoding is greedy with a fixed budget: ``min_new_tokens = max_new_tokens``, so every image costs
-    ``max_new_tokens`` decode steps whatever the model says. A real judge mostly stops early; this is
-    its worst case, and it keeps a random-weight judge's cost from depending on when noise emits an
-    end token. The whole reading counts (no early stop to cut at).
+    Decoding is greedy with, by default, a fixed budget (``fixed_budget=1``): ``min_new_tokens =
+    max_new_tokens``, so every image costs ``max_new_tokens`` decode steps whatever the model says. A
+    real judge mostly stops early; this is its worst case, and it keeps a random-weight judge's cost
+    from depending on when noise happens to emit an end token. A trained judge kept from ending keeps
+    talking after its answer, which the score would count, so for meaningful scores from a real
+    checkpoint pass ``fixed_budget=0``: decoding then stops at the end token (and the reading is cut
+    there).
     """
 
     INSTRUCTION = "Read all the text in this image. Answer with the text only."
@@ -212,6 +215,8 @@ class VlmOcrJudge:
         batch_size: int = 32,
         device: str | None = None,
         dtype: str | None = None,
+        attn_implementation: str | None = None,
+        fixed_budget: int = 1,
     ) -> None:
         from transformers import AutoModelForImageTextToText
 
@@ -232,8 +237,10 @@ class VlmOcrJudge:
             self.dtype = getattr(torch, str(dtype))
         self.max_new_tokens = int(max_new_tokens)
         self.batch_size = int(batch_size)
+        self.fixed_budget = bool(int(fixed_budget))
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForImageTextToText.from_pretrained(
-            str(path), dtype=self.dtype, device_map={"": str(self.device)}
+            str(path), dtype=self.dtype, device_map={"": str(self.device)}, **extra
         ).eval()
         self.tokenizer, self.image_processor, self.chat_template = _load_vlm_processor(path)
         self.tokenizer.padding_side = "left"  # generation appends on the right of every row
@@ -242,6 +249,8 @@ class VlmOcrJudge:
         self.image_token = "<|image_pad|>"
         self.image_token_id = self.model.config.image_token_id
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # transformers versions differ in what the forward needs beside input ids (newer ones want
         # the per-token modality, mm_token_type_ids, for mRoPE); pass it only where it is accepted.
         self._pass_token_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
@@ -281,6 +290,13 @@ class VlmOcrJudge:
             inputs["mm_token_type_ids"] = (text["input_ids"] == self.image_token_id).to(torch.int32)
         return {k: v.to(self.device) for k, v in inputs.items()}
 
+    def _until_eos(self, ids: list[int]) -> list[int]:
+        """The generated ids up to and including the first end token (what follows is padding)."""
+        for k, i in enumerate(ids):
+            if i in self.eos_ids:
+                return ids[: k + 1]
+        return ids
+
     def _decode(self, ids: list[int]) -> str:
         # Ids past the tokenizer's vocabulary (a random-weight 8B has the real 151936 rows, the offline
         # tokenizer far fewer; a real checkpoint pads its embedding beyond its tokenizer too) are
@@ -302,10 +318,10 @@ class VlmOcrJudge:
                 **inputs,
                 do_sample=False,
                 max_new_tokens=self.max_new_tokens,
-                min_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.max_new_tokens if self.fixed_budget else 0,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-            new = out[:, inputs["input_ids"].shape[1] :].tolist()
+            new = [self._until_eos(row) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
             generated += sum(len(row) for row in new)
             readings.extend(self._decode(row) for row in new)
         scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
@@ -327,7 +343,7 @@ def _load_vlm_processor(path: Path):
     try:
         processor = AutoProcessor.from_pretrained(str(path))
         return processor.tokenizer, processor.image_processor, getattr(processor, "chat_template", None)
-    except (ImportError, AttributeError, TypeError, ValueError, OSError):
+    except Exception:  # the parts below are read on their own, and fail loudly if they must
         pass
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     template = None
@@ -361,8 +377,12 @@ def vlm_ocr_judge(
     batch_size: int = 32,
     device: str | None = None,
     dtype: str | None = None,
+    attn_implementation: str | None = None,
+    fixed_budget: int = 1,
 ) -> Reward:
-    """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``."""
+    """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``
+    (also ``batch_size``, ``device``, ``dtype`` such as ``bfloat16``, ``attn_implementation`` such as
+    ``sdpa`` or ``flash_attention_2``, ``fixed_budget=0`` to let a real judge stop at its end token)."""
     if model is None:
         raise ValueError(
             "vlm_ocr_judge needs model=/path/to/folder: a Qwen3-VL-8B-Instruct (or other "
@@ -370,7 +390,13 @@ def vlm_ocr_judge(
             "benchmarks.judge_builders.save_vlm_judge"
         )
     return VlmOcrJudge(
-        model, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device, dtype=dtype
+        model,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        fixed_budget=fixed_budget,
     )
 
 

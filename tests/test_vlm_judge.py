@@ -129,12 +129,23 @@ def test_judge_runs_the_model_in_batches(judge, monkeypatch):
     generate = judge.model.generate
 
     def counting(**kwargs):
-        calls.append(kwargs["input_ids"].shape[0])
+        calls.append((kwargs["input_ids"].shape[0], kwargs["min_new_tokens"], kwargs["max_new_tokens"]))
         return generate(**kwargs)
 
     monkeypatch.setattr(judge.model, "generate", counting)
     judge(_images(3), ["a"] * 3)
-    assert calls == [2, 1]  # batch_size=2, left-padded batches of the same prompt
+    # batch_size=2: left-padded batches of the same prompt, each held to the fixed budget of 4 tokens
+    assert calls == [(2, 4, 4), (1, 4, 4)]
+
+
+def test_without_the_fixed_budget_a_reading_ends_at_its_end_token(rewards, judge_dir):
+    path, _ = judge_dir
+    judge = rewards.load_reward(f"vlm_ocr_judge?model={path}&device=cpu&max_new_tokens=4&fixed_budget=0")
+    eos = next(iter(judge.eos_ids))
+    assert judge._until_eos([7, 8, eos, 9, eos]) == [7, 8, eos]
+    assert judge._until_eos([7, 8]) == [7, 8]
+    r = judge(_images(2), ["a", "b"])
+    assert r.shape == (2,) and 2 <= judge.tokens_generated <= 2 * 4
 
 
 def test_score_is_the_readings_match_to_the_prompt(judge, monkeypatch):
@@ -175,3 +186,15 @@ def test_eight_b_config_has_qwen3_vl_8b_numbers():
     with init_empty_weights():
         model = Qwen3VLForConditionalGeneration(cfg)
     assert sum(p.numel() for p in model.parameters()) == 8_767_123_696
+
+
+def test_fallback_without_qwen3_vl_builds_qwen25_vl(rewards, tmp_path, monkeypatch):
+    """A transformers without Qwen3-VL gets Qwen2.5-VL's architecture, and the folder says so."""
+    import benchmarks.judge_builders as jb
+
+    monkeypatch.setattr(jb, "_has_qwen3_vl", lambda: False)
+    info = jb.save_vlm_judge(tmp_path, size="tiny", dtype=torch.float32, device="cpu")
+    assert info.architecture == "qwen2_5_vl" and info.model_class == "Qwen2_5_VLForConditionalGeneration"
+    judge = rewards.load_reward(f"vlm_ocr_judge?model={tmp_path}&device=cpu&max_new_tokens=2")
+    r = judge(_images(1), ['a sign "HI"'])
+    assert r.shape == (1,) and judge.tokens_generated == 2
