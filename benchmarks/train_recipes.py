@@ -204,6 +204,14 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "16", "--server-gpus", "0,1", "--trainer-gpus", "0,1", "--release-memory"],
     ),
+    # One GPU's layout of the 4-GPU step (a replica, a trainer and the judge on one GPU) with 2 of its
+    # 8 groups: the per-group rates of every phase in steady state, for the bound.
+    "peer-qwen-image-rates": (
+        "qwen-image",
+        "flow_grpo",
+        [*_PEER_QWEN, "--prompts", "2", "--iterations", "8", "--server-gpu", "0", "--trainer-gpu", "0",
+         "--release-memory"],
+    ),  # fmt: skip
     # The same path at CPU size: a tiny Qwen-Image and a tiny judge, two ranks.
     "tiny-peer-qwen-image": (
         "tiny-qwenimage",
@@ -252,7 +260,7 @@ RANKS: dict[str, int] = {
 def model_folder(name: str, work: Path) -> Path:
     """The saved diffusers folder of ``name`` (built here on first use, in a process of its own)."""
     path = work / "models" / name
-    if (path / "model_index.json").exists():
+    if (path / ("config.json" if name.startswith("judge-") else "model_index.json")).exists():
         return path
     code = (
         "import sys, torch; from pathlib import Path\n"

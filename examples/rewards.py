@@ -217,6 +217,7 @@ class VlmOcrJudge:
         dtype: str | None = None,
         attn_implementation: str | None = None,
         fixed_budget: int = 1,
+        offload: int | None = None,
     ) -> None:
         from transformers import AutoModelForImageTextToText
 
@@ -239,9 +240,21 @@ class VlmOcrJudge:
         self.batch_size = int(batch_size)
         self.fixed_budget = bool(int(fixed_budget))
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        # ``offload`` (default: on for CUDA): the weights wait in pinned host memory between calls.
+        # Colocated beside a rollout replica and the trainer's own copy of a 20B denoiser, an 8B
+        # judge's 17.5 GB held through rollout and replay overfilled an H200 (a 4-GPU Qwen-Image run
+        # stalled with every GPU full); moving it in and out costs two host copies per call.
+        self.offload = self.device.type == "cuda" if offload is None else bool(int(offload))
         self.model = AutoModelForImageTextToText.from_pretrained(
-            str(path), dtype=self.dtype, device_map={"": str(self.device)}, **extra
+            str(path), dtype=self.dtype, device_map={"": "cpu" if self.offload else str(self.device)}, **extra
         ).eval()
+        # The judge never changes its weights: one pinned host copy of each tensor is made here, and
+        # moving out is pointing back at it (no copy, no new pinned allocation per call).
+        pin = torch.cuda.is_available()  # (a CPU-only build has no pinned memory; the path still runs)
+        self._host = [(t, t.data.pin_memory() if pin else t.data) for t in self._tensors()] if self.offload else []
+        for t, host in self._host:
+            t.data = host
+        self.offload_seconds = 0.0
         self.tokenizer, self.image_processor, self.chat_template = _load_vlm_processor(path)
         self.tokenizer.padding_side = "left"  # generation appends on the right of every row
         if self.tokenizer.pad_token_id is None:
@@ -310,6 +323,33 @@ class VlmOcrJudge:
         if len(prompts) != frames.shape[0]:
             raise ValueError(f"vlm_ocr_judge: {frames.shape[0]} images but {len(prompts)} prompts")
         start = time.perf_counter()
+        if self.offload:
+            for t, host in self._host:
+                t.data = host.to(self.device, non_blocking=True)
+        try:
+            readings, generated = self._read(frames)
+        finally:
+            if self.offload:
+                self._back_to_host()
+        scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
+        self.last_readings = readings
+        self.tokens_generated = generated
+        self.last_seconds = time.perf_counter() - start
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _back_to_host(self) -> None:
+        """The weights back to their pinned host copies, and the GPU's cache handed back to the
+        driver, so that a server process on the same GPU can use it."""
+        t0 = time.perf_counter()
+        for t, host in self._host:
+            t.data = host
+        torch.cuda.empty_cache()
+        self.offload_seconds = time.perf_counter() - t0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def _read(self, frames: torch.Tensor) -> tuple[list[str], int]:
         readings: list[str] = []
         generated = 0
         for lo in range(0, frames.shape[0], self.batch_size):
@@ -324,11 +364,7 @@ class VlmOcrJudge:
             new = [self._until_eos(row) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
             generated += sum(len(row) for row in new)
             readings.extend(self._decode(row) for row in new)
-        scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
-        self.last_readings = readings
-        self.tokens_generated = generated
-        self.last_seconds = time.perf_counter() - start
-        return torch.tensor(scores, dtype=torch.float32)
+        return readings, generated
 
 
 def _load_vlm_processor(path: Path):
@@ -379,10 +415,12 @@ def vlm_ocr_judge(
     dtype: str | None = None,
     attn_implementation: str | None = None,
     fixed_budget: int = 1,
+    offload: int | None = None,
 ) -> Reward:
     """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``
     (also ``batch_size``, ``device``, ``dtype`` such as ``bfloat16``, ``attn_implementation`` such as
-    ``sdpa`` or ``flash_attention_2``, ``fixed_budget=0`` to let a real judge stop at its end token)."""
+    ``sdpa`` or ``flash_attention_2``, ``fixed_budget=0`` to let a real judge stop at its end token,
+    ``offload=0`` to keep the weights on the GPU between calls: on CUDA they wait in pinned host memory)."""
     if model is None:
         raise ValueError(
             "vlm_ocr_judge needs model=/path/to/folder: a Qwen3-VL-8B-Instruct (or other "
@@ -397,6 +435,7 @@ def vlm_ocr_judge(
         dtype=dtype,
         attn_implementation=attn_implementation,
         fixed_budget=fixed_budget,
+        offload=offload,
     )
 
 
