@@ -192,8 +192,8 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     ),
     # The peer's step on 4 GPUs, colocated (a replica and a trainer rank per GPU), and on 2 GPUs with
     # half the prompts (the same work per GPU) where no 4-GPU machine is lent. The replicas give their
-# GPU memory back while the trainer replays: a 41 GB transformer each for replica and trainer, the
-# judge and the replay's activations would not fit one H200 together.
+    # GPU memory back while the trainer replays: a 41 GB transformer each for replica and trainer, the
+    # judge and the replay's activations would not fit one H200 together.
     "peer-qwen-image-lora": (
         "qwen-image",
         "flow_grpo",
@@ -209,9 +209,19 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "peer-qwen-image-rates": (
         "qwen-image",
         "flow_grpo",
-        [*_PEER_QWEN, "--prompts", "2", "--iterations", "8", "--server-gpu", "0", "--trainer-gpu", "0",
-         "--release-memory"],
-    ),  # fmt: skip
+        [
+            *_PEER_QWEN,
+            "--prompts",
+            "2",
+            "--iterations",
+            "8",
+            "--server-gpu",
+            "0",
+            "--trainer-gpu",
+            "0",
+            "--release-memory",
+        ],
+    ),
     # The same path at CPU size: a tiny Qwen-Image and a tiny judge, two ranks.
     "tiny-peer-qwen-image": (
         "tiny-qwenimage",

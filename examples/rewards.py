@@ -251,7 +251,9 @@ class VlmOcrJudge:
         # The judge never changes its weights: one pinned host copy of each tensor is made here, and
         # moving out is pointing back at it (no copy, no new pinned allocation per call).
         pin = torch.cuda.is_available()  # (a CPU-only build has no pinned memory; the path still runs)
-        self._host = [(t, t.data.pin_memory() if pin else t.data) for t in self._tensors()] if self.offload else []
+        self._host = (
+            [(t, t.data.pin_memory() if pin else t.data) for t in self._tensors()] if self.offload else []
+        )
         for t, host in self._host:
             t.data = host
         self.offload_seconds = 0.0
