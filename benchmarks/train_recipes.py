@@ -204,21 +204,21 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "16", "--server-gpus", "0,1", "--trainer-gpus", "0,1", "--release-memory"],
     ),
-    # One GPU's layout of the 4-GPU step (a replica, a trainer and the judge on one GPU) with 2 of its
-    # 8 groups: the per-group rates of every phase in steady state, for the bound.
+    # The 4-GPU step's layout per GPU (a replica, a trainer rank and the judge on each) on 2 GPUs with 2
+    # of each GPU's 8 groups: every phase's per-group rate in steady state, for the bound.
     "peer-qwen-image-rates": (
         "qwen-image",
         "flow_grpo",
         [
             *_PEER_QWEN,
             "--prompts",
-            "2",
+            "4",
             "--iterations",
             "8",
-            "--server-gpu",
-            "0",
-            "--trainer-gpu",
-            "0",
+            "--server-gpus",
+            "0,1",
+            "--trainer-gpus",
+            "0,1",
             "--release-memory",
         ],
     ),
@@ -263,7 +263,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 RANKS: dict[str, int] = {
     "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
     "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
-    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2,
+    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
 }  # fmt: skip
 
 
