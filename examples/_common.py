@@ -169,7 +169,7 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
     g.add_argument(
         "--release-memory",
         action="store_true",
-        help="colocated: the server releases its GPU memory while the trainer trains",
+        help="colocated: the server releases its GPU memory while the trainer scores and trains",
     )
     g = p.add_argument_group("run")
     g.add_argument("--iterations", type=int, default=12)

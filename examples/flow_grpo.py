@@ -490,6 +490,14 @@ def run(
             # A regenerated batch is trained as on-policy (no TIS): it must come from the version pushed.
             if (stream is None or regenerated) and not in_process and versions != {version}:
                 raise RuntimeError(f"rollouts came from {versions}, expected {version!r}")
+            if args.release_memory and not in_process:
+                # Before the reward: a reward model on the trainer's GPU (the OCR judge) needs the
+                # replica's memory as much as the replay does. Every rank waits for the release: the
+                # replicas on the other ranks' GPUs are released by rank 0's one call.
+                with phases("release"):
+                    if ranks.is_main:
+                        client.release_memory_occupation()
+                    ranks.barrier()
             with phases("reward"):
                 rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
                 adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
@@ -497,9 +505,6 @@ def run(
                     {"rewards": rewards, "advantages": adv, "version": versions.pop(), "regenerated": regenerated,
                      "server_peak": server_peak_gb(outputs)}
                 )  # fmt: skip
-            if args.release_memory and not in_process and ranks.is_main:
-                with phases("release"):
-                    client.release_memory_occupation()
             with phases("train"):
                 stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness, ranks)
             if args.release_memory and not in_process and ranks.is_main:
