@@ -156,7 +156,8 @@ class ServerConfig(BaseModel):
     compile_cache: str | None = Field(
         None,
         description="with compile: folder for torch's compile artifacts, reused by later starts with "
-        "the same torch, device, model, dtype and speed options (a keyed subfolder each); unset = "
+        "the same torch, device, model, dtype and speed options (a keyed subfolder each), used only when "
+        "it is the server user's own and writable by no one else (else refused, compiled afresh); unset = "
         "<cache_dir>/compile; none = torch's own temporary cache",
     )
     precompile_blocks: bool = Field(
@@ -286,9 +287,11 @@ class ServerConfig(BaseModel):
     def _warmup_profile_folder(cls, value: str | None) -> str | None:
         if value is None:
             return None
+        from diffusion_rollout.server.own_files import make_private_dirs
+
         folder = Path(value).expanduser()
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(folder)
         except OSError as exc:
             raise ValueError(f"warmup_profile={value!r}: cannot make the folder ({exc})") from None
         if not os.access(folder, os.W_OK | os.X_OK):
