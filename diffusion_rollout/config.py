@@ -117,8 +117,9 @@ class ServerConfig(BaseModel):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="most tokens per prompt by the pipeline's first tokenizer; unset: longer prompts are "
-        "truncated to the pipeline's max_sequence_length as diffusers does",
+        description="most tokens per prompt by the pipeline's first tokenizer, and per sent embedding "
+        "(prompt_embeds and negatives: their token length); unset: longer prompts are truncated to the "
+        "pipeline's max_sequence_length as diffusers does, embeddings bounded by the model's most",
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest JSON request body")
     max_upload_bytes: int = Field(8 * 2**30, ge=1024, description="largest weight-upload part")
