@@ -68,13 +68,15 @@ from benchmarks.common import document, free_port, print_table, stop_session, wr
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 GENERATE, PUSH = b"POST /rollout/generate", b"POST /lora/load"
+LORA_LIST = b"GET /lora "  # the trainer's reads of the adapters it pushed (a push's check, the final one)
 
 
 @dataclass
 class Fault:
     """One injected fault, once: ``action`` on the first request of ``iteration`` whose request line
     starts with ``match`` (a rollout of the iteration, or the push that ends it), or, for
-    ``disk_full``, during the checkpoint write after ``iteration``."""
+    ``disk_full``, during the checkpoint write after ``iteration``. Another ``match`` (``LORA_LIST``)
+    fires on its ``nth`` request once the trainer has pushed ``iter-<iteration>``."""
 
     name: str
     # reset | reset_mid_body | drop_answer | delay | kill_server | kill_server_for_good |
@@ -84,6 +86,8 @@ class Fault:
     iteration: int
     expect: str  # the recovery it should lead to: a recipe cause, or "trainer_restart"
     fired_at: float | None = None  # wall clock
+    nth: int = 1
+    seen: int = 0
 
 
 def default_faults() -> list[Fault]:
@@ -180,6 +184,15 @@ class FaultProxy:
                     if f.match == GENERATE and f.iteration == self.version and f.fired_at is None:
                         f.fired_at = time.time()
                         return f
+            else:
+                for f in self.faults:
+                    if f.match in (GENERATE, PUSH) or f.fired_at is not None or f.iteration != self.version:
+                        continue
+                    if line.startswith(f.match):
+                        f.seen += 1
+                        if f.seen == f.nth:
+                            f.fired_at = time.time()
+                            return f
         return None
 
     def _serve(self, client: socket.socket) -> None:
