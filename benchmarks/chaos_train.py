@@ -68,6 +68,7 @@ from benchmarks.common import document, free_port, print_table, stop_session, wr
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 GENERATE, PUSH = b"POST /rollout/generate", b"POST /lora/load"
+FULL_PART = b"POST /update_weights?"  # a part of a full-weight push over HTTP (--full-finetune)
 LORA_LIST = b"GET /lora "  # the trainer's reads of the adapters it pushed (a push's check, the final one)
 
 
@@ -361,9 +362,12 @@ def trainer_command(args: argparse.Namespace, url: str, checkpoint: Path, out: P
         *launch, "trainer", "--url", url, "--model", str(args.model),
         "--cpu", "--iterations", str(args.iterations), "--prompts", str(args.prompts),
         "--group-size", str(args.group_size), "--steps", "4", "--size", "32", "--lora-rank", "4",
-        "--seed", str(args.seed), "--checkpoint", str(checkpoint), "--out", str(out),
+        "--seed", str(args.seed), "--out", str(out),
+        # (--full-finetune keeps no checkpoint yet: a killed trainer starts over)
+        *([] if getattr(args, "full", False) else ["--checkpoint", str(checkpoint)]),
         "--request-timeout", str(args.request_timeout), "--recover-timeout", str(args.recover_timeout),
         *(["--async-depth", str(args.async_depth)] if args.async_depth else []),
+        *(["--full-finetune", "--weight-sync", "http"] if getattr(args, "full", False) else []),
     ]  # fmt: skip
 
 
@@ -662,7 +666,14 @@ def trainer_main(argv: list[str]) -> dict[str, Any]:
     checkpoint write of that iteration writes a few bytes and fails with ENOSPC (once per run)."""
     sys.path.insert(0, str(EXAMPLES))
     import _common
+    import _full
     import flow_grpo
+
+    part_bytes = os.environ.get("CHAOS_MAX_PART_BYTES")
+    if part_bytes:  # full pushes in many parts, so that a fault can land in the middle of one
+        import functools
+
+        _full.push_weights = functools.partial(_full.push_weights, max_part_bytes=int(part_bytes))
 
     at, mark = os.environ.get("CHAOS_DISK_FULL_AT"), os.environ.get("CHAOS_DISK_FULL_MARK")
     if at is not None and mark is not None and not Path(mark).exists():

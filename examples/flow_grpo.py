@@ -314,7 +314,7 @@ def run(
         leaves with rank 0's verdict, i.e. only once the server holds ``version``."""
         if in_process:
             return None
-        if full is not None:  # (several ranks: a connection lost mid-gather is not recovered)
+        if full is not None:  # (a send that fails mid-gather still finishes every rank's gathers: _full.py)
             return on_main(
                 ranks, lambda: full.push(client, version), "push", others=lambda: full.push(None, version)
             )

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from benchmarks import chaos_train
-from benchmarks.chaos_train import GENERATE, LORA_LIST, Fault
+from benchmarks.chaos_train import FULL_PART, GENERATE, LORA_LIST, Fault
 
 # Each test starts `serve` and the trainer as processes, and restarts them: tens of seconds each.
 # A run stops itself at its --deadline-s (up to 400 s) with a report of where it was; pytest's own
@@ -151,3 +151,27 @@ def test_a_server_restarted_after_the_last_push_is_waited_for_and_the_run_ends_w
     assert len(record["final_adapter_checksum"]) == 64 and "final_check_error" not in record
     [event] = record["recoveries"]
     assert (event["cause"], event["action"], event["iteration"]) == ("final_weights_lost", "re-pushed", 1)
+
+
+def test_two_full_finetune_ranks_recover_a_server_killed_mid_part(tiny_model, tmp_path, monkeypatch):
+    """torchrun, 2 ranks, --full-finetune over HTTP in 64 KiB parts: the server is SIGKILLed (and
+    restarted) while the third part of the first push is on its way. Rank 0 finishes the gathers
+    rank 1 is still in, every rank hears of the loss, and rank 0 waits and pushes again: the run
+    completes, where it once hung in the gather."""
+    monkeypatch.setenv("CHAOS_MAX_PART_BYTES", str(64 * 1024))
+    fault = Fault("server killed mid-part of a full push", "kill_server", FULL_PART, 0,
+                  "push_connection_lost", nth=3)  # fmt: skip
+    args = _args(tiny_model, iterations=1, ranks=2, prompts=2, full=True, recover_timeout=60.0)
+    t0 = time.monotonic()
+    run = chaos_train.run_training(
+        args, tmp_path, "full", [fault], secrets.token_hex(16), t0 + 240, max_trainer_restarts=0
+    )
+    log = (tmp_path / "full-trainer.log").read_text()
+    assert fault.fired_at is not None and run["server_restarts"] == 1
+    assert run["completed"] and run["trainer_deaths"] == [], log[-4000:]
+    assert "finishing the" in log and "gathers the other ranks are in" in log
+    record = run["record"]
+    assert record["trainable"] == "full" and record["ranks"] == 2
+    [event] = record["recoveries"]
+    assert (event["cause"], event["action"], event["iteration"]) == ("push_connection_lost", "re-pushed", 0)
+    assert record["history"][0]["checksum_ok"] is True
