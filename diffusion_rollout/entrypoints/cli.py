@@ -117,7 +117,9 @@ def serve(config: ServerConfig) -> None:
     if (why := missing_bytecode()) is not None:
         logger.warning("slow start-up: %s", why)
     if (why := untrusted_pycache_prefix()) is not None:
-        logger.warning("unsafe byte-code folder: %s (docs/operations.md#security)", why)
+        logger.warning(
+            "unsafe byte-code folder: %s (docs/operations.md#security-what-the-server-trusts-on-disk)", why
+        )
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.entrypoints.http_server import make_server
 

@@ -137,7 +137,7 @@ class CompileCache:
             os.environ[INDUCTOR_ENV] = private
             logger.warning(
                 "compile cache: refusing %s, it is not the server's own: %s; nothing is loaded from it, "
-                "every graph compiles afresh into %s (docs/operations.md#security)",
+                "every graph compiles afresh into %s (docs/operations.md#security-what-the-server-trusts-on-disk)",
                 self.folder, self.refused, private,
             )  # fmt: skip
             return
