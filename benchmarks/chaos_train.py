@@ -68,13 +68,16 @@ from benchmarks.common import document, free_port, print_table, stop_session, wr
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 GENERATE, PUSH = b"POST /rollout/generate", b"POST /lora/load"
+FULL_PART = b"POST /update_weights?"  # a part of a full-weight push over HTTP (--full-finetune)
+LORA_LIST = b"GET /lora "  # the trainer's reads of the adapters it pushed (a push's check, the final one)
 
 
 @dataclass
 class Fault:
     """One injected fault, once: ``action`` on the first request of ``iteration`` whose request line
     starts with ``match`` (a rollout of the iteration, or the push that ends it), or, for
-    ``disk_full``, during the checkpoint write after ``iteration``."""
+    ``disk_full``, during the checkpoint write after ``iteration``. Another ``match`` (``LORA_LIST``)
+    fires on its ``nth`` request once the trainer has pushed ``iter-<iteration>``."""
 
     name: str
     # reset | reset_mid_body | drop_answer | delay | kill_server | kill_server_for_good |
@@ -84,6 +87,8 @@ class Fault:
     iteration: int
     expect: str  # the recovery it should lead to: a recipe cause, or "trainer_restart"
     fired_at: float | None = None  # wall clock
+    nth: int = 1
+    seen: int = 0
 
 
 def default_faults() -> list[Fault]:
@@ -180,6 +185,15 @@ class FaultProxy:
                     if f.match == GENERATE and f.iteration == self.version and f.fired_at is None:
                         f.fired_at = time.time()
                         return f
+            else:
+                for f in self.faults:
+                    if f.match in (GENERATE, PUSH) or f.fired_at is not None or f.iteration != self.version:
+                        continue
+                    if line.startswith(f.match):
+                        f.seen += 1
+                        if f.seen == f.nth:
+                            f.fired_at = time.time()
+                            return f
         return None
 
     def _serve(self, client: socket.socket) -> None:
@@ -348,9 +362,12 @@ def trainer_command(args: argparse.Namespace, url: str, checkpoint: Path, out: P
         *launch, "trainer", "--url", url, "--model", str(args.model),
         "--cpu", "--iterations", str(args.iterations), "--prompts", str(args.prompts),
         "--group-size", str(args.group_size), "--steps", "4", "--size", "32", "--lora-rank", "4",
-        "--seed", str(args.seed), "--checkpoint", str(checkpoint), "--out", str(out),
+        "--seed", str(args.seed), "--out", str(out),
+        # (--full-finetune keeps no checkpoint yet: a killed trainer starts over)
+        *([] if getattr(args, "full", False) else ["--checkpoint", str(checkpoint)]),
         "--request-timeout", str(args.request_timeout), "--recover-timeout", str(args.recover_timeout),
         *(["--async-depth", str(args.async_depth)] if args.async_depth else []),
+        *(["--full-finetune", "--weight-sync", "http"] if getattr(args, "full", False) else []),
     ]  # fmt: skip
 
 
@@ -649,7 +666,14 @@ def trainer_main(argv: list[str]) -> dict[str, Any]:
     checkpoint write of that iteration writes a few bytes and fails with ENOSPC (once per run)."""
     sys.path.insert(0, str(EXAMPLES))
     import _common
+    import _full
     import flow_grpo
+
+    part_bytes = os.environ.get("CHAOS_MAX_PART_BYTES")
+    if part_bytes:  # full pushes in many parts, so that a fault can land in the middle of one
+        import functools
+
+        _full.push_weights = functools.partial(_full.push_weights, max_part_bytes=int(part_bytes))
 
     at, mark = os.environ.get("CHAOS_DISK_FULL_AT"), os.environ.get("CHAOS_DISK_FULL_MARK")
     if at is not None and mark is not None and not Path(mark).exists():

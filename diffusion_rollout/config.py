@@ -117,8 +117,9 @@ class ServerConfig(BaseModel):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="most tokens per prompt by the pipeline's first tokenizer; unset: longer prompts are "
-        "truncated to the pipeline's max_sequence_length as diffusers does",
+        description="most tokens per prompt by the pipeline's first tokenizer, and per sent embedding "
+        "(prompt_embeds and negatives: their token length); unset: longer prompts are truncated to the "
+        "pipeline's max_sequence_length as diffusers does, embeddings bounded by the model's most",
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest JSON request body")
     max_upload_bytes: int = Field(8 * 2**30, ge=1024, description="largest weight-upload part")
@@ -156,7 +157,8 @@ class ServerConfig(BaseModel):
     compile_cache: str | None = Field(
         None,
         description="with compile: folder for torch's compile artifacts, reused by later starts with "
-        "the same torch, device, model, dtype and speed options (a keyed subfolder each); unset = "
+        "the same torch, device, model, dtype and speed options (a keyed subfolder each), used only when "
+        "it is the server user's own and writable by no one else (else refused, compiled afresh); unset = "
         "<cache_dir>/compile; none = torch's own temporary cache",
     )
     precompile_blocks: bool = Field(
@@ -286,9 +288,11 @@ class ServerConfig(BaseModel):
     def _warmup_profile_folder(cls, value: str | None) -> str | None:
         if value is None:
             return None
+        from diffusion_rollout.server.own_files import make_private_dirs
+
         folder = Path(value).expanduser()
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(folder)
         except OSError as exc:
             raise ValueError(f"warmup_profile={value!r}: cannot make the folder ({exc})") from None
         if not os.access(folder, os.W_OK | os.X_OK):

@@ -156,3 +156,10 @@ class ReplicasDivergedError(WeightApplyError):
     and rolling it back failed too), or their checksums differ. The message names the replicas."""
 
     error_type = "replicas_diverged"
+
+
+class UntrustedFileError(DiffusionRolloutError):
+    """A file or folder the server would load code from, or write into, is not the server's own
+    (another owner, writable by others, a symbolic link): refused, never read (server/own_files.py)."""
+
+    error_type = "untrusted_file"

@@ -24,6 +24,12 @@ Design decisions:
     for servers on another host (``--url``).
 - Every rank takes part in every gather, so a rank that is not 0 runs the same loop and drops what
   it gathered.
+- **A send that fails mid-push still finishes the gathers.** When rank 0's send fails (the server
+  killed mid-part, a lost connection), the other ranks are still inside the gather loop, waiting for
+  the next parameter's all-gather: rank 0 takes part in the gathers left (dropping them) before it
+  raises, so every rank leaves the push together and hears of the failure from rank 0
+  (``_recovery.on_main``), then waits and re-pushes as one (``Recovery``) or stops with its error
+  within ``--recover-timeout``, instead of hanging in a collective that rank 0 left.
 """
 
 from __future__ import annotations
@@ -92,10 +98,41 @@ class FullFinetune:
         rank must consume it to the end)."""
         from torch.distributed.tensor import DTensor
 
+        self._gathers_done = 0
         with torch.no_grad():
             for name, p in self.transformer.named_parameters():
                 full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                self._gathers_done += 1
                 yield name, full.to(self.served[name])
+
+    def _finish_gathers(self) -> None:
+        """Rank 0, after its send failed: the gathers the other ranks still wait in, to the end."""
+        from torch.distributed.tensor import DTensor
+
+        left = list(self.transformer.named_parameters())[self._gathers_done :]
+        logger.warning(
+            "full-weight push failed after %d of %d parameters were gathered; finishing the %d gathers "
+            "the other ranks are in, so that every rank hears of it",
+            self._gathers_done, self._gathers_done + len(left), len(left),
+        )  # fmt: skip
+        with torch.no_grad():
+            for _, p in left:
+                if isinstance(p, DTensor):
+                    p.full_tensor()
+        self._gathers_done += len(left)
+
+    def _send(self, client: RolloutClient, version: str):
+        """Rank 0's gather-and-send (see the module docstring's transports)."""
+        if self.sync == "broadcast":
+            if self.broadcaster is None:
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                self.broadcaster = WeightBroadcaster(
+                    client, master_address="127.0.0.1", master_port=free_port(), backend=backend,
+                    device=self.device if self.device.type == "cuda" else None,
+                ).init()  # fmt: skip
+            announce = [(n, self.served[n], tuple(p.shape)) for n, p in self.transformer.named_parameters()]
+            return self.broadcaster.broadcast(self._gathered(), announce=announce, weight_version=version)
+        return push_weights(client, self._gathered(), dtype=None, weight_version=version)
 
     def push(self, client: RolloutClient | None, version: str) -> bool | None:
         """Every rank gathers; rank 0 (``client`` given) sends. True when the servers verified every
@@ -105,17 +142,13 @@ class FullFinetune:
             for _ in self._gathered():
                 pass
             return None
-        if self.sync == "broadcast":
-            if self.broadcaster is None:
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                self.broadcaster = WeightBroadcaster(
-                    client, master_address="127.0.0.1", master_port=free_port(), backend=backend,
-                    device=self.device if self.device.type == "cuda" else None,
-                ).init()  # fmt: skip
-            announce = [(n, self.served[n], tuple(p.shape)) for n, p in self.transformer.named_parameters()]
-            result = self.broadcaster.broadcast(self._gathered(), announce=announce, weight_version=version)
-        else:
-            result = push_weights(client, self._gathered(), dtype=None, weight_version=version)
+        self._gathers_done = 0
+        try:
+            result = self._send(client, version)
+        except Exception:
+            if self.ranks.active:
+                self._finish_gathers()
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.sync_seconds.append(time.perf_counter() - t0)

@@ -184,6 +184,45 @@ class Recovery:
         self.recover(iteration, cause, detail, version, sync, holds, since=t0)
         return True
 
+    def final(
+        self, iteration: int, version: Any, sync: Callable[[Any], bool | None], holds: Callable[[Any], bool],
+        read: Callable[[], dict[str, Any]],
+    ) -> dict[str, Any]:  # fmt: skip
+        """The run's last word with the server (every rank calls it): ``read()`` on rank 0 once the
+        server holds ``version``, its result on every rank. A server lost after the last push (a
+        restart: base weights) is waited for and re-pushed as at any other point. When it does not
+        come back within the recovery's bounds, or the read keeps failing, the answer is
+        ``{"final_check_error": why}`` instead: the training itself is complete and checkpointed, so
+        the run ends with its record (exit 0) rather than an exception."""
+        t0 = time.monotonic()
+
+        def checked() -> dict[str, Any]:
+            if not holds(version):
+                raise ServerFailure(
+                    "final_weights_lost", f"the server no longer holds weight version {version!r}"
+                )
+            try:
+                return read()
+            except Exception as exc:  # (a restart between the check and the read: check again)
+                if failure_cause(exc, "final") is not None:
+                    raise
+                raise ServerFailure("final_read_failed", f"{type(exc).__name__}: {exc}") from exc
+
+        why = ""
+        for _ in range(self.attempts + 1):
+            try:
+                return on_main(self.ranks, checked, "final")
+            except ServerFailure as exc:
+                why = f"{exc.cause}: {exc.detail}"
+                try:
+                    self.recover(iteration, exc.cause, exc.detail, version, sync, holds, since=t0)
+                except RecoveryError as gone:
+                    why = str(gone)
+                    break
+        if self.ranks.is_main:
+            logger.error("the run's final check could not be made: %s", why)
+        return {"final_check_error": why}
+
     # ---------------------------------------------------------------------------------- recovery
     def recover(
         self, iteration: int, cause: str, detail: str, version: Any, sync: Callable[[Any], bool | None],

@@ -184,7 +184,8 @@ def ema_update(transformer, decay: float) -> None:
 
 
 def adapter_checksums(client: RolloutClient) -> dict[str, str]:
-    adapters = client.lora_list()["modules"]["transformer"]["adapters"]
+    """The server's adapter checksums by name (none where it holds none: a restarted server)."""
+    adapters = client.lora_list()["modules"].get("transformer", {}).get("adapters", {})
     return {name: a["checksum"] for name, a in adapters.items()}
 
 
@@ -325,9 +326,20 @@ def run(
                     {"next_iteration": it + 1, "history": history, **recovery.state()},
                 )  # fmt: skip
     run_record["summary"] = summarize(history, "old_policy_max_dev")
+    # The server may have been lost after the last push: waited for and re-pushed like any other
+    # loss, or the record says why the final state could not be read (_recovery.py).
+    run_record.update(
+        recovery.final(
+            args.iterations, version, sync, holds,
+            lambda: {"active_adapter": client.lora_list()["modules"]["transformer"]["active"],
+                     "server_adapter_checksums": adapter_checksums(client)},
+        )
+    )  # fmt: skip
     run_record.update(recovery.record())
     if ranks.is_main:
-        run_record["active_adapter"] = client.lora_list()["modules"]["transformer"]["active"]
+        run_record["final_adapter_checksums"] = {
+            a: lora_checksum(transformer, adapter_name=a, dtype=dtype) for a in ("default", "old")
+        }
         write_run(out_path, run_record)
     return run_record
 

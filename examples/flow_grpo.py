@@ -319,8 +319,10 @@ def guidance_record(output) -> dict[str, Any] | None:
     return {k: v for k, v in guidance.items() if isinstance(v, (str, int, float, bool)) or v is None}
 
 
-def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str:
-    return client.lora_list()["modules"]["transformer"]["adapters"][name]["checksum"]
+def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str | None:
+    """The server's checksum of adapter ``name``; None where it holds none (a restarted server)."""
+    listing = client.lora_list()["modules"].get("transformer", {})
+    return listing.get("adapters", {}).get(name, {}).get("checksum")
 
 
 def run(
@@ -360,7 +362,7 @@ def run(
         leaves with rank 0's verdict, i.e. only once the server holds ``version``."""
         if in_process:
             return None
-        if full is not None:  # (several ranks: a connection lost mid-gather is not recovered)
+        if full is not None:  # (a send that fails mid-gather still finishes every rank's gathers: _full.py)
             return on_main(
                 ranks, lambda: full.push(client, version), "push", others=lambda: full.push(None, version)
             )
@@ -550,9 +552,18 @@ def run(
     if full is not None:
         run_record["full_sync"] = full.record()
         full.close()
-    if not in_process and ranks.is_main and full is None:
+    if not in_process and full is None:
+        # The server may have been lost after the last push: waited for and re-pushed like any other
+        # loss, or the record says why its checksum could not be read (_recovery.py).
+        final = recovery.final(
+            args.iterations,
+            version,
+            push,
+            holds,
+            lambda: {"server_adapter_checksum": server_adapter_checksum(client)},
+        )
         run_record["final_adapter_checksum"] = lora_checksum(transformer, dtype=dtype)
-        run_record["server_adapter_checksum"] = server_adapter_checksum(client)
+        run_record.update(final)
     run_record["summary"] = summarize(history, "first_ratio_max_dev")
     run_record.update(recovery.record())
     if ranks.is_main:

@@ -26,6 +26,11 @@ Design decisions:
   one exception is ``vlm_ocr_judge``, a generative VLM that reads the text in each image (verl-omni's
   OCR task): it runs on the rank's GPU and keeps ``last_seconds`` / ``tokens_generated`` of its last
   call for the recipe to report.
+- **A spec is code.** Anything but a built-in name imports a module and calls what it names, in the
+  trainer's process and as its user (``subprocess:Popen?args=...`` would run a command), from the
+  command line or from ``--config``'s ``reward:`` alike. So only ``module:callable`` or
+  ``file.py:callable`` spelled out is taken (a bare unknown name is an error, never a guess), and
+  :func:`load_reward` logs once what it imported, from where, with which arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +49,8 @@ from typing import Protocol
 from urllib.parse import parse_qsl
 
 import torch
+
+logger = logging.getLogger("examples.rewards")
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -458,7 +466,8 @@ def _coerce(value: str) -> object:
     return value
 
 
-def _import_object(target: str) -> object:
+def _import_object(target: str) -> tuple[object, str]:
+    """The object ``module:attr`` or ``file.py:attr`` names, and the file it came from."""
     where, _, attr = target.rpartition(":")
     if not where or not attr:
         raise ValueError(
@@ -474,7 +483,7 @@ def _import_object(target: str) -> object:
     else:
         module = importlib.import_module(where)
     try:
-        return getattr(module, attr)
+        return getattr(module, attr), str(getattr(module, "__file__", None) or module.__name__)
     except AttributeError:
         raise ValueError(f"reward {target!r}: {where} has no attribute {attr!r}") from None
 
@@ -485,7 +494,12 @@ def load_reward(spec: str) -> Reward:
     kwargs = {k: _coerce(v) for k, v in parse_qsl(query, strict_parsing=bool(query))}
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name](**kwargs)
-    obj = _import_object(name)
+    obj, origin = _import_object(name)
+    logger.info(
+        "reward %r: imported %s from %s%s; it runs in this process as this user (a reward spec is code)",
+        spec, name, origin,
+        f" and called with {kwargs}" if kwargs else "",
+    )  # fmt: skip
     # A class or a factory (no positional parameters) is instantiated; a reward function is used as is.
     if inspect.isclass(obj) or kwargs or _takes_no_arguments(obj):
         obj = obj(**kwargs)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from benchmarks import chaos_train
-from benchmarks.chaos_train import GENERATE, Fault
+from benchmarks.chaos_train import FULL_PART, GENERATE, LORA_LIST, Fault
 
 # Each test starts `serve` and the trainer as processes, and restarts them: tens of seconds each.
 # A run stops itself at its --deadline-s (up to 400 s) with a report of where it was; pytest's own
@@ -128,3 +128,53 @@ def test_two_ranks_recover_together_and_end_on_the_two_rank_fault_free_adapter(t
         summary["completed"] and summary["iterations_completed"] == 3 and summary["trained_off_policy"] == 0
     )
     assert summary["final_adapter_equals_fault_free"] and summary["rewards_equal_fault_free"]
+
+
+def test_a_server_restarted_after_the_last_push_is_waited_for_and_the_run_ends_with_checksums(
+    tiny_model, tmp_path
+):
+    """The server restarts (base weights, no adapter) between the last verified push and the run's
+    final read of the server's adapter checksum: the recipe waits, re-pushes, and ends with exit 0
+    and both checksums in its record, the recovery recorded with its cause."""
+    # A push reads GET /lora twice (push_lora's check, the recipe's); the run's final read is the third.
+    fault = Fault("server restarted after the last push", "restart_server_first", LORA_LIST, 1,
+                  "final_weights_lost", nth=3)  # fmt: skip
+    run = chaos_train.run_training(
+        _args(tiny_model, iterations=1), tmp_path, "last", [fault], secrets.token_hex(16),
+        time.monotonic() + 300, max_trainer_restarts=0,
+    )  # fmt: skip
+    log = (tmp_path / "last-trainer.log").read_text()
+    assert fault.fired_at is not None and run["server_restarts"] == 1
+    assert run["completed"] and run["trainer_deaths"] == [], log[-3000:]
+    record = run["record"]
+    assert record["final_adapter_checksum"] == record["server_adapter_checksum"], record
+    assert len(record["final_adapter_checksum"]) == 64 and "final_check_error" not in record
+    [event] = record["recoveries"]
+    assert (event["cause"], event["action"], event["iteration"]) == ("final_weights_lost", "re-pushed", 1)
+
+
+def test_two_full_finetune_ranks_recover_a_server_killed_mid_part(tiny_model, tmp_path, monkeypatch):
+    """torchrun, 2 ranks, --full-finetune over HTTP in 8 KiB parts (about 50): the server is
+    SIGKILLed (and restarted) while the third part of the first push is on its way. Rank 0 finishes
+    the gathers rank 1 is still in, every rank hears of the loss, and rank 0 waits and pushes again:
+    the run completes, where it once hung in the gather until the process group's timeout."""
+    monkeypatch.setenv("CHAOS_MAX_PART_BYTES", str(8 * 1024))
+    fault = Fault("server killed mid-part of a full push", "kill_server", FULL_PART, 0,
+                  "push_connection_lost", nth=3)  # fmt: skip
+    args = _args(tiny_model, iterations=1, ranks=2, prompts=2, full=True, recover_timeout=60.0)
+    t0 = time.monotonic()
+    run = chaos_train.run_training(
+        args, tmp_path, "full", [fault], secrets.token_hex(16), t0 + 240, max_trainer_restarts=0
+    )
+    log = (tmp_path / "full-trainer.log").read_text()
+    assert fault.fired_at is not None and run["server_restarts"] == 1
+    assert run["completed"] and run["trainer_deaths"] == [], log[-4000:]
+    left = re.search(
+        r"push failed after \d+ of \d+ parameters were gathered; finishing the (\d+) gathers", log
+    )
+    assert left is not None and int(left.group(1)) > 0, log[-4000:]  # the fault came mid-gather
+    record = run["record"]
+    assert record["trainable"] == "full" and record["ranks"] == 2
+    [event] = record["recoveries"]
+    assert (event["cause"], event["action"], event["iteration"]) == ("push_connection_lost", "re-pushed", 0)
+    assert record["history"][0]["checksum_ok"] is True

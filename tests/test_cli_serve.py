@@ -225,3 +225,15 @@ def test_serve_names_a_start_up_slowed_by_missing_python_byte_code(tmp_path, mon
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     (pkg / "__pycache__").rename(tmp_path / "gone")
     assert missing_bytecode("slowpkg") is None  # the first start writes it
+
+
+def test_serve_warns_of_a_byte_code_folder_another_user_can_write(tmp_path, monkeypatch):
+    from diffusion_rollout.entrypoints.cli import untrusted_pycache_prefix
+
+    prefix = tmp_path / "pyc"
+    prefix.mkdir(mode=0o700)
+    monkeypatch.setattr(sys, "pycache_prefix", str(prefix))
+    assert untrusted_pycache_prefix() is None
+    prefix.chmod(0o777)
+    why = untrusted_pycache_prefix()
+    assert why is not None and f"PYTHONPYCACHEPREFIX={prefix}" in why and "writable by group or others" in why

@@ -305,6 +305,29 @@ def test_diffusion_nft_repushes_an_old_adapter_that_did_not_arrive(examples, mon
         assert h["old_policy_max_dev"] == 0.0 and h["checksum_ok"] is True
 
 
+def test_diffusion_nft_waits_for_a_server_that_lost_its_adapters_after_the_last_push(examples, monkeypatch):
+    """Right after the last push was verified, the server loses both adapters (what a restart does):
+    the run's final read finds it not holding them, pushes both again, and ends with the server's
+    checksums equal to the trainer's and the recovery recorded, where it once raised KeyError."""
+    nft = examples("diffusion_nft")
+    real_checksums, calls = nft.adapter_checksums, []
+
+    def checksums_then_lose(client):
+        served = real_checksums(client)
+        calls.append(served)
+        if len(calls) == 3:  # the verification of the last push (start + 2 iterations)
+            client.lora_unload(None)
+        return served
+
+    monkeypatch.setattr(nft, "adapter_checksums", checksums_then_lose)
+    run = nft.main(SMALL)
+    [event] = run["recoveries"]
+    assert (event["iteration"], event["cause"], event["action"]) == (2, "final_weights_lost", "re-pushed")
+    assert "final_check_error" not in run and run["active_adapter"] == "old"
+    assert run["server_adapter_checksums"] == run["final_adapter_checksums"]
+    assert sorted(run["final_adapter_checksums"]) == ["default", "old"]
+
+
 # ---------------------------------------------------------------------------------------------- plots
 def test_plot_reward_curves_writes_a_png(examples, tmp_path):
     common = examples("_common")

@@ -188,6 +188,31 @@ def test_config_sets_options_and_the_command_line_overrides_them(examples, tmp_p
     assert nft_args.group_size == 4 and nft_args.ema_decay == 0.3
 
 
+def test_a_reward_in_a_config_is_code_spelled_out_and_logged_once(examples, tmp_path, caplog):
+    """``reward:`` names a callable the recipe imports and runs: only ``module:callable`` or
+    ``file.py:callable`` is taken, and what was imported, from where, is logged once."""
+    import logging
+
+    flow_grpo, rewards = examples("flow_grpo"), examples("rewards")
+    plugin = tmp_path / "my_scores.py"
+    plugin.write_text(
+        "def make(scale=1):\n    return lambda images, prompts: images.float().mean() * scale\n"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(f"reward: {plugin}:make?scale=2\n")
+    args = flow_grpo.parse_args(["--config", str(config)])
+    with caplog.at_level(logging.INFO, logger="examples.rewards"):
+        rewards.load_reward(args.reward)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "examples.rewards"]
+    assert line == (
+        f"reward {args.reward!r}: imported {plugin}:make from {plugin} and called with {{'scale': 2}}; "
+        "it runs in this process as this user (a reward spec is code)"
+    )
+    config.write_text("reward: popen\n")  # not a built-in, not module:callable: never guessed
+    with pytest.raises(ValueError, match=r"reward 'popen': expected a built-in name .* or 'module:callable'"):
+        rewards.load_reward(flow_grpo.parse_args(["--config", str(config)]).reward)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

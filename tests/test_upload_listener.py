@@ -368,34 +368,105 @@ def test_slow_heads_and_too_many_connections_are_bounded(fresh_server, monkeypat
         assert slow.closed_by_server()
     finally:
         slow.close()
-    # The 408 connection holds its slot until its thread has drained and closed the socket, which
-    # is after this side saw the server's FIN: an idle connection made before that would be the
-    # one over the cap. (stats.connections counts the refused ones too, so it cannot tell.)
-    wait_until(lambda: listener.open_connections == 0, 10, "the 408 connection to give its slot back")
-    idle = [RawConnection(listener.port) for _ in range(2)]
+    # A connection that sends nothing is closed within the head timeout, without an answer.
+    silent = RawConnection(listener.port)
     try:
-        wait_until(lambda: listener.open_connections == 2, 10, "two idle connections to be served")
-        assert listener.stats.refused == 1  # only the 408: neither idle connection was turned away
+        assert silent.closed_by_server() and silent.buffer == b""
+    finally:
+        silent.close()
+    wait_until(lambda: listener.open_connections == 0, 10, "the connections to end")
+    # Two authenticated connections hold the two slots (their bodies never come); a third gets 503.
+    holders = [RawConnection(listener.port) for _ in range(2)]
+    try:
+        for h in holders:
+            h.send(upload_head(1000, "partial=true").encode())
+        wait_until(lambda: listener.authenticated_connections == 2, 10, "two authenticated connections")
         extra = RawConnection(listener.port)
         try:
-            status, _, body = extra.response()
-            assert status == 503 and "more than 2 upload connections" in body["error"]["message"]
-            assert extra.closed_by_server()
+            status, headers, body = extra.request(upload_head(10, "partial=true"), b"0123456789")
+            assert status == 503 and body["error"]["message"].startswith(
+                "more than 2 authenticated upload connections are open"
+            )
+            assert headers["retry-after"] == "1" and extra.closed_by_server()
         finally:
             extra.close()
-        assert listener.open_connections == 2 and listener.stats.refused == 2
+        assert listener.authenticated_connections == 2
     finally:
-        for conn in idle:
+        for conn in holders:
             conn.close()
     # Once those are gone, the port serves again.
     good = small_part(server)
-    wait_until(lambda: listener.open_connections == 0, 10, "the idle connections to end")
+    wait_until(lambda: listener.authenticated_connections == 0, 10, "the holders to end")
     conn = RawConnection(listener.port)
     try:
         status, _, body = conn.request(upload_head(len(good), "partial=true"), good)
     finally:
         conn.close()
     assert status == 200, body
+
+
+def test_idle_sockets_without_the_key_never_keep_a_push_out(fresh_server):
+    """More idle sockets than the listener keeps unauthenticated: none takes a slot, the oldest are
+    closed as new ones arrive, and a push through the project's client goes to the direct port."""
+    from diffusion_rollout.entrypoints.upload_listener import MAX_CONNECTIONS, MAX_UNAUTHENTICATED
+
+    server = fresh_server("sd3", upload_port=0, admin_key=KEY)
+    master = new_weights(server, seed=41)
+    n_parts = len(list(safetensors_parts(master, max_part_bytes=8192, dtype=torch.float32))) + 2
+    with live_server(server) as (url, _), RolloutClient(url, admin_key=KEY, timeout=60) as client:
+        listener = listener_of(server)
+        idle = [RawConnection(listener.port) for _ in range(MAX_CONNECTIONS + 16)]
+        try:
+            wait_until(lambda: listener.stats.connections == len(idle), 10, "the idle sockets to be accepted")
+            assert listener.authenticated_connections == 0
+            assert listener.stats.dropped_unauthenticated == len(idle) - MAX_UNAUTHENTICATED
+            out = push_weights(client, master, dtype=torch.float32, max_part_bytes=8192, concurrency=3,
+                               weight_version="past-idle")  # fmt: skip
+        finally:
+            for conn in idle:
+                conn.close()
+        assert out.weight_version == "past-idle" and listener.stats.parts == n_parts
+        assert 'route="/update_weights"' not in client.metrics()  # every part took the direct port
+    assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32)
+
+
+def test_a_direct_port_with_every_slot_taken_sends_the_part_to_the_main_port(fresh_server, monkeypatch):
+    from diffusion_rollout.entrypoints import upload_listener
+
+    monkeypatch.setattr(upload_listener, "MAX_CONNECTIONS", 1)
+    server = fresh_server("sd3", upload_port=0, admin_key=KEY)
+    part = small_part(server)
+    with live_server(server) as (url, _), RolloutClient(url, admin_key=KEY, timeout=60) as client:
+        listener = listener_of(server)
+        assert client.upload_url(0) == f"http://127.0.0.1:{listener.port}"
+        holder = RawConnection(listener.port)  # authenticated; its body never comes
+        try:
+            holder.send(upload_head(1000, "partial=true").encode())
+            wait_until(lambda: listener.authenticated_connections == 1, 10, "the slot to be taken")
+            out = client.update_weights(part, partial=True, weight_version="fell-back")
+        finally:
+            holder.close()
+        assert out.weight_version == "fell-back"
+        metrics = client.metrics()
+        assert 'route="upload_port:/update_weights",code="503"} 1' in metrics
+        assert 'route="/update_weights",code="200"} 1' in metrics
+
+        async def async_part() -> str:
+            holder = RawConnection(listener.port)
+            try:
+                holder.send(upload_head(1000, "partial=true").encode())
+                wait_until(lambda: listener.authenticated_connections == 1, 10, "the slot to be taken")
+                async with AsyncRolloutClient(url, admin_key=KEY, timeout=60) as aclient:
+                    await aclient.upload_url(0)
+                    return (
+                        await aclient.update_weights(part, partial=True, weight_version="async")
+                    ).weight_version
+            finally:
+                holder.close()
+
+        wait_until(lambda: listener.authenticated_connections == 0, 10, "the first holder to end")
+        assert asyncio.run(async_part()) == "async"
+        assert 'route="/update_weights",code="200"} 2' in client.metrics()
 
 
 # ---------------------------------------------------------------------------- discovery and the client

@@ -309,6 +309,10 @@ class AsyncRolloutClient(_ClientBase):
                 if target != url:
                     self._forget_upload_url(url)
                 raise
+            except RolloutHTTPError as exc:
+                if not self._direct_port_busy(exc, target, url):
+                    raise
+                responses[url] = (await self._send(call, url)).json()
         return self._updates(responses)
 
     async def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:

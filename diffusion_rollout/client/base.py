@@ -28,7 +28,8 @@ Design decisions:
   is followed), and ``update_weights`` then sends full-weight parts to that port on the same host
   (:func:`direct_upload_url`), where they are read straight into the receive buffers. The answer
   is the same; ``direct=False`` keeps the main port. ``update_weights`` itself never asks (an
-  update stays one request, never retried); a connection error on the direct port forgets it.
+  update stays one request, never retried); a connection error on the direct port forgets it, and
+  a 503 from it (its slots all taken) sends that part to the main port instead.
 - Error answers become the exception classes of :mod:`diffusion_rollout.client.exceptions`
   (status, message, request id, ``Retry-After``); transport failures become
   :class:`RolloutConnectionError` / :class:`RolloutTimeoutError` naming the server.
@@ -210,6 +211,17 @@ class _ClientBase:
         direct = direct_upload_url(url, info)
         self._upload_urls[url] = direct
         return direct or url
+
+    @staticmethod
+    def _direct_port_busy(exc: BaseException, target: str, url: str) -> bool:
+        """Whether a part refused by ``url``'s direct upload port (``target``) goes to the main port
+        instead: the port answered 503 (all its authenticated slots taken, by a push of another
+        trainer or by connections held open). The main port serves the same route; a refusal there
+        is the answer."""
+        if target == url or getattr(exc, "status_code", None) != 503:
+            return False
+        logger.warning("%s: the direct upload port is busy (%s); sending the part to the main port", url, exc)
+        return True
 
     def _forget_upload_url(self, url: str) -> None:
         # A restarted server may listen on another port: ask again next time.

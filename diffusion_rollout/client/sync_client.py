@@ -380,7 +380,8 @@ class RolloutClient(_ClientBase):
 
         ``direct``: send it to the server's direct upload port when this client knows it (learned by
         :meth:`upload_url`, which ``push_weights`` calls at every push); False: always the main
-        port. The answer is the same. One request per server either way: nothing is asked here.
+        port. The answer is the same. One request per server either way (two when the direct port
+        answers 503, its slots all taken: the part then goes to the main port); nothing is asked here.
         """
         call = _upload_call(
             data, target_module, weight_version, final, upload_id, part, flush_cache, timeout, partial
@@ -394,6 +395,10 @@ class RolloutClient(_ClientBase):
                 if target != url:
                     self._forget_upload_url(url)
                 raise
+            except RolloutHTTPError as exc:
+                if not self._direct_port_busy(exc, target, url):
+                    raise
+                responses[url] = self._send(call, url).json()
         return self._updates(responses)
 
     def upload_url(self, server: int = 0, *, refresh: bool = False) -> str:

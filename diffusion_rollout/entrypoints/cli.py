@@ -90,8 +90,25 @@ def missing_bytecode(package: str = "torch") -> str | None:
     return (
         f"Python byte code is neither installed nor written for {package} (PYTHONDONTWRITEBYTECODE is "
         "set): every start compiles its sources again, about 10 s on an H100 host. Set "
-        "PYTHONPYCACHEPREFIX to a writable folder and unset PYTHONDONTWRITEBYTECODE, or byte-compile "
-        "the environment once (python -m compileall)"
+        "PYTHONPYCACHEPREFIX to a folder of this user's own that no one else can write (Python imports "
+        "the byte code it finds there) and unset PYTHONDONTWRITEBYTECODE, or byte-compile the environment "
+        "once (python -m compileall)"
+    )
+
+
+def untrusted_pycache_prefix() -> str | None:
+    """Why ``PYTHONPYCACHEPREFIX`` is not this user's own folder, or None. Python imports the byte code
+    it finds there without checking its owner: a ``.pyc`` another user planted runs as the server."""
+    prefix = sys.pycache_prefix
+    if not prefix or not os.path.isdir(prefix):
+        return None  # unset, or the first import makes it (with the umask's mode)
+    from diffusion_rollout.server.own_files import why_not_own_folder
+
+    why = why_not_own_folder(prefix)
+    return (
+        None
+        if why is None
+        else f"PYTHONPYCACHEPREFIX={prefix}: {why}; another user could plant byte code there"
     )
 
 
@@ -99,6 +116,10 @@ def serve(config: ServerConfig) -> None:
     configure_logging(config.log_level)
     if (why := missing_bytecode()) is not None:
         logger.warning("slow start-up: %s", why)
+    if (why := untrusted_pycache_prefix()) is not None:
+        logger.warning(
+            "unsafe byte-code folder: %s (docs/operations.md#security-what-the-server-trusts-on-disk)", why
+        )
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.entrypoints.http_server import make_server
 

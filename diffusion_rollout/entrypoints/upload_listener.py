@@ -27,8 +27,14 @@ Design decisions:
   early (the client closed, reset or stalled past ``BODY_TIMEOUT_S``) is the route's 400
   "truncated" refusal through ``refuse_part``: nothing of it is staged and its upload is dropped.
 - **The server never dies because of a request.** Every failure of a connection ends that
-  connection only; hostile heads get a 4xx and a close; at most ``MAX_CONNECTIONS`` connections are
-  served at once (more get 503), and idle or slow ones time out.
+  connection only; hostile heads get a 4xx and a close.
+- **A connection is authenticated before it takes a slot.** A new connection must send its first
+  request head within ``HEAD_TIMEOUT_S`` of being accepted (no idle grace), and it counts against
+  ``MAX_CONNECTIONS`` only once that head has passed the admin-key check; more authenticated
+  connections than that get 503 (the client then sends the part to the main port). Connections not
+  yet authenticated are at most ``MAX_UNAUTHENTICATED``: one more closes the oldest of them. So
+  sockets opened by someone without the key, idle or trickling bytes, cannot keep a push out: they
+  never hold a slot, and they are gone within seconds or as soon as newer ones arrive.
 - **Clean stop.** :meth:`UploadListener.stop` closes the listening socket, shuts the read side of
   every open connection (a blocked read returns at once; an answer being prepared still goes out)
   and joins every thread; the threads are daemons, so a stuck one can never hold the process.
@@ -75,9 +81,12 @@ MAX_REQUEST_LINE = 8192  # bytes; a longer one is a 414
 MAX_HEADER_LINE = 8192  # bytes per header line; longer, or more than MAX_HEADERS lines: 431
 MAX_HEADERS = 64
 MAX_HEAD_BYTES = 64 * 1024  # the whole request head
-MAX_CONNECTIONS = 64
-IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with no new request is closed after this
-HEAD_TIMEOUT_S = 30.0  # longest a request head may take once it has begun
+MAX_CONNECTIONS = 64  # authenticated connections served at once; one more gets 503
+MAX_UNAUTHENTICATED = 64  # connections that have not passed the key check yet; one more closes the oldest
+IDLE_TIMEOUT_S = 60.0  # an authenticated kept-alive connection with no new request is closed after this
+# Longest a request head may take: from the accept for a connection's first request (an idle socket
+# that never authenticates goes within this), from its first byte for the later ones.
+HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 120.0  # longest pause inside a body: the sender stalled, the part is refused
 LINGER_S = 0.5  # closing after a refusal: how long to drain what the client still sends
 LINGER_BYTES = 4 << 20  # ... and at most how much
@@ -108,6 +117,7 @@ class ListenerStats:
     connections: int = 0  # connections accepted
     requests: int = 0  # requests answered
     parts: int = 0  # bodies received whole and handed to the manager
+    dropped_unauthenticated: int = 0  # closed to make room (more than MAX_UNAUTHENTICATED at once)
     bytes: int = 0  # body bytes received into receive buffers
     refused: int = 0  # answers with a status of 400 or more
     # Seconds summed over connections (where a push's time goes; read by benchmarks/replica_push):
@@ -150,12 +160,15 @@ class _Connection:
         self.sock = sock
         self.pending = bytearray()
         self.eof = False  # the client closed its sending side
+        self.authenticated = False  # holds one of the listener's MAX_CONNECTIONS slots
+        self.accepted_at = time.monotonic()
 
     def read_head(self) -> bytes | None:
         """The next request head (without its blank line); None when the client closed between
-        requests or stayed idle past ``IDLE_TIMEOUT_S``. Once its first byte is here, the whole head
-        must arrive within ``HEAD_TIMEOUT_S`` (a byte now and then cannot hold a thread for long)."""
-        deadline = None
+        requests, stayed idle past ``IDLE_TIMEOUT_S`` (authenticated) or sent nothing within
+        ``HEAD_TIMEOUT_S`` of the accept (not yet). Once its first byte is here, the whole head must
+        arrive within ``HEAD_TIMEOUT_S`` (a byte now and then cannot hold a thread for long)."""
+        deadline = None if self.authenticated else self.accepted_at + HEAD_TIMEOUT_S
         while True:
             # Blank lines before a request line are allowed (RFC 9112 2.2).
             while self.pending.startswith(b"\r\n"):
@@ -336,6 +349,9 @@ class UploadListener:
         self._sock: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
+        # Not yet past the key check, oldest first (a dict keeps the order of insertion).
+        self._unauthenticated: dict[socket.socket, None] = {}
+        self._authenticated = 0
         self._lock = threading.Lock()
         self._stopping = False
         self._serial = 0
@@ -348,6 +364,11 @@ class UploadListener:
     def open_connections(self) -> int:
         with self._lock:
             return len(self._conns)
+
+    @property
+    def authenticated_connections(self) -> int:
+        with self._lock:
+            return self._authenticated
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> int:
@@ -402,19 +423,27 @@ class UploadListener:
                 logger.warning("weight-upload listener: accept failed: %s", exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
+            oldest = None
             with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS or self._stopping
-                if not full:
+                stopping = self._stopping
+                if not stopping:
                     self._serial += 1
                     thread = threading.Thread(
                         target=self._serve, args=(sock,), name=f"upload-conn-{self._serial}", daemon=True
                     )
                     self._conns[sock] = thread
+                    self._unauthenticated[sock] = None
+                    if len(self._unauthenticated) > MAX_UNAUTHENTICATED:
+                        oldest = next(iter(self._unauthenticated))
+                        del self._unauthenticated[oldest]
             self.stats.add(connections=1)
-            if full:
-                refusal = ListenerRefusal(503, f"more than {MAX_CONNECTIONS} upload connections are open")
-                self._refuse_and_close(sock, refusal)
+            if stopping:
+                self._refuse_and_close(sock, ListenerRefusal(503, "the server is shutting down"))
                 continue
+            if oldest is not None:  # its thread's read returns at once and closes it
+                self.stats.add(dropped_unauthenticated=1)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
             thread.start()
 
     def _refuse_and_close(self, sock: socket.socket, refusal: ListenerRefusal) -> None:
@@ -441,6 +470,9 @@ class UploadListener:
             conn.close()
             with self._lock:
                 self._conns.pop(sock, None)
+                self._unauthenticated.pop(sock, None)
+                if conn.authenticated:
+                    self._authenticated -= 1
 
     def _one_request(self, conn: _Connection) -> bool:
         """Read and answer one request; whether the connection may carry another."""
@@ -481,6 +513,7 @@ class UploadListener:
         denied = key_error(head.get("authorization"), self.config, "admin")
         if denied is not None:
             raise denied
+        self._take_slot(conn)
         if head.method != "POST":
             raise ListenerRefusal(405, "Method Not Allowed", headers={"Allow": "POST"})
         length = _content_length(head)
@@ -511,6 +544,22 @@ class UploadListener:
         finally:
             self.stats.add(apply_s=time.perf_counter() - t0)
         return JSONResponse(jsonable_encoder(result)), True
+
+    def _take_slot(self, conn: _Connection) -> None:
+        """An authenticated connection's slot (kept until it closes), or 503 when all are taken."""
+        if conn.authenticated:
+            return
+        with self._lock:
+            self._unauthenticated.pop(conn.sock, None)  # never evicted from here on
+            if self._authenticated >= MAX_CONNECTIONS:
+                raise ListenerRefusal(
+                    503,
+                    f"more than {MAX_CONNECTIONS} authenticated upload connections are open; send the part "
+                    "to the main port",
+                    headers={"Retry-After": "1"},
+                )
+            self._authenticated += 1
+            conn.authenticated = True
 
     def _receive(self, conn: _Connection, pool, length: int) -> tuple[Lease | None, int]:
         """The body in a pooled buffer, or ``(None, bytes received)`` when it ended early."""

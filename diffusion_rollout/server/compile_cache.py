@@ -16,6 +16,13 @@ Design decisions:
   that can be carried to a fresh machine of the same kind (copy the key folder).
 - ``<key>/warmup.json`` keeps the last warm-up's seconds: the estimate ``/health`` shows while the
   next one runs.
+- **Only the server's own cache is used** (``server/own_files.py``): the key folder, every entry
+  under it (``inductor/`` included) and the folders above it must belong to the server's user and be
+  writable by no one else, with no symbolic link inside. Loading the cache runs what is in it (torch
+  unpickles the artifacts and blocks, and inductor imports the ``.py`` and ``.so`` files it finds), so
+  a folder that fails the check is refused whole, in one log line: nothing is read from it, nothing
+  written into it, and inductor compiles into a fresh private temporary folder instead. Folders made
+  here are 0700 and files are written without following links.
 - Writing the environment variable is the one side effect; reading configuration stays in
   ``config.py``.
 """
@@ -27,11 +34,21 @@ import json
 import logging
 import os
 import platform
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from diffusion_rollout.errors import UntrustedFileError
+from diffusion_rollout.server.own_files import (
+    make_private_dirs,
+    read_own,
+    why_not_own_or_makeable,
+    why_not_own_tree,
+    write_private,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,20 +115,40 @@ class CompileCache:
     facts: dict[str, Any]
     loaded_artifacts: int = 0  # artifacts hot-loaded at start (0: none saved yet)
     saved_bytes: int = 0
+    refused: str | None = None  # why the folder is not the server's own (then nothing is read or written)
 
     @property
     def folder(self) -> Path:
         return self.root / self.key
 
+    @property
+    def trusted(self) -> bool:
+        return self.refused is None
+
     def activate(self) -> None:
-        """Point inductor at this key's folder and load the saved artifacts, if any."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "key.json").write_text(json.dumps(self.facts, indent=1, sort_keys=True))
+        """Point inductor at this key's folder and load the saved artifacts, if any; or, when the
+        folder is not the server's own, refuse it and point inductor at a private temporary one."""
+        self.refused = why_not_own_or_makeable(self.folder)
+        if self.refused is None:
+            make_private_dirs(self.folder / "inductor")  # inductor would make it with the umask's mode
+            self.refused = why_not_own_tree(self.folder)
+        if self.refused is not None:
+            private = tempfile.mkdtemp(prefix="diffusion-rollout-inductor-")
+            os.environ[INDUCTOR_ENV] = private
+            logger.warning(
+                "compile cache: refusing %s, it is not the server's own: %s; nothing is loaded from it, "
+                "every graph compiles afresh into %s (docs/operations.md#security-what-the-server-trusts-on-disk)",
+                self.folder, self.refused, private,
+            )  # fmt: skip
+            return
+        write_private(self.folder / "key.json", json.dumps(self.facts, indent=1, sort_keys=True))
         os.environ[INDUCTOR_ENV] = str(self.folder / "inductor")
         path = self.folder / ARTIFACTS
         if path.is_file():
             try:
-                info = torch.compiler.load_cache_artifacts(path.read_bytes())
+                info = torch.compiler.load_cache_artifacts(read_own(path))
+            except UntrustedFileError as exc:  # swapped in after the folder's check
+                logger.warning("compile cache: refusing %s (%s); compiling afresh", path, exc)
             except Exception as exc:  # a damaged file costs a cold compile, never the start
                 logger.warning("compile cache: could not load %s (%s); compiling afresh", path, exc)
             else:
@@ -123,6 +160,8 @@ class CompileCache:
 
     def save(self, warmup_s: float) -> None:
         """After the warm-up: the artifacts compiled in this process, and how long it took."""
+        if not self.trusted:
+            return
         try:
             saved = torch.compiler.save_cache_artifacts()
         except Exception as exc:
@@ -130,16 +169,16 @@ class CompileCache:
             saved = None
         if saved is not None:
             blob = saved[0]
-            tmp = self.folder / (ARTIFACTS + ".tmp")
-            tmp.write_bytes(blob)
-            tmp.replace(self.folder / ARTIFACTS)
+            write_private(self.folder / ARTIFACTS, blob)
             self.saved_bytes = len(blob)
-        (self.folder / WARMUP_RECORD).write_text(json.dumps({"warmup_s": warmup_s}))
+        write_private(self.folder / WARMUP_RECORD, json.dumps({"warmup_s": warmup_s}))
 
     def last_warmup_s(self) -> float | None:
+        if not self.trusted:
+            return None
         try:
-            return float(json.loads((self.folder / WARMUP_RECORD).read_text())["warmup_s"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return float(json.loads(read_own(self.folder / WARMUP_RECORD))["warmup_s"])
+        except (OSError, UntrustedFileError, ValueError, KeyError, TypeError):
             return None
 
     def report(self) -> dict[str, Any]:
@@ -149,6 +188,7 @@ class CompileCache:
             "keyed_on": self.facts,
             "artifacts_loaded": self.loaded_artifacts,
             "artifacts_saved_bytes": self.saved_bytes,
+            "refused": self.refused,
         }
 
 

@@ -109,7 +109,9 @@ class CompiledStart:
     def _attach_precompiled(self, engine: Engine) -> None:
         """With a compile cache: route the compiled blocks through the precompiled artifacts, loading
         those an earlier start saved (server/precompiled_blocks.py)."""
-        if self.cache is None or not engine.config.precompile_blocks or self.precompiled is not None:
+        if self.cache is None or not self.cache.trusted or not engine.config.precompile_blocks:
+            return  # a refused cache: nothing is loaded from it or saved into it (compile_cache.py)
+        if self.precompiled is not None:
             return
         from diffusion_rollout.server.loader import denoisers, repeated_blocks
 

@@ -187,7 +187,7 @@ class RequestPlanner:
             has_negative_prompt=p.negative_prompt is not None or "negative_prompt_embeds" in (p.embeds or {}),
         )
         a.validate(call)
-        check_embeddings(p, a, call)
+        check_embeddings(p, a, call, cfg.max_prompt_tokens)
         check_feature_cache(
             p.feature_cache,
             family=a.name,

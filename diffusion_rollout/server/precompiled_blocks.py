@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +56,15 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from diffusion_rollout.errors import UntrustedFileError
+from diffusion_rollout.server.own_files import (
+    make_private_dirs,
+    private_temp_name,
+    read_own,
+    why_not_own_tree,
+    write_private,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,9 +244,19 @@ class PrecompiledBlocks:
         """Load the artifacts saved for these blocks' structures; returns how many loaded."""
         if not self.folder.is_dir():
             return 0
+        refused = why_not_own_tree(self.folder)  # as the compile cache checked it (compile_cache.py)
+        if refused is not None:
+            self.why_not = f"refused: {refused}"
+            logger.warning("precompiled blocks: refusing %s: %s", self.folder, refused)
+            return 0
         marker = self.folder / NOT_SAVED
         if marker.is_file():  # an earlier start could save none: neither capture nor pay for it again
-            self.why_not = marker.read_text().strip() or "an earlier start saved none"
+            try:
+                self.why_not = (
+                    read_own(marker).decode(errors="replace").strip() or "an earlier start saved none"
+                )
+            except UntrustedFileError as exc:
+                self.why_not = str(exc)
             self.stop_capture()
             return 0
         wanted = set(self._digest.values())
@@ -246,11 +267,14 @@ class PrecompiledBlocks:
             return 0
         for meta_path in sorted(self.folder.glob("*.json")):
             try:
-                meta = json.loads(meta_path.read_text())
+                meta = json.loads(read_own(meta_path))
                 if meta["structure"] not in wanted:
                     continue
-                with open(meta_path.with_suffix(".pt"), "rb") as f, _aot_compile_enabled():
-                    fn = load_compiled_function(f)
+                # Read through read_own: the cache folder was checked as the server's own (compile_cache),
+                # and a file swapped in since is refused here, before torch unpickles it.
+                blob = io.BytesIO(read_own(meta_path.with_suffix(".pt")))
+                with _aot_compile_enabled():
+                    fn = load_compiled_function(blob)
                 # Torch's tensor guards would also compare dispatch keys, and the server's calls carry
                 # inference tensors where the trace had plain ones; the signature above checks the
                 # rest of what they check (dtype, device, shape, stride, requires_grad, batch >= 2).
@@ -281,7 +305,7 @@ class PrecompiledBlocks:
         except ImportError as exc:
             self.why_not = f"this torch cannot save compiled functions ({exc})"
             return 0
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.folder)
         t0 = time.perf_counter()
         for (structure, sig), (block, described, batch, inference) in examples.items():
             name = f"{type(block).__name__}-{structure}-{sig}"
@@ -319,11 +343,15 @@ class PrecompiledBlocks:
                     self.why_not = f"{type(block).__name__}: {differs}"
                     logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
                     continue
-                tmp = self.folder / (name + ".pt.tmp")
-                fn.save_compiled_function(str(tmp))
-                tmp.replace(self.folder / (name + ".pt"))
+                tmp = private_temp_name(self.folder, name + ".pt")  # never a planted name or link
+                try:
+                    fn.save_compiled_function(tmp)
+                    os.replace(tmp, self.folder / (name + ".pt"))
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
                 meta = {"structure": structure, "signature": sig, "block": type(block).__name__}
-                (self.folder / (name + ".json")).write_text(json.dumps(meta))
+                write_private(self.folder / (name + ".json"), json.dumps(meta))
                 self.saved += 1
             except Exception as exc:  # a graph break, an unsupported torch: that kind keeps tracing
                 self.why_not = f"{type(block).__name__}: {type(exc).__name__}: {str(exc)[:300]}"
@@ -331,7 +359,7 @@ class PrecompiledBlocks:
         self.save_s = time.perf_counter() - t0
         self.not_saved = len(examples) - self.saved
         if not self.saved and self.why_not:
-            (self.folder / NOT_SAVED).write_text(self.why_not + "\n")
+            write_private(self.folder / NOT_SAVED, self.why_not + "\n")
         logger.info("precompiled blocks: %d artifact(s) saved in %s in %.1f s, for the next start",
                     self.saved, self.folder, self.save_s)  # fmt: skip
         return self.saved

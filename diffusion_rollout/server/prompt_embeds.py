@@ -20,6 +20,9 @@ Design decisions:
   (``negative_prompt``, ``max_sequence_length``) are refused beside embeddings; ``prompt`` stays a
   label that is echoed back.
 - **No prompt cache.** Embeddings are used as sent; the cache is keyed by text and never sees them.
+- **Bounded like prompts.** The token length (the one free dimension) is at most ``max_prompt_tokens``
+  when it is set, else the most a text encoding of the model holds (``max_embedding_tokens``):
+  checked before the values are read, so a long tensor costs no more than a long prompt.
 - Every refusal is a ``RequestError`` (400) naming the field and the expected shape and dtype.
 """
 
@@ -42,8 +45,36 @@ def _matches(actual: tuple[int, ...], expected: tuple[int | None, ...]) -> bool:
     )
 
 
-def check_embeddings(p: GenerateParams, adapter: FamilyAdapter, call: CallSettings) -> None:
-    """Refuse (``RequestError``) precomputed conditioning that does not suit this model and call."""
+def _check_tokens(
+    name: str,
+    tensor: torch.Tensor,
+    shape: tuple[int | None, ...],
+    adapter: FamilyAdapter,
+    max_prompt_tokens: int | None,
+) -> None:
+    # The token length is the one size a sender chooses, and the worker's time grows with it
+    # (quadratically in attention): bounded as a prompt is, before anything reads the values.
+    tokens = max((a for a, e in zip(tensor.shape, shape, strict=True) if e is None), default=0)
+    if max_prompt_tokens is not None:
+        if tokens > max_prompt_tokens:
+            raise RequestError(
+                f"{name} has {tokens} tokens; the limit is max_prompt_tokens={max_prompt_tokens}", field=name
+            )
+        return
+    limit = adapter.max_embedding_tokens()
+    if tokens > limit:
+        raise RequestError(
+            f"{name} has {tokens} tokens; the limit is {limit}, the most a text encoding of this model "
+            f"({adapter.name}) holds (max_prompt_tokens sets another)",
+            field=name,
+        )
+
+
+def check_embeddings(
+    p: GenerateParams, adapter: FamilyAdapter, call: CallSettings, max_prompt_tokens: int | None = None
+) -> None:
+    """Refuse (``RequestError``) precomputed conditioning that does not suit this model and call, or
+    that holds more tokens than ``max_prompt_tokens`` (unset: the most the model's text encoding has)."""
     embeds = p.embeds
     if not embeds:
         return
@@ -74,6 +105,7 @@ def check_embeddings(p: GenerateParams, adapter: FamilyAdapter, call: CallSettin
                 f"this model ({adapter.name})",
                 field=name,
             )
+        _check_tokens(name, tensor, shape, adapter, max_prompt_tokens)
         if tensor.dtype != dtype:
             raise RequestError(
                 f"{name}: dtype {tensor.dtype}, expected {dtype} (the model's; cast before sending), shape "

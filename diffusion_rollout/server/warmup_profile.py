@@ -18,6 +18,10 @@ Design decisions:
 - **Never in the way.** A profiler that cannot start (Python 3.12's ``cProfile`` allows one per
   process) is logged and the call runs unprofiled; a failed sample or write is logged once and the
   warm-up goes on. Unset, none of this exists: no thread, no hook, no file, no report key.
+- **Never through a link.** The folder may be shared (``/tmp``): files are written to a fresh file
+  renamed into place, and the stacks file is appended only when it is a regular file of the server's
+  own with one link (``server/own_files.py``); a planted link is replaced or refused, never written
+  through.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import cProfile
 import io
 import logging
+import marshal
 import os
 import pstats
 import sys
@@ -36,6 +41,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from diffusion_rollout.errors import UntrustedFileError
+from diffusion_rollout.server.own_files import append_private, make_private_dirs, write_private
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +85,7 @@ class WarmupProfile:
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         """Open the stacks file (appending) and start the sampler thread."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.folder)
         self._started = time.monotonic()
         self._append(
             f"# warm-up stacks: pid {os.getpid()}, started {time.strftime('%Y-%m-%dT%H:%M:%S')}, "
@@ -159,7 +167,8 @@ class WarmupProfile:
     def _write_call(self, index: int, label: str, profiler: cProfile.Profile, seconds: float) -> None:
         t0 = time.perf_counter()
         raw = self.folder / f"warmup_call_{index}.pstats"
-        profiler.dump_stats(str(raw))
+        profiler.create_stats()  # what dump_stats writes, written here without following a link
+        write_private(raw, marshal.dumps(profiler.stats))
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
         text.write(
@@ -172,7 +181,7 @@ class WarmupProfile:
         text.write(f"\n== top {TOP_OWN} by total (own) time ==\n")
         stats.sort_stats(pstats.SortKey.TIME).print_stats(TOP_OWN)
         summary = self.folder / f"warmup_call_{index}.txt"
-        summary.write_text(text.getvalue())
+        write_private(summary, text.getvalue())
         self._add_file(summary)
         self._add_file(raw)
         logger.info(
@@ -212,8 +221,10 @@ class WarmupProfile:
 
     # ------------------------------------------------------------------ helpers
     def _append(self, text: str) -> None:
-        with self.stacks_path.open("a") as f:
-            f.write(text)
+        try:
+            append_private(self.stacks_path, text)
+        except (OSError, UntrustedFileError) as exc:  # a planted link or a full disk: say it once
+            self._warn_once("append", "warm-up profile: not writing %s: %s", self.stacks_path, exc)
 
     def _add_file(self, path: Path) -> None:
         if str(path) not in self.files:

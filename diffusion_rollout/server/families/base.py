@@ -17,6 +17,9 @@ import torch
 
 from diffusion_rollout.errors import RequestError
 
+# The most text tokens a request can ask an encoder for (the protocol bounds max_sequence_length so).
+MAX_TEXT_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class CallSettings:
@@ -171,6 +174,13 @@ class FamilyAdapter:
         the pipeline's argument name (``None``: any length, the tokens); empty: text only
         (server/prompt_embeds.py)."""
         return {}
+
+    def max_embedding_tokens(self) -> int:
+        """The most tokens one prompt's sent embeddings may hold (their ``None`` dimension) when
+        ``max_prompt_tokens`` is unset: no more than a text encoding of this model can have, so that a
+        sent tensor costs the worker no more than a prompt would. Families whose pipeline caps
+        ``max_sequence_length`` lower say so."""
+        return MAX_TEXT_TOKENS
 
     def embedding_dtype(self) -> torch.dtype:
         """The dtype sent embeddings must have: what the pipeline computes in."""

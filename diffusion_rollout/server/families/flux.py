@@ -57,6 +57,9 @@ class FluxAdapter(FamilyAdapter):
             enc.update(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
         return enc
 
+    def max_embedding_tokens(self) -> int:
+        return 512  # T5's: the pipeline refuses max_sequence_length above 512
+
     def embedding_shapes(self):
         config = self.pipe.transformer.config
         tokens, pooled = (1, None, int(config.joint_attention_dim)), (1, int(config.pooled_projection_dim))

@@ -74,6 +74,9 @@ class QwenImageAdapter(FamilyAdapter):
                 field="max_sequence_length",
             )
 
+    def max_embedding_tokens(self) -> int:
+        return _MAX_SEQUENCE_LENGTH
+
     def uses_cfg(self, settings: CallSettings) -> bool:
         # The pipeline's rule: do_true_cfg = true_cfg_scale > 1 and a negative prompt was given.
         return bool(settings.true_cfg_scale and settings.true_cfg_scale > 1 and settings.has_negative_prompt)

@@ -60,6 +60,10 @@ class SD3Adapter(FamilyAdapter):
         shapes = {"prompt_embeds": tokens, "pooled_prompt_embeds": pooled}
         return {**shapes, **{f"negative_{k}": v for k, v in shapes.items()}}
 
+    def max_embedding_tokens(self) -> int:
+        # CLIP's tokens, then T5's: the pipeline refuses max_sequence_length above 512.
+        return int(self.pipe.tokenizer_max_length) + 512
+
     def call_kwargs(self, settings):
         return {
             "height": settings.height,
