@@ -19,6 +19,7 @@ from safetensors.torch import load as st_load
 
 from diffusion_rollout import weight_transport
 from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.models.tiny import FAMILIES
 
 T = 3
 IMAGE = {"width": 32, "height": 32, "num_inference_steps": T, "max_sequence_length": 16}
@@ -138,11 +139,12 @@ def test_sglang_sampling_params_without_effect_are_reported_not_refused(served):
     # SGLang's rule: the top-level rollout flag wins over one in extra_sampling_params.
     assert out["rollout_log_probs"] is not None
     assert out["ignored_fields"] == sorted(f"extra_sampling_params.{k}" for k in extra)
-    # A name no SGLang version knows is still refused, naming it.
-    r = post(
-        srv, {"prompt": "a red cat", "seed": 5, "extra_sampling_params": {"save_outptu": False}, **IMAGE}, 422
+    # A name no SGLang version knows is accepted too, as SGLang accepts it, and named in the answer.
+    (out,) = post(
+        srv,
+        {"prompt": "a red cat", "seed": 5, "rollout": False, "extra_sampling_params": {"save_outptu": 0}, **IMAGE},
     )
-    assert "save_outptu" in r.json()["error"]["message"]
+    assert out["ignored_fields"] == ["extra_sampling_params.save_outptu"]
 
 
 # ---------------------------------------------------------------------------- miles-diffusion
@@ -285,6 +287,45 @@ def test_relax_qwen_image_rollout_with_its_noise_recipe(served, sde_type):
     assert mapped["generated_output"].shape == (3, 32, 32) and mapped["denoising_env"] is not None
     again = relax_map_response(post(srv, request), request)  # the recipe replays bit for bit
     assert torch.equal(again["trajectory_latents"], mapped["trajectory_latents"])
+
+
+def relax_pack_sigmas(mapped: dict, steps: int) -> torch.Tensor:
+    """Relax's Qwen-Image adapter packs a trajectory for training with ``sigmas = timesteps / 1000``
+    (the SGLang convention it was written against: the scheduler's timesteps, 0..1000), using the
+    first ``T`` timesteps of the answer."""
+    return mapped["timesteps"][:steps].float() / 1000
+
+
+def _family_body(family: str) -> dict:
+    from diffusion_rollout.models.tiny import TINY_CALL_DEFAULTS
+
+    defaults = TINY_CALL_DEFAULTS[family]
+    keys = ("width", "height", "num_frames", "num_inference_steps", "max_sequence_length")
+    return {k: defaults[k] for k in keys if k in defaults}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served, family):
+    """Relax derives its training sigmas from the answer's timesteps (``timesteps / 1000``), so the
+    timesteps must be on SGLang's scale (the scheduler's, ``sigma * 1000``) for every family, including
+    those whose pipelines feed the model another scale (Qwen-Image, FLUX: ``t / 1000``; Z-Image:
+    ``(1000 - t) / 1000``). The derived sigmas must be the ones the server stepped with."""
+    srv = served(family)
+    request = {
+        "prompt": "a red cat",
+        "seed": 5,
+        "rollout": True,
+        "rollout_sde_type": "sde",
+        "rollout_return_dit_trajectory": True,
+        "rollout_debug_mode": False,
+        "_task": "t2i",
+        **_family_body(family),
+    }
+    (resp,) = post(srv, request)
+    mapped = relax_map_response([resp], request)
+    steps = mapped["sigmas"].shape[0] - 1
+    assert mapped["timesteps"].shape == (steps + 1,) and mapped["timesteps"][0] > 100  # 0..1000, not 0..1
+    torch.testing.assert_close(relax_pack_sigmas(mapped, steps), mapped["sigmas"][:steps], rtol=0, atol=1e-6)
 
 
 def _params(request: dict):

@@ -7,7 +7,7 @@ answers exactly what the app would.
 
 Logging is for operators: a ``NotReadyError`` (loading, paused, released, shutting down) is an
 expected state that a readiness probe may hit every half second, so it is logged at info once when
-the state first shows (per app; ``note_ready`` closes it) and at debug on every later request;
+the state first shows (per app, ``log_not_ready``; ``note_ready`` closes it) and at debug on every later request;
 other 5xx stay errors, one line per request.
 """
 
@@ -81,7 +81,8 @@ def response_for(exc: BaseException) -> JSONResponse:
     return internal_error_response(exc)
 
 
-def _log_not_ready(app: FastAPI, exc: NotReadyError) -> None:
+def log_not_ready(app: FastAPI, exc: NotReadyError) -> None:
+    """Info once when ``exc.state`` first shows (per app), debug on every later request."""
     if getattr(app.state, "not_ready", None) != exc.state:
         app.state.not_ready = exc.state
         logger.info("not serving generation (%s): %s", exc.state, exc.message)
@@ -90,7 +91,7 @@ def _log_not_ready(app: FastAPI, exc: NotReadyError) -> None:
 
 
 def note_ready(app: FastAPI) -> None:
-    """A readiness check passed: the state logged by ``_log_not_ready`` (if any) is over."""
+    """A readiness check passed: the state logged by ``log_not_ready`` (if any) is over."""
     previous = getattr(app.state, "not_ready", None)
     if previous is not None:
         app.state.not_ready = None
@@ -103,7 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DiffusionRolloutError)
     async def _ours(request: Request, exc: DiffusionRolloutError) -> JSONResponse:
         if isinstance(exc, NotReadyError):
-            _log_not_ready(request.app, exc)
+            log_not_ready(request.app, exc)
         elif exc.status_code >= 500:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
         return error_response(exc)

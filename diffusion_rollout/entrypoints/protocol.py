@@ -1,12 +1,13 @@
 """Pydantic models of the HTTP bodies (api.md), and their conversion to engine parameters.
 
-Field names and defaults follow SGLang's diffusion post-training API. Every model forbids unknown
-fields, so a misspelt field is a 422 naming it rather than a silently ignored setting.
-``extra_sampling_params`` is merged over the named fields before validation, so its keys obey the
-same rules (and the same unknown-field check). Fields that SGLang or its trainers' patches accept
-but that have no effect here are dropped first and reported (``ignored_fields``, see
-``entrypoints/dialects.py``), as is a ``rollout`` inside ``extra_sampling_params``: the top-level
-flag wins there, as in SGLang.
+Field names and defaults follow SGLang's diffusion post-training API. The rollout request accepts
+keys it does not know, as SGLang does (trainers send their own: Relax's ``_task``), and names every
+one in the answer's ``ignored_fields``, so a misspelt field is reported, never silently dropped;
+``serve --strict-fields`` makes them a 422 (the router checks :attr:`GenerateRequest.unknown_fields`).
+The other bodies forbid unknown fields. ``extra_sampling_params`` is merged over the named fields
+before validation, so its keys obey the same rules. Fields that SGLang or its trainers' patches
+accept but that have no effect here are dropped first and reported too (``entrypoints/dialects.py``),
+as is a ``rollout`` inside ``extra_sampling_params``: the top-level flag wins there, as in SGLang.
 
 Precomputed conditioning (``prompt_embeds``, ``pooled_prompt_embeds`` and their negatives) arrives
 as tensor envelopes (``entrypoints/request_tensors.py``); ``prompt`` is then optional and only a
@@ -135,24 +136,50 @@ class GenerateRequest(BaseModel):
 
     # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+    # Fields no dialect list names (a peer's own key such as Relax's ``_task``, or a typo).
+    _unknown_fields: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def ignored_fields(self) -> list[str]:
         return list(self._ignored_fields)
 
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Of :attr:`ignored_fields`, those this server does not know at all (``serve
+        --strict-fields`` refuses them with 422)."""
+        return list(self._unknown_fields)
+
     @model_validator(mode="wrap")
     @classmethod
     def _accept_dialects(cls, data: Any, handler: Any) -> GenerateRequest:
         ignored: list[str] = []
+        unknown: list[str] = []
         if isinstance(data, dict):
             data, ignored = split_noop_sampling_fields(data)
+            data, unknown = cls._split_unknown(data)
             data, overridden = cls._merge_extra(data)
-            ignored = sorted(ignored + overridden)
+            ignored = sorted(ignored + overridden + unknown)
         model = handler(data)
         model._ignored_fields = ignored
+        model._unknown_fields = sorted(unknown)
         if model.prompt is None and model.prompt_embeds is None:
             raise ValueError("prompt: field required (or prompt_embeds, precomputed conditioning)")
         return model
+
+    @classmethod
+    def _split_unknown(cls, data: dict) -> tuple[dict, list[str]]:
+        """``data`` without the keys no field of this model has (top level and in
+        ``extra_sampling_params``), and their names. SGLang accepts such keys (its trainers send their
+        own: Relax's ``_task``), so they are accepted and reported rather than refused."""
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known]
+        out = {k: v for k, v in data.items() if k in known}
+        extra = out.get("extra_sampling_params")
+        if isinstance(extra, dict):
+            names = [k for k in extra if k not in known or k == "extra_sampling_params"]
+            unknown += [f"extra_sampling_params.{k}" for k in names]
+            out["extra_sampling_params"] = {k: v for k, v in extra.items() if k not in names}
+        return out, unknown
 
     @classmethod
     def _merge_extra(cls, data: dict) -> tuple[dict, list[str]]:
@@ -166,9 +193,6 @@ class GenerateRequest(BaseModel):
             # SGLang's rule: the top-level rollout flag wins over one in extra_sampling_params.
             extra = {k: v for k, v in extra.items() if k != "rollout"}
             ignored.append("extra_sampling_params.rollout")
-        unknown = sorted(k for k in extra if k not in cls.model_fields or k == "extra_sampling_params")
-        if unknown:
-            raise ValueError(f"extra_sampling_params: unknown field(s) {', '.join(repr(k) for k in unknown)}")
         merged = dict(data)
         merged.update(extra)
         merged["extra_sampling_params"] = None

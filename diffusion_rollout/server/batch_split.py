@@ -71,18 +71,25 @@ def split_batch(
         and recorder.first_step_calls
     ):
         env_rows = a.split_env(recorder.first_step_calls, batch, call, recorder.timestep_dtype)
-    timesteps = copier.copy(recorder.timestep_tensor(T)) if recorder.timesteps else None
+    # What the transformer was handed at each step, on its own scale (Qwen-Image and FLUX take
+    # t / 1000, Z-Image (1000 - t) / 1000): only replay needs it, through the env's timestep_map.
+    model_timesteps = recorder.timestep_tensor(T)[:T] if recorder.timesteps else None
     experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
     out: list[SampleResult] = []
     flags: list[torch.Tensor] = []
     batch_id = uuid.uuid4().hex
     flag_device = images.device if images is not None else torch.device(device)
     schedule = None
+    timestep_map = None
     if state is not None and state.sigmas is not None:
-        schedule = (
-            timesteps if timesteps is not None else copier.copy(state.timesteps),
-            copier.copy(state.sigmas.float()),
-        )
+        # The scheduler's timesteps (those handed to step(), 0..num_train_timesteps), as SGLang
+        # reports them for every family: trainers derive sigmas = timesteps / 1000 from them.
+        schedule = (copier.copy(state.timesteps.float()), copier.copy(state.sigmas.float()))
+        if model_timesteps is not None:
+            timestep_map = {
+                "timesteps": copier.copy(state.timesteps[:T].float()),
+                "model_timesteps": copier.copy(model_timesteps),
+            }
     row = 0
     for pl in plans:
         p = pl.params
@@ -108,6 +115,8 @@ def split_batch(
                     traj = _trajectory(view, schedule, state, copier)
                 if p.return_denoising_env and env_rows is not None:
                     env = copier.copy_tree(env_rows[row])
+                    if timestep_map is not None:
+                        env["timestep_map"] = timestep_map
                     if experts is not None:
                         env["expert_per_step"] = experts
             out.append(

@@ -26,7 +26,12 @@ from fastapi.responses import Response
 from diffusion_rollout import lean
 from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
-from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key, wire_response
+from diffusion_rollout.entrypoints.routers.common import (
+    get_engine,
+    refuse_unknown_fields,
+    require_api_key,
+    wire_response,
+)
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -46,6 +51,7 @@ async def _client_disconnected(request: Request) -> None:
 @router.post("/rollout/generate", dependencies=[Depends(require_api_key)])
 async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
+    refuse_unknown_fields(request, body)
     # SGLang's rid, when the client sets one, names the request (POST /abort_request takes it).
     params = body.to_params(body.rid or request.state.request_id)
     ignored = body.ignored_fields
