@@ -142,9 +142,40 @@ def test_sglang_sampling_params_without_effect_are_reported_not_refused(served):
     # A name no SGLang version knows is accepted too, as SGLang accepts it, and named in the answer.
     (out,) = post(
         srv,
-        {"prompt": "a red cat", "seed": 5, "rollout": False, "extra_sampling_params": {"save_outptu": 0}, **IMAGE},
+        {
+            "prompt": "a red cat",
+            "seed": 5,
+            "rollout": False,
+            "extra_sampling_params": {"save_outptu": 0},
+            **IMAGE,
+        },
     )
     assert out["ignored_fields"] == ["extra_sampling_params.save_outptu"]
+
+
+def test_sglang_cps_with_the_default_log_prob_form_is_answered(served):
+    """The cps script published with SGLang's rollout PRs (and miles with ``--diffusion-sde-type
+    cps``) sends ``rollout_sde_type="cps"`` at the default ``rollout_log_prob_no_const=false`` and
+    expects 200 with a ``[T]`` float32 ``rollout_log_probs``. cps's noise std is 0 at the last step,
+    so that step is run and scored as an ODE step: its log-prob is exactly 0, it is left out of
+    ``sde_step_indices``, and no log-prob is non-finite."""
+    srv = served("sd3")
+    body = {
+        "prompt": "a red cat",
+        "seed": 11,
+        "rollout": True,
+        "rollout_sde_type": "cps",
+        "rollout_noise_level": 0.7,
+        "rollout_debug_mode": True,
+        "rollout_return_dit_trajectory": True,
+        **IMAGE,
+    }
+    (out,) = post(srv, body)
+    check_rollout_layout(out, T, debug=True, trajectory=True, env=False)
+    log_probs = out["rollout_log_probs"]
+    assert torch.isfinite(log_probs).all() and (log_probs[: T - 1] != 0).all() and log_probs[T - 1] == 0
+    assert out["sde_step_indices"] == list(range(T - 1))
+    assert out["rollout_debug_tensors"]["rollout_noise_std_devs"][T - 1].item() == 0
 
 
 # ---------------------------------------------------------------------------- miles-diffusion

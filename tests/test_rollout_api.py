@@ -353,7 +353,6 @@ BAD_400 = [
     ({"num_outputs_per_prompt": 1000}, "max_outputs_per_request"),
     ({"sigmas": [1.0, 0.7, 0.4, 0.1], "flow_shift": 3.0}, "flow_shift"),
     ({"image_path": ["/etc/passwd"]}, "image_path"),
-    ({"rollout_sde_type": "cps"}, "rollout"),
 ]
 
 
