@@ -335,6 +335,21 @@ def _family_body(family: str) -> dict:
     return {k: defaults[k] for k in keys if k in defaults}
 
 
+# What each family's pipeline hands its transformer, as a function of the scheduler's timestep t
+# (docs/api.md lists the same); replay reads it from denoising_env.timestep_map.
+MODEL_TIMESTEP = {
+    "sd3": lambda t: t,
+    "wan": lambda t: t,
+    "wan2.2": lambda t: t,
+    "hunyuanvideo15": lambda t: t,
+    "ltx2": lambda t: t,
+    "flux": lambda t: t / 1000,
+    "flux2-klein": lambda t: t / 1000,
+    "qwenimage": lambda t: t / 1000,
+    "zimage": lambda t: (1000 - t) / 1000,
+}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served, family):
     """Relax derives its training sigmas from the answer's timesteps (``timesteps / 1000``), so the
@@ -348,6 +363,7 @@ def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served
         "rollout": True,
         "rollout_sde_type": "sde",
         "rollout_return_dit_trajectory": True,
+        "rollout_return_denoising_env": True,
         "rollout_debug_mode": False,
         "_task": "t2i",
         **_family_body(family),
@@ -357,6 +373,10 @@ def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served
     steps = mapped["sigmas"].shape[0] - 1
     assert mapped["timesteps"].shape == (steps + 1,) and mapped["timesteps"][0] > 100  # 0..1000, not 0..1
     torch.testing.assert_close(relax_pack_sigmas(mapped, steps), mapped["sigmas"][:steps], rtol=0, atol=1e-6)
+    assert resp["ignored_fields"] == ["_task"]
+    tmap = resp["denoising_env"]["timestep_map"]
+    assert torch.equal(tmap["timesteps"], mapped["timesteps"][:steps])
+    assert torch.equal(tmap["model_timesteps"], MODEL_TIMESTEP[family](tmap["timesteps"]))
 
 
 def _params(request: dict):
