@@ -437,6 +437,122 @@ def test_unirl_nft_ode_request_and_sigma_check(served):
     assert torch.equal(alone["dit_trajectory"]["latents"][0], x_t[1])
 
 
+def envelope(t: torch.Tensor) -> dict:
+    """A tensor as a foreign client packs one (the answers' own form)."""
+    from safetensors.torch import save as st_save
+
+    return {
+        "__tensor__": True,
+        "data": st_save({"t": t.contiguous()}),
+        "shape": list(t.shape),
+        "dtype": str(t.dtype),
+    }
+
+
+def post_msgpack(srv, body: dict, expect: int = 200):
+    r = srv.client.post(
+        "/rollout/generate",
+        content=msgpack.packb(body),
+        headers={"Content-Type": "application/msgpack", "Accept": "*/*"},
+    )
+    assert r.status_code == expect, r.text[:2000]
+    return decode_like_sglang_clients(msgpack.unpackb(r.content, raw=False)) if expect == 200 else r
+
+
+def test_unirl_grpo_request_over_http_with_prompt_list_noise_tensor_and_embeds(served):
+    """UniRL's SGLang request builder (``unirl/rollout/engine/sglang/request.py``, read at commit
+    02416b7e) de-expands a batch into unique prompts: ``prompt`` is a list, one group of
+    ``num_outputs_per_prompt`` outputs per prompt; it sends its own x_T as ``initial_noise`` (a
+    tensor, one row per output), ``denoise_seeds`` (one per output), interior ``sigmas``,
+    ``return_prompt_embeds`` (and ``return_negative_prompt_embeds`` with CFG and a negative prompt)
+    and its pinned SGLang flags. Its response translator (``response.py``) requires
+    ``prompt_embeds`` on every result, reads ``pooled_prompt_embeds`` and the negatives, checks the
+    trajectory has ``T + 1`` latents and that the returned timesteps match the sigmas it sent."""
+    srv = served("sd3")
+    k, prompts = 2, ["a red cat", "a blue dog"]
+    sigmas = [1.0 - i / T for i in range(T)]
+    shape = list(
+        srv.engine.adapter.noise_shape(srv.engine.planner.plan(_params({"prompt": "x", **IMAGE})).call)
+    )
+    x_t = torch.randn(len(prompts) * k, *shape, generator=torch.Generator().manual_seed(3))
+    sample_ids = [f"p{j}:s{i}" for j in range(len(prompts)) for i in range(k)]
+    body = {
+        "prompt": prompts,
+        "negative_prompt": " ",
+        "num_outputs_per_prompt": k,
+        "guidance_scale": 4.5,
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": T,
+        "max_sequence_length": 16,
+        "sigmas": sigmas,
+        "seed": 17,
+        "save_output": False,
+        "return_file_paths_only": False,
+        "return_trajectory_latents": True,
+        "return_trajectory_decoded": False,
+        "return_prompt_embeds": True,
+        "return_negative_prompt_embeds": True,
+        "initial_noise": envelope(x_t),
+        "denoise_seeds": sample_ids,
+        "rollout": True,
+        "rollout_return_dit_trajectory": True,
+        "rollout_return_denoising_env": True,
+        "rollout_sde_type": "sde",
+        "rollout_noise_level": 0.7,
+        "rollout_sde_step_indices": [0, 1],
+        "rollout_debug_mode": False,
+    }
+    outs = post_msgpack(srv, body)
+    assert [o["prompt"] for o in outs] == [p for p in prompts for _ in range(k)]
+    assert [o["seed"] for o in outs] == [17 + n for n in range(len(prompts) * k)]
+    for n, out in enumerate(outs):
+        traj = out["dit_trajectory"]
+        assert traj["latents"].shape[0] == T + 1
+        assert torch.equal(traj["latents"][0], x_t[n])  # its x_T, as sent (float32 model)
+        assert torch.equal(traj["sigmas"], torch.tensor([*sigmas, 0.0]))
+        torch.testing.assert_close(traj["timesteps"][:T] / 1000, traj["sigmas"][:T], rtol=0, atol=1e-6)
+        env = out["denoising_env"]
+        # The encodings are the conditioning the transformer got (SD3: [neg; pos] batched CFG).
+        assert torch.equal(out["prompt_embeds"][0], env["pos_cond_kwargs"]["encoder_hidden_states"][0])
+        assert torch.equal(out["pooled_prompt_embeds"][0], env["pos_cond_kwargs"]["pooled_projections"][0])
+        assert torch.equal(
+            out["negative_prompt_embeds"][0], env["neg_cond_kwargs"]["encoder_hidden_states"][0]
+        )
+        assert out["negative_pooled_prompt_embeds"].shape == out["pooled_prompt_embeds"].shape
+        assert "ignored_fields" in out and "return_prompt_embeds" not in out["ignored_fields"]
+    assert torch.equal(outs[0]["prompt_embeds"], outs[1]["prompt_embeds"])
+    assert not torch.equal(outs[0]["prompt_embeds"], outs[2]["prompt_embeds"])
+    # Same sample ids and x_T, one prompt at a time: the same outputs (groups are independent).
+    alone = post_msgpack(
+        srv,
+        {**body, "prompt": prompts[1], "initial_noise": envelope(x_t[k:]), "denoise_seeds": sample_ids[k:],
+         "seeds": [17 + k, 17 + k + 1]},
+    )  # fmt: skip
+    for single, grouped in zip(alone, outs[k:], strict=True):
+        assert torch.equal(single["dit_trajectory"]["latents"], grouped["dit_trajectory"]["latents"])
+        assert torch.equal(single["rollout_log_probs"], grouped["rollout_log_probs"])
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda shape: torch.zeros(3, 1, 1), "initial_noise has shape [3, 1, 1]"),
+        (lambda shape: torch.full((1, *shape), float("nan")), "NaN"),
+        (lambda shape: torch.zeros(1, *shape, dtype=torch.int32), "floating-point"),
+    ],
+    ids=["shape", "nan", "dtype"],
+)
+def test_initial_noise_tensor_is_validated(served, make, words):
+    srv = served("sd3")
+    shape = srv.engine.adapter.noise_shape(srv.engine.planner.plan(_params({"prompt": "x", **IMAGE})).call)
+    r = post_msgpack(
+        srv, {"prompt": "a cat", "seed": 1, "initial_noise": envelope(make(shape)), **IMAGE}, 400
+    )
+    err = r.json()["error"]
+    assert "initial_noise" in err["message"] and words in err["message"], err["message"]
+
+
 def test_flow_grpo_embeddings_in_a_plain_msgpack_body(served):
     """flow_grpo's conditioning as a foreign client would pack it: msgpack with safetensors envelopes
     (the answers' own form), no prompt; the answer equals the one for the text that encoded them."""

@@ -56,9 +56,23 @@ def _trajectory(view: dict[str, Any], schedule: tuple, state, copier: HostCopier
     return traj
 
 
+def _conditioning(enc: dict[str, Any], p, copier: HostCopier) -> dict[str, Any]:
+    """The encodings a request's outputs were conditioned on, as they asked: positives with
+    ``return_prompt_embeds``, ``negative_*`` with ``return_negative_prompt_embeds`` (present only
+    where the call uses CFG). One row each, shared by the request's outputs."""
+    out = {}
+    for name, value in enc.items():
+        negative = name.startswith("negative_")
+        if value is None or not (p.return_negative_prompt_embeds if negative else p.return_prompt_embeds):
+            continue
+        out[name] = copier.copy_tree(value)
+    return out
+
+
 def split_batch(
     adapter, plans, state, recorder, images, call, copier: HostCopier,
     *, version: Any, elapsed: float, peak: float | None, exact: bool, device: str,
+    encodings: list[dict[str, Any]] | None = None,
 ) -> tuple[list[SampleResult], torch.Tensor]:  # fmt: skip
     """The batch's outputs, their tensors being copied to the host by ``copier``, and a ``[B]``
     bool tensor (host, valid after ``copier.wait()``) flagging NaN/Inf per output."""
@@ -91,8 +105,11 @@ def split_batch(
                 "model_timesteps": copier.copy(model_timesteps),
             }
     row = 0
-    for pl in plans:
+    for plan_index, pl in enumerate(plans):
         p = pl.params
+        conditioning = None
+        if encodings is not None and (p.return_prompt_embeds or p.return_negative_prompt_embeds):
+            conditioning = _conditioning(encodings[plan_index], p, copier)
         for seed in pl.seeds:
             img = images[row] if images is not None else None
             bad = torch.zeros((), dtype=torch.bool, device=flag_device)
@@ -138,6 +155,7 @@ def split_batch(
                     batch_index=row,
                     batch_size=batch,
                     exact=exact,
+                    conditioning=conditioning,
                 )
             )
             flags.append(bad)
