@@ -211,6 +211,43 @@ def test_miles_diffusion_image_rollout(served):
         assert out["denoising_env"]["neg_cond_kwargs"] is not None  # CFG with the " " negative prompt
 
 
+def sglang_style_checksum(named_tensors) -> str:
+    """SGLang's checksum scheme as miles reproduces it on its side: SHA-256 over the entries sorted
+    by name, each the UTF-8 name then the tensor's raw bytes (contiguous, CPU)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_miles_diffusion_sync_check_hashes_the_state_dict(served, tiny_model_path):
+    """miles' optional weight-sync check hashes its trainer module's ``state_dict()``, persistent
+    buffers included (SD3's transformer has one: ``pos_embed.pos_embed``). The server's
+    ``algorithm="state_dict"`` mode hashes the same entries, so a trainer holding the served weights
+    matches; the default (SGLang's, parameters only) does not, which was the false mismatch."""
+    from diffusers import SD3Transformer2DModel
+
+    srv = served("sd3")
+    trainer = SD3Transformer2DModel.from_pretrained(str(tiny_model_path("sd3")), subfolder="transformer")
+    state = trainer.state_dict()
+    assert set(state) - {n for n, _ in trainer.named_parameters()} == {"pos_embed.pos_embed"}
+
+    def server_sum(**extra) -> str:
+        r = srv.client.post("/get_weights_checksum", json={"module_names": ["transformer"], **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["transformer"]
+
+    assert server_sum(algorithm="state_dict") == sglang_style_checksum(state.items())
+    assert (
+        server_sum()
+        == sglang_style_checksum(trainer.named_parameters())
+        != server_sum(algorithm="state_dict")
+    )
+
+
 def test_miles_diffusion_wan22_with_preshifted_sigmas(served):
     sigmas = [0.95, 0.7, 0.35]
     body = miles_body(
