@@ -328,3 +328,44 @@ def test_sglang_update_weights_from_disk_tests(fresh_server, tiny_model_path, tm
     assert status == 400 and result["success"] is False
     assert "Failed to update module 'vae'" in result["message"] and "rolled back" in result["message"]
     assert srv.client.post("/get_weights_checksum", json={}).json() == before
+
+
+# ---------------------------------------------------------------------------- OpenAI image route
+def test_openai_images_generations_as_sglang_refit_test_calls_it(served):
+    """SGLang's end-to-end refit test (``test_update_weights_from_disk.py``, commit 07cc6791) and
+    the router's end-to-end test call ``openai.OpenAI(base_url=.../v1).images.generate(model=
+    "default", prompt, n=1, size=..., response_format="b64_json")``: the client POSTs that JSON to
+    ``/v1/images/generations`` and the test checks ``response.data`` is not empty. The PNG here is
+    the plain generation of the same seed, pixel for pixel."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    srv = served("sd3")
+    body = {
+        "model": "default",
+        "prompt": "a beautiful sunset",
+        "n": 2,
+        "size": "32x32",
+        "response_format": "b64_json",
+    }
+    r = srv.client.post(
+        "/v1/images/generations", json={**body, "seed": 4, "num_inference_steps": 2, "quality": "hd"}
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert isinstance(answer["created"], int) and len(answer["data"]) == 2 and answer["size"] == "32x32"
+    assert answer["ignored_fields"] == ["quality"]
+    png = Image.open(io.BytesIO(base64.b64decode(answer["data"][1]["b64_json"])))
+    assert png.format == "PNG" and png.size == (32, 32)
+    (_, second) = srv.generate(
+        {"prompt": "a beautiful sunset", "seed": 4, "num_inference_steps": 2, "width": 32, "height": 32,
+         "num_outputs_per_prompt": 2, "rollout": False, "output_dtype": "uint8"}
+    )  # fmt: skip
+    pixels = torch.tensor(list(png.getdata()), dtype=torch.uint8).reshape(32, 32, 3).permute(2, 0, 1)
+    assert torch.equal(pixels, second["generated_output"])
+    bad = srv.client.post("/v1/images/generations", json={**body, "response_format": "url"})
+    assert bad.status_code == 400 and "b64_json" in bad.json()["error"]["message"]
+    bad = srv.client.post("/v1/images/generations", json={**body, "size": "big"})
+    assert bad.status_code == 400 and "size" in bad.json()["error"]["message"]
