@@ -116,6 +116,16 @@ def test_sglang_rollout_request_and_response(served):
     # Evaluation (rollout=false): only the image comes back.
     (plain,) = post(srv, {"prompt": "a red cat", "seed": 5, "rollout": False, **IMAGE})
     assert plain["rollout_log_probs"] is None and plain["generated_output"].shape == (3, 32, 32)
+    # SGLang's route (rollout_api.py at 078e5e2a) answers msgpack whatever the client accepts; with
+    # no Accept header at all the answer here is msgpack too.
+    request = srv.client.build_request(
+        "POST", "/rollout/generate", json={"prompt": "a red cat", "seed": 5, "rollout": False, **IMAGE}
+    )
+    del request.headers["accept"]
+    r = srv.client.send(request)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/msgpack")
+    (bare,) = decode_like_sglang_clients(msgpack.unpackb(r.content, raw=False))
+    assert torch.equal(bare["generated_output"], plain["generated_output"])
 
 
 def test_sglang_sampling_params_without_effect_are_reported_not_refused(served):

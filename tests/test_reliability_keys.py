@@ -26,7 +26,7 @@ PUBLIC = {
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/v1/model_info", "/weight_version",
 }  # fmt: skip
 # /abort_request: one rid needs the API key (abort_all the admin key, tests/test_sglang_endpoints.py).
-GENERATION = {"/rollout/generate", "/abort_request"}
+GENERATION = {"/rollout/generate", "/abort_request", "/v1/images/generations"}
 
 
 def _dependency_calls(dependant) -> set:
