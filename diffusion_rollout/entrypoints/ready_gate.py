@@ -8,8 +8,7 @@ worth keeping: ``/health`` reports ``state`` and a compiled server's warm-up pro
 (operators and this project's launch harness read them), ``/health_generate`` answers 503 for those
 who probe readiness, and a load failure is reported on the port before the process exits. A held
 request waits at most ``ready_wait_s``; then it gets a 503 naming the state and the wait, never a
-silent hang. A load that fails lets the held requests through to the route's own answer (503, the
-reason).
+silent hang. A load that fails lets the held requests through to the route's own answer (503).
 
 Only the observability routes answer at once: ``/health``, ``/health_generate`` and ``/metrics``.
 Everything else (generation, weights, LoRA, memory, info) waits, since each needs the model.
