@@ -100,9 +100,10 @@ def split_batch(
         # reports them for every family: trainers derive sigmas = timesteps / 1000 from them.
         schedule = (copier.copy(state.timesteps.float()), copier.copy(state.sigmas.float()))
         if model_timesteps is not None:
+            steps = state.timesteps.shape[0] - 1  # the loop steps that ran (T, or fewer with a strength)
             timestep_map = {
-                "timesteps": copier.copy(state.timesteps[:T].float()),
-                "model_timesteps": copier.copy(model_timesteps),
+                "timesteps": copier.copy(state.timesteps[:steps].float()),
+                "model_timesteps": copier.copy(model_timesteps[:steps]),
             }
     row = 0
     for plan_index, pl in enumerate(plans):
