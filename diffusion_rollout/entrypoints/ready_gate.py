@@ -10,8 +10,10 @@ who probe readiness, and a load failure is reported on the port before the proce
 request waits at most ``ready_wait_s``; then it gets a 503 naming the state and the wait, never a
 silent hang. A load that fails lets the held requests through to the route's own answer (503).
 
-Only the observability routes answer at once: ``/health``, ``/health_generate`` and ``/metrics``.
-Everything else (generation, weights, LoRA, memory, info) waits, since each needs the model.
+Only the routes that describe the server answer at once (health, metrics, the info routes, whose
+``status`` says ``loading``; launchers and this project's harness poll ``/model_info`` for it, and
+holding each poll would only pile up requests whose clients have timed out). Everything else
+(generation, weights, LoRA, memory) waits, since each needs the model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,21 @@ logger = logging.getLogger(__name__)
 # Engine states that end by themselves; requests wait them out.
 WAITED_STATES = frozenset({"loading", "warming"})
 # Routes that describe the server and so must answer while it loads.
-IMMEDIATE_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+IMMEDIATE_PATHS = frozenset(
+    {
+        "/health",
+        "/health_generate",
+        "/metrics",
+        "/model_info",
+        "/server_info",
+        "/v1/models",
+        "/v1/model_info",
+        "/weight_version",
+        "/openapi.json",
+        "/docs",
+        "/redoc",
+    }
+)
 POLL_S = 0.05
 
 
