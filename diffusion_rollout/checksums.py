@@ -12,6 +12,10 @@ Design decisions:
 - ``algorithm="v2"`` also feeds ``str(dtype)`` and the shape, each string followed by a NUL byte,
   so two tensors with the same bytes but a different shape or dtype hash differently and a name
   cannot run into the next field.
+- ``algorithm="state_dict"`` hashes as ``"sglang"`` does, over what ``module.state_dict()`` holds:
+  the parameters *and the persistent buffers*, a tied tensor under every name it has. miles'
+  optional sync check hashes a trainer module's ``state_dict()`` that way, so it needs this mode to
+  compare with the server (``"sglang"`` would differ on every module with a persistent buffer).
 - Bytes are read through a ``uint8`` view, never a float conversion: a bf16 weight hashes its own
   two bytes per element, so equal hashes mean bit-equal weights.
 - The per-tensor hash (for ``/update_weights_from_tensor_checker``) is SGLang's
@@ -37,8 +41,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-Algorithm = Literal["sglang", "v2"]
-ALGORITHMS: tuple[str, ...] = ("sglang", "v2")
+Algorithm = Literal["sglang", "v2", "state_dict"]
+ALGORITHMS: tuple[str, ...] = ("sglang", "v2", "state_dict")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -59,6 +63,7 @@ def weights_checksum(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     hasher = hashlib.sha256()
+    # "state_dict" differs from "sglang" in which tensors are fed (base_state_dict), not in how.
     for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
         hasher.update(name.encode("utf-8"))
         if algorithm == "v2":
@@ -150,8 +155,27 @@ def base_named_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return _walk(module, "", "buffers", set())
 
 
+def base_state_dict(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``module.state_dict()`` holds (parameters and persistent buffers, tied tensors under
+    each name), with PEFT wrappers seen through to their base layers."""
+    if _is_adapter_wrapper(module):
+        yield from base_state_dict(module.base_layer, prefix)
+        return
+    for name, tensor in module._parameters.items():
+        if tensor is not None:
+            yield prefix + name, tensor
+    for name, tensor in module._buffers.items():
+        if tensor is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, tensor
+    for child_name, child in module._modules.items():
+        if child is not None:
+            yield from base_state_dict(child, f"{prefix}{child_name}.")
+
+
 def module_checksum(module: nn.Module, algorithm: Algorithm = "sglang") -> str:
-    """The checksum of a module's (base) parameters."""
+    """The checksum of a module's (base) parameters, or of its state dict (``"state_dict"``)."""
+    if algorithm == "state_dict":
+        return weights_checksum(base_state_dict(module), algorithm)
     return weights_checksum(base_named_parameters(module), algorithm)
 
 

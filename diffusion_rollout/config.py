@@ -68,6 +68,17 @@ class ServerConfig(BaseModel):
     ipc_timeout_s: float = Field(
         10.0, gt=0, le=600, description="bound on each socket step of fetching a shared CPU tensor"
     )
+    strict_fields: bool = Field(
+        False,
+        description="refuse a rollout request with a field this server does not know (422) instead of "
+        "accepting it and naming it in the answer's ignored_fields, as SGLang accepts them",
+    )
+    ready_wait_s: float = Field(
+        900.0,
+        ge=0,
+        description="how long a request that arrives while the model loads or warms up waits for it "
+        "before a 503 naming the state (0 = refuse at once); /health answers at once throughout",
+    )
     same_host_answers: bool = Field(
         True,
         description="write a rollout answer into the shared-memory file a client on this host names "

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -237,3 +238,57 @@ def test_serve_warns_of_a_byte_code_folder_another_user_can_write(tmp_path, monk
     prefix.chmod(0o777)
     why = untrusted_pycache_prefix()
     assert why is not None and f"PYTHONPYCACHEPREFIX={prefix}" in why and "writable by group or others" in why
+
+
+def test_sglang_fixture_style_launch_gets_its_first_requests_answered(tiny_model_path):
+    """SGLang's diffusion test fixture (``test/server/test_server_utils.py``, used by
+    ``test_update_weights_from_disk.py`` at commit 07cc6791) starts the server, reads its output
+    until uvicorn's "Application startup complete." and then sends its tests' requests at once;
+    Relax's ``_wait_healthy`` (``diffusion_engine.py`` at 0a91dd1d) polls ``GET /health`` until 200
+    and then generates. Here both moments come before the model has loaded; the requests sent then
+    are held until it serves and answered, not refused with 503."""
+    model = str(tiny_model_path("sd3"))
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", model]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--device", "cpu", "--dtype", "float32"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(seen)[-3000:]
+            seen.append(line)
+            if "Application startup complete." in line:
+                break
+        # Keep reading, so the server never blocks on a full pipe.
+        threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True).start()
+        health = httpx.get(base + "/health", timeout=5)
+        assert health.status_code == 200  # Relax's _wait_healthy is satisfied here
+        update = httpx.post(
+            base + "/update_weights_from_disk", json={"model_path": model, "flush_cache": True}, timeout=120
+        )
+        assert update.status_code == 200 and update.json().get("success", False), update.text
+        body = {
+            "prompt": "a cat",
+            "seed": 1,
+            "width": 32,
+            "height": 32,
+            "num_inference_steps": 2,
+            "rollout": False,
+        }
+        assert httpx.post(base + "/rollout/generate", json=body, timeout=120).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

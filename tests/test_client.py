@@ -180,12 +180,12 @@ def test_plain_generation_and_filtered_trajectory(served):
 def test_request_errors_carry_status_type_and_message(served):
     c = sync_client(served("sd3"))
     with pytest.raises(ServerValidationError) as info:
-        c.generate("x", not_a_field=1)
+        c.generate("x", rollout_sde_type="langevin")
     err = info.value
     assert isinstance(err, RolloutHTTPError) and isinstance(err, RequestError)
     assert err.status_code == 422 and err.error_type == "validation_error"
-    assert "not_a_field" in err.message and err.detail and err.request_id
-    assert "422" in str(err) and "not_a_field" in str(err)
+    assert "rollout_sde_type" in err.message and err.detail and err.request_id
+    assert "422" in str(err) and "rollout_sde_type" in str(err)
 
     with pytest.raises(BadRequestError) as info:
         c.generate("x", rollout_sde_type="ode", **SMALL)  # all-ODE with the gaussian form
@@ -246,8 +246,8 @@ def test_async_client_reads_and_errors(served):
             assert (await c.list_models())["object"] == "list"
             assert "# TYPE" in await c.metrics()
             [o] = await c.generate("x", seed=3, rollout_debug_mode=False, **SMALL)
-            with pytest.raises(ServerValidationError, match="oops"):
-                await c.generate("x", oops=True)
+            with pytest.raises(ServerValidationError, match="rollout_noise_level"):
+                await c.generate("x", rollout_noise_level=-1.0)
             return o
 
     o = asyncio.run(go())

@@ -19,6 +19,7 @@ from safetensors.torch import load as st_load
 
 from diffusion_rollout import weight_transport
 from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.models.tiny import FAMILIES
 
 T = 3
 IMAGE = {"width": 32, "height": 32, "num_inference_steps": T, "max_sequence_length": 16}
@@ -115,6 +116,16 @@ def test_sglang_rollout_request_and_response(served):
     # Evaluation (rollout=false): only the image comes back.
     (plain,) = post(srv, {"prompt": "a red cat", "seed": 5, "rollout": False, **IMAGE})
     assert plain["rollout_log_probs"] is None and plain["generated_output"].shape == (3, 32, 32)
+    # SGLang's route (rollout_api.py at 078e5e2a) answers msgpack whatever the client accepts; with
+    # no Accept header at all the answer here is msgpack too.
+    request = srv.client.build_request(
+        "POST", "/rollout/generate", json={"prompt": "a red cat", "seed": 5, "rollout": False, **IMAGE}
+    )
+    del request.headers["accept"]
+    r = srv.client.send(request)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/msgpack")
+    (bare,) = decode_like_sglang_clients(msgpack.unpackb(r.content, raw=False))
+    assert torch.equal(bare["generated_output"], plain["generated_output"])
 
 
 def test_sglang_sampling_params_without_effect_are_reported_not_refused(served):
@@ -138,11 +149,43 @@ def test_sglang_sampling_params_without_effect_are_reported_not_refused(served):
     # SGLang's rule: the top-level rollout flag wins over one in extra_sampling_params.
     assert out["rollout_log_probs"] is not None
     assert out["ignored_fields"] == sorted(f"extra_sampling_params.{k}" for k in extra)
-    # A name no SGLang version knows is still refused, naming it.
-    r = post(
-        srv, {"prompt": "a red cat", "seed": 5, "extra_sampling_params": {"save_outptu": False}, **IMAGE}, 422
+    # A name no SGLang version knows is accepted too, as SGLang accepts it, and named in the answer.
+    (out,) = post(
+        srv,
+        {
+            "prompt": "a red cat",
+            "seed": 5,
+            "rollout": False,
+            "extra_sampling_params": {"save_outptu": 0},
+            **IMAGE,
+        },
     )
-    assert "save_outptu" in r.json()["error"]["message"]
+    assert out["ignored_fields"] == ["extra_sampling_params.save_outptu"]
+
+
+def test_sglang_cps_with_the_default_log_prob_form_is_answered(served):
+    """The cps script published with SGLang's rollout PRs (and miles with ``--diffusion-sde-type
+    cps``) sends ``rollout_sde_type="cps"`` at the default ``rollout_log_prob_no_const=false`` and
+    expects 200 with a ``[T]`` float32 ``rollout_log_probs``. cps's noise std is 0 at the last step,
+    so that step is run and scored as an ODE step: its log-prob is exactly 0, it is left out of
+    ``sde_step_indices``, and no log-prob is non-finite."""
+    srv = served("sd3")
+    body = {
+        "prompt": "a red cat",
+        "seed": 11,
+        "rollout": True,
+        "rollout_sde_type": "cps",
+        "rollout_noise_level": 0.7,
+        "rollout_debug_mode": True,
+        "rollout_return_dit_trajectory": True,
+        **IMAGE,
+    }
+    (out,) = post(srv, body)
+    check_rollout_layout(out, T, debug=True, trajectory=True, env=False)
+    log_probs = out["rollout_log_probs"]
+    assert torch.isfinite(log_probs).all() and (log_probs[: T - 1] != 0).all() and log_probs[T - 1] == 0
+    assert out["sde_step_indices"] == list(range(T - 1))
+    assert out["rollout_debug_tensors"]["rollout_noise_std_devs"][T - 1].item() == 0
 
 
 # ---------------------------------------------------------------------------- miles-diffusion
@@ -176,6 +219,43 @@ def test_miles_diffusion_image_rollout(served):
         lp = out["rollout_log_probs"]
         assert lp[2] == 0 and bool((lp[:2] != 0).all())  # step 2 is ODE: log-prob 0
         assert out["denoising_env"]["neg_cond_kwargs"] is not None  # CFG with the " " negative prompt
+
+
+def sglang_style_checksum(named_tensors) -> str:
+    """SGLang's checksum scheme as miles reproduces it on its side: SHA-256 over the entries sorted
+    by name, each the UTF-8 name then the tensor's raw bytes (contiguous, CPU)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_miles_diffusion_sync_check_hashes_the_state_dict(served, tiny_model_path):
+    """miles' optional weight-sync check hashes its trainer module's ``state_dict()``, persistent
+    buffers included (SD3's transformer has one: ``pos_embed.pos_embed``). The server's
+    ``algorithm="state_dict"`` mode hashes the same entries, so a trainer holding the served weights
+    matches; the default (SGLang's, parameters only) does not, which was the false mismatch."""
+    from diffusers import SD3Transformer2DModel
+
+    srv = served("sd3")
+    trainer = SD3Transformer2DModel.from_pretrained(str(tiny_model_path("sd3")), subfolder="transformer")
+    state = trainer.state_dict()
+    assert set(state) - {n for n, _ in trainer.named_parameters()} == {"pos_embed.pos_embed"}
+
+    def server_sum(**extra) -> str:
+        r = srv.client.post("/get_weights_checksum", json={"module_names": ["transformer"], **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["transformer"]
+
+    assert server_sum(algorithm="state_dict") == sglang_style_checksum(state.items())
+    assert (
+        server_sum()
+        == sglang_style_checksum(trainer.named_parameters())
+        != server_sum(algorithm="state_dict")
+    )
 
 
 def test_miles_diffusion_wan22_with_preshifted_sigmas(served):
@@ -287,6 +367,65 @@ def test_relax_qwen_image_rollout_with_its_noise_recipe(served, sde_type):
     assert torch.equal(again["trajectory_latents"], mapped["trajectory_latents"])
 
 
+def relax_pack_sigmas(mapped: dict, steps: int) -> torch.Tensor:
+    """Relax's Qwen-Image adapter packs a trajectory for training with ``sigmas = timesteps / 1000``
+    (the SGLang convention it was written against: the scheduler's timesteps, 0..1000), using the
+    first ``T`` timesteps of the answer."""
+    return mapped["timesteps"][:steps].float() / 1000
+
+
+def _family_body(family: str) -> dict:
+    from diffusion_rollout.models.tiny import TINY_CALL_DEFAULTS
+
+    defaults = TINY_CALL_DEFAULTS[family]
+    keys = ("width", "height", "num_frames", "num_inference_steps", "max_sequence_length")
+    return {k: defaults[k] for k in keys if k in defaults}
+
+
+# What each family's pipeline hands its transformer, as a function of the scheduler's timestep t
+# (docs/api.md lists the same); replay reads it from denoising_env.timestep_map.
+MODEL_TIMESTEP = {
+    "sd3": lambda t: t,
+    "wan": lambda t: t,
+    "wan2.2": lambda t: t,
+    "hunyuanvideo15": lambda t: t,
+    "ltx2": lambda t: t,
+    "flux": lambda t: t / 1000,
+    "flux2-klein": lambda t: t / 1000,
+    "qwenimage": lambda t: t / 1000,
+    "zimage": lambda t: (1000 - t) / 1000,
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served, family):
+    """Relax derives its training sigmas from the answer's timesteps (``timesteps / 1000``), so the
+    timesteps must be on SGLang's scale (the scheduler's, ``sigma * 1000``) for every family, including
+    those whose pipelines feed the model another scale (Qwen-Image, FLUX: ``t / 1000``; Z-Image:
+    ``(1000 - t) / 1000``). The derived sigmas must be the ones the server stepped with."""
+    srv = served(family)
+    request = {
+        "prompt": "a red cat",
+        "seed": 5,
+        "rollout": True,
+        "rollout_sde_type": "sde",
+        "rollout_return_dit_trajectory": True,
+        "rollout_return_denoising_env": True,
+        "rollout_debug_mode": False,
+        "_task": "t2i",
+        **_family_body(family),
+    }
+    (resp,) = post(srv, request)
+    mapped = relax_map_response([resp], request)
+    steps = mapped["sigmas"].shape[0] - 1
+    assert mapped["timesteps"].shape == (steps + 1,) and mapped["timesteps"][0] > 100  # 0..1000, not 0..1
+    torch.testing.assert_close(relax_pack_sigmas(mapped, steps), mapped["sigmas"][:steps], rtol=0, atol=1e-6)
+    assert resp["ignored_fields"] == ["_task"]
+    tmap = resp["denoising_env"]["timestep_map"]
+    assert torch.equal(tmap["timesteps"], mapped["timesteps"][:steps])
+    assert torch.equal(tmap["model_timesteps"], MODEL_TIMESTEP[family](tmap["timesteps"]))
+
+
 def _params(request: dict):
     from diffusion_rollout.entrypoints.protocol import GenerateRequest
 
@@ -343,6 +482,122 @@ def test_unirl_nft_ode_request_and_sigma_check(served):
         {**body, "num_outputs_per_prompt": 1, "initial_noise_group_ids": ["s1"], "denoise_seeds": ["s1"]},
     )
     assert torch.equal(alone["dit_trajectory"]["latents"][0], x_t[1])
+
+
+def envelope(t: torch.Tensor) -> dict:
+    """A tensor as a foreign client packs one (the answers' own form)."""
+    from safetensors.torch import save as st_save
+
+    return {
+        "__tensor__": True,
+        "data": st_save({"t": t.contiguous()}),
+        "shape": list(t.shape),
+        "dtype": str(t.dtype),
+    }
+
+
+def post_msgpack(srv, body: dict, expect: int = 200):
+    r = srv.client.post(
+        "/rollout/generate",
+        content=msgpack.packb(body),
+        headers={"Content-Type": "application/msgpack", "Accept": "*/*"},
+    )
+    assert r.status_code == expect, r.text[:2000]
+    return decode_like_sglang_clients(msgpack.unpackb(r.content, raw=False)) if expect == 200 else r
+
+
+def test_unirl_grpo_request_over_http_with_prompt_list_noise_tensor_and_embeds(served):
+    """UniRL's SGLang request builder (``unirl/rollout/engine/sglang/request.py``, read at commit
+    02416b7e) de-expands a batch into unique prompts: ``prompt`` is a list, one group of
+    ``num_outputs_per_prompt`` outputs per prompt; it sends its own x_T as ``initial_noise`` (a
+    tensor, one row per output), ``denoise_seeds`` (one per output), interior ``sigmas``,
+    ``return_prompt_embeds`` (and ``return_negative_prompt_embeds`` with CFG and a negative prompt)
+    and its pinned SGLang flags. Its response translator (``response.py``) requires
+    ``prompt_embeds`` on every result, reads ``pooled_prompt_embeds`` and the negatives, checks the
+    trajectory has ``T + 1`` latents and that the returned timesteps match the sigmas it sent."""
+    srv = served("sd3")
+    k, prompts = 2, ["a red cat", "a blue dog"]
+    sigmas = [1.0 - i / T for i in range(T)]
+    shape = list(
+        srv.engine.adapter.noise_shape(srv.engine.planner.plan(_params({"prompt": "x", **IMAGE})).call)
+    )
+    x_t = torch.randn(len(prompts) * k, *shape, generator=torch.Generator().manual_seed(3))
+    sample_ids = [f"p{j}:s{i}" for j in range(len(prompts)) for i in range(k)]
+    body = {
+        "prompt": prompts,
+        "negative_prompt": " ",
+        "num_outputs_per_prompt": k,
+        "guidance_scale": 4.5,
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": T,
+        "max_sequence_length": 16,
+        "sigmas": sigmas,
+        "seed": 17,
+        "save_output": False,
+        "return_file_paths_only": False,
+        "return_trajectory_latents": True,
+        "return_trajectory_decoded": False,
+        "return_prompt_embeds": True,
+        "return_negative_prompt_embeds": True,
+        "initial_noise": envelope(x_t),
+        "denoise_seeds": sample_ids,
+        "rollout": True,
+        "rollout_return_dit_trajectory": True,
+        "rollout_return_denoising_env": True,
+        "rollout_sde_type": "sde",
+        "rollout_noise_level": 0.7,
+        "rollout_sde_step_indices": [0, 1],
+        "rollout_debug_mode": False,
+    }
+    outs = post_msgpack(srv, body)
+    assert [o["prompt"] for o in outs] == [p for p in prompts for _ in range(k)]
+    assert [o["seed"] for o in outs] == [17 + n for n in range(len(prompts) * k)]
+    for n, out in enumerate(outs):
+        traj = out["dit_trajectory"]
+        assert traj["latents"].shape[0] == T + 1
+        assert torch.equal(traj["latents"][0], x_t[n])  # its x_T, as sent (float32 model)
+        assert torch.equal(traj["sigmas"], torch.tensor([*sigmas, 0.0]))
+        torch.testing.assert_close(traj["timesteps"][:T] / 1000, traj["sigmas"][:T], rtol=0, atol=1e-6)
+        env = out["denoising_env"]
+        # The encodings are the conditioning the transformer got (SD3: [neg; pos] batched CFG).
+        assert torch.equal(out["prompt_embeds"][0], env["pos_cond_kwargs"]["encoder_hidden_states"][0])
+        assert torch.equal(out["pooled_prompt_embeds"][0], env["pos_cond_kwargs"]["pooled_projections"][0])
+        assert torch.equal(
+            out["negative_prompt_embeds"][0], env["neg_cond_kwargs"]["encoder_hidden_states"][0]
+        )
+        assert out["negative_pooled_prompt_embeds"].shape == out["pooled_prompt_embeds"].shape
+        assert "ignored_fields" in out and "return_prompt_embeds" not in out["ignored_fields"]
+    assert torch.equal(outs[0]["prompt_embeds"], outs[1]["prompt_embeds"])
+    assert not torch.equal(outs[0]["prompt_embeds"], outs[2]["prompt_embeds"])
+    # Same sample ids and x_T, one prompt at a time: the same outputs (groups are independent).
+    alone = post_msgpack(
+        srv,
+        {**body, "prompt": prompts[1], "initial_noise": envelope(x_t[k:]), "denoise_seeds": sample_ids[k:],
+         "seeds": [17 + k, 17 + k + 1]},
+    )  # fmt: skip
+    for single, grouped in zip(alone, outs[k:], strict=True):
+        assert torch.equal(single["dit_trajectory"]["latents"], grouped["dit_trajectory"]["latents"])
+        assert torch.equal(single["rollout_log_probs"], grouped["rollout_log_probs"])
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda shape: torch.zeros(3, 1, 1), "initial_noise has shape [3, 1, 1]"),
+        (lambda shape: torch.full((1, *shape), float("nan")), "NaN"),
+        (lambda shape: torch.zeros(1, *shape, dtype=torch.int32), "floating-point"),
+    ],
+    ids=["shape", "nan", "dtype"],
+)
+def test_initial_noise_tensor_is_validated(served, make, words):
+    srv = served("sd3")
+    shape = srv.engine.adapter.noise_shape(srv.engine.planner.plan(_params({"prompt": "x", **IMAGE})).call)
+    r = post_msgpack(
+        srv, {"prompt": "a cat", "seed": 1, "initial_noise": envelope(make(shape)), **IMAGE}, 400
+    )
+    err = r.json()["error"]
+    assert "initial_noise" in err["message"] and words in err["message"], err["message"]
 
 
 def test_flow_grpo_embeddings_in_a_plain_msgpack_body(served):

@@ -68,15 +68,23 @@ def test_ode_path_without_cfg_is_bit_identical(served, tiny_model_path):
 
 def test_default_schedule_is_the_pipelines_empirical_mu(served, tiny_model_path):
     (out,) = served(FAMILY).generate(
-        body(rollout_sde_type="ode", rollout_log_prob_no_const=True, rollout_return_dit_trajectory=True)
+        body(
+            rollout_sde_type="ode",
+            rollout_log_prob_no_const=True,
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+        )
     )
     pipe = stock_pipe(tiny_model_path(FAMILY))
     stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
     sigmas = out["dit_trajectory"]["sigmas"]
     assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
     assert not torch.equal(sigmas[:T], torch.linspace(1.0, 1.0 / T, T))  # shifted, not the plain ladder
-    # The model sees t / 1000 in the latents' dtype; the trajectory reports it as passed.
-    assert torch.equal(out["dit_trajectory"]["timesteps"][:T], (pipe.scheduler.timesteps / 1000).float())
+    # The trajectory reports the scheduler's timesteps, as SGLang does; the model sees t / 1000 in
+    # the latents' dtype, which the env's timestep_map keeps for replay.
+    assert torch.equal(out["dit_trajectory"]["timesteps"][:T], pipe.scheduler.timesteps.float())
+    tmap = out["denoising_env"]["timestep_map"]
+    assert torch.equal(tmap["model_timesteps"], (pipe.scheduler.timesteps / 1000).float())
     # Packed latents: 16 tokens of 4 x 16 patchified channels, T + 1 entries.
     assert out["dit_trajectory"]["latents"].shape == (T + 1, 16, 64)
 

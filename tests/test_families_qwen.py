@@ -57,7 +57,12 @@ def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mo
 
 def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path):
     (out,) = served(FAMILY).generate(
-        body(rollout_sde_type="ode", rollout_log_prob_no_const=True, rollout_return_dit_trajectory=True)
+        body(
+            rollout_sde_type="ode",
+            rollout_log_prob_no_const=True,
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+        )
     )
     pipe = stock_pipe(tiny_model_path(FAMILY))
     stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
@@ -65,8 +70,12 @@ def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path
     assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
     # Dynamic shift with shift_terminal: not the plain linspace, and stretched to end at 0.02.
     assert sigmas[-2].item() == pytest.approx(0.02) and sigmas[-1].item() == 0.0
-    # The model sees t / 1000 in the latents' dtype; the trajectory reports it as passed.
-    assert torch.equal(out["dit_trajectory"]["timesteps"][:T], (pipe.scheduler.timesteps / 1000).float())
+    # The trajectory reports the scheduler's timesteps (0..1000), as SGLang does; the model was handed
+    # t / 1000 in the latents' dtype, which the env's timestep_map keeps for replay.
+    assert torch.equal(out["dit_trajectory"]["timesteps"][:T], pipe.scheduler.timesteps.float())
+    tmap = out["denoising_env"]["timestep_map"]
+    assert torch.equal(tmap["timesteps"], pipe.scheduler.timesteps.float())
+    assert torch.equal(tmap["model_timesteps"], (pipe.scheduler.timesteps / 1000).float())
 
 
 def test_custom_sigmas_are_used_exactly(served, tiny_model_path):

@@ -69,7 +69,12 @@ def test_turbo_settings_without_cfg_are_bit_identical(served, tiny_model_path):
 
 def test_default_schedule_is_the_checkpoints_static_shift(served, tiny_model_path):
     (out,) = served(FAMILY).generate(
-        body(rollout_sde_type="ode", rollout_log_prob_no_const=True, rollout_return_dit_trajectory=True)
+        body(
+            rollout_sde_type="ode",
+            rollout_log_prob_no_const=True,
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+        )
     )
     pipe = stock_pipe(tiny_model_path(FAMILY))
     stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
@@ -77,8 +82,11 @@ def test_default_schedule_is_the_checkpoints_static_shift(served, tiny_model_pat
     assert torch.equal(traj["sigmas"], pipe.scheduler.sigmas.float())
     lin = torch.linspace(1.0, 1.0 / T, T)
     assert torch.allclose(traj["sigmas"][:T], 3 * lin / (1 + 2 * lin))  # shift 3, no dynamic shift
-    # The model sees (1000 - t) / 1000; the trajectory reports it as passed.
-    assert torch.equal(traj["timesteps"][:T], ((1000 - pipe.scheduler.timesteps) / 1000).float())
+    # The trajectory reports the scheduler's timesteps, as SGLang does; the model sees (1000 - t) / 1000,
+    # which the env's timestep_map keeps for replay.
+    assert torch.equal(traj["timesteps"][:T], pipe.scheduler.timesteps.float())
+    tmap = out["denoising_env"]["timestep_map"]
+    assert torch.equal(tmap["model_timesteps"], ((1000 - pipe.scheduler.timesteps) / 1000).float())
     assert traj["latents"].shape == (T + 1, 16, 8, 8) and traj["latents"].dtype == torch.float32
 
 

@@ -28,8 +28,9 @@ def _info_lines(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in _records(caplog, logging.INFO) if text in r.getMessage()]
 
 
-def test_probes_during_loading_pause_and_release_log_once_per_state(tiny_model_path, caplog):
-    config = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", dtype="float32")
+def held_engine(tiny_model_path, **config) -> tuple[Engine, threading.Event]:
+    """An engine on the tiny SD3 model whose load waits for the returned event."""
+    config = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", **config)
     engine = Engine(config)
     release_load = threading.Event()
     real_load = engine.load
@@ -39,7 +40,13 @@ def test_probes_during_loading_pause_and_release_log_once_per_state(tiny_model_p
         real_load()
 
     engine.load = held_load
-    app = create_app(config, engine=engine)
+    return engine, release_load
+
+
+def test_probes_during_loading_pause_and_release_log_once_per_state(tiny_model_path, caplog):
+    # A held request gives up after ready_wait_s (here 0.05 s) with a 503 naming the state.
+    engine, release_load = held_engine(tiny_model_path, ready_wait_s=0.05)
+    app = create_app(engine.config, engine=engine)
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     with TestClient(app) as client:
         try:
@@ -48,6 +55,7 @@ def test_probes_during_loading_pause_and_release_log_once_per_state(tiny_model_p
                 assert r.status_code == 503 and r.json()["error"]["message"] == "not ready: loading", r.text
                 r = client.post("/rollout/generate", json={"prompt": "a cat", "num_inference_steps": 1})
                 assert r.status_code == 503, r.text
+                assert "still loading after waiting 0.05 s (ready_wait_s)" in r.json()["error"]["message"]
             assert _records(caplog, logging.ERROR) == []
             # One line for the state, whichever endpoint met it first; the rest are debug.
             assert len([m for m in _info_lines(caplog, "not serving generation") if "(loading)" in m]) == 1
@@ -77,6 +85,37 @@ def test_probes_during_loading_pause_and_release_log_once_per_state(tiny_model_p
             assert client.get("/health_generate").status_code == 200
         assert len(_info_lines(caplog, "serving generation again")) == 3
         assert _records(caplog, logging.ERROR) == []
+    engine.stop(grace_s=5)
+
+
+def test_a_launcher_that_trusts_health_has_its_next_request_served(tiny_model_path):
+    """Relax's ``_wait_healthy`` and the SGLang router poll ``GET /health`` until 200, SGLang's test
+    fixture waits for uvicorn's "Application startup complete." line (printed before the model
+    loads here), and each then sends its first request straight away and fails on a 503. That
+    request is held while the model loads and answered once it serves; ``/health`` keeps answering
+    at once with the state meanwhile."""
+    engine, release_load = held_engine(tiny_model_path)
+    app = create_app(engine.config, engine=engine)
+    with TestClient(app) as client:  # lifespan entered: uvicorn would have printed its startup line
+        try:
+            health = client.get("/health")
+            assert health.status_code == 200 and health.json()["state"] == "loading"
+            answers: dict = {}
+
+            def first_requests() -> None:
+                body = {"prompt": "a cat", "num_inference_steps": 1, "width": 32, "height": 32}
+                answers["generate"] = client.post("/rollout/generate", json={**body, "rollout": False})
+                answers["update"] = client.post("/update_weights_from_disk", json={})
+
+            sender = threading.Thread(target=first_requests)
+            sender.start()
+            time.sleep(0.5)
+            assert not answers and client.get("/health").json()["state"] == "loading"  # held, not refused
+        finally:
+            release_load.set()
+        sender.join(60)
+        assert answers["generate"].status_code == 200, answers["generate"].text
+        assert answers["update"].status_code == 400  # SGLang's answer to a missing model_path
     engine.stop(grace_s=5)
 
 

@@ -15,6 +15,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.http_errors import SGLANG_RESULT_PATHS
 from diffusion_rollout.entrypoints.routers.common import require_admin_key, require_api_key
 from tests.reliability_helpers import body, collect_logs
 
@@ -26,7 +27,7 @@ PUBLIC = {
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/v1/model_info", "/weight_version",
 }  # fmt: skip
 # /abort_request: one rid needs the API key (abort_all the admin key, tests/test_sglang_endpoints.py).
-GENERATION = {"/rollout/generate", "/abort_request"}
+GENERATION = {"/rollout/generate", "/abort_request", "/v1/images/generations"}
 
 
 def _dependency_calls(dependant) -> set:
@@ -94,6 +95,8 @@ def test_every_guarded_route_answers_401_without_and_403_with_a_wrong_key(keyed)
             assert r.status_code == status, (method, path, headers, r.text)
             err = r.json()["error"]
             assert err["code"] == status and who in err["message"]
+            if path in SGLANG_RESULT_PATHS:  # SGLang's clients test result.get("success", True)
+                assert r.json()["success"] is False and r.json()["message"] == err["message"]
         if path not in GENERATION:  # the generation key opens nothing else
             r = client.request(method, path, json={}, headers={"Authorization": f"Bearer {API_KEY}"})
             assert r.status_code == 403, (method, path)

@@ -159,7 +159,7 @@ def test_replaying_recorded_steps_reproduces_the_log_probs_bit_for_bit(kind, for
     assert trajectory.dtype == dtype
     assert torch.equal(trajectory[:, -1], final)
     for step in range(STEPS):
-        step_kind = settings.kind_at(step)
+        step_kind = settings.kind_at(step, STEPS)
         for model_output in (state.model_outputs[:, step], toy_velocity(trajectory[:, step])):
             replay = transition(
                 step_kind,
@@ -183,7 +183,7 @@ def test_replaying_recorded_steps_reproduces_the_log_probs_bit_for_bit(kind, for
         assert torch.equal(trajectory[:, step + 1], outputs[step])
     # Stochastic steps with noise have a nonzero log-prob (cps has std = 0 at the last step).
     noisy = [step for step in range(STEPS) if state.noise_std_devs[step].item() > 0]
-    assert noisy == [step for step in range(STEPS) if settings.kind_at(step) != "ode"][: len(noisy)]
+    assert noisy == [step for step in range(STEPS) if settings.kind_at(step, STEPS) != "ode"][: len(noisy)]
     assert len(noisy) >= 4 and (state.log_probs[:, noisy] != 0).all()
 
 

@@ -30,11 +30,11 @@ T = 6
         (RolloutSettings(eta=-0.1, log_prob_form="no_const"), "rollout_noise_level", ">= 0"),
         (RolloutSettings(eta=math.nan, log_prob_form="no_const"), "rollout_noise_level", "finite"),
         (RolloutSettings(eta=math.inf), "rollout_noise_level", "finite"),
-        (RolloutSettings(kind="cps"), "rollout_sde_step_indices", "last step"),
+        # cps's last step runs as ODE (std 0): with only that step asked for, none is stochastic.
         (
-            RolloutSettings(kind="cps", log_prob_form="scaled", sde_step_indices=(0, T - 1)),
-            "rollout_sde_step_indices",
-            "leave step 5 out",
+            RolloutSettings(kind="cps", sde_step_indices=(T - 1,)),
+            "rollout_log_prob_no_const",
+            "cps's last step",
         ),
         (RolloutSettings(kind="cps", eta=2.0, sde_step_indices=(0,)), "rollout_noise_level", "not positive"),
         (RolloutSettings(kind="flow_grpo"), "rollout_sde_type", "one of"),
@@ -61,6 +61,8 @@ def test_validation_errors_name_the_field(settings, field, words):
         RolloutSettings(eta=0.0, log_prob_form="no_const"),
         RolloutSettings(kind="cps", log_prob_form="no_const"),
         RolloutSettings(kind="cps", sde_step_indices=tuple(range(T - 1))),
+        RolloutSettings(kind="cps"),  # SGLang's default form: the last step runs as ODE
+        RolloutSettings(kind="cps", log_prob_form="scaled", sde_step_indices=(0, T - 1)),
         RolloutSettings(return_step_indices=(T, 0)),
         RolloutSettings(record=False, kind="nonsense", eta=-1.0, sde_step_indices=(99,)),  # unused fields
     ],
@@ -84,12 +86,14 @@ def test_schedule_checks():
 
 def test_step_selection():
     everything = RolloutSettings(kind="cps")
-    assert [everything.kind_at(i) for i in range(3)] == ["cps", "cps", "cps"]
-    assert everything.stochastic_steps(3) == [0, 1, 2]
+    # cps's last step has noise std 0 (s' = 0): deterministic, run and scored as ODE.
+    assert [everything.kind_at(i, 3) for i in range(3)] == ["cps", "cps", "ode"]
+    assert everything.stochastic_steps(3) == [0, 1]
+    assert RolloutSettings(kind="sde").stochastic_steps(3) == [0, 1, 2]
     window = RolloutSettings(kind="dance", sde_step_indices=[4, 1])
     assert window.sde_step_indices == (4, 1)  # lists from JSON become tuples
     assert window.stochastic_steps(6) == [1, 4]
-    assert window.kind_at(1) == "dance" and window.kind_at(2) == "ode"
+    assert window.kind_at(1, 6) == "dance" and window.kind_at(2, 6) == "ode"
     assert RolloutSettings(sde_step_indices=[]).stochastic_steps(6) == []
     assert RolloutSettings(kind="ode", sde_step_indices=(1,)).stochastic_steps(6) == []
     assert RolloutSettings().kept_trajectory_indices(3) == [0, 1, 2, 3]

@@ -98,7 +98,7 @@ def test_every_streams_step_is_the_shared_transition_and_the_joint_log_prob_repl
         scores = []
         for step in range(STEPS):
             replay = transition(
-                settings.kind_at(step),
+                settings.kind_at(step, STEPS),
                 traj[:, step],
                 s.model_outputs[:, step],
                 sigmas[step],
@@ -117,7 +117,7 @@ def test_every_streams_step_is_the_shared_transition_and_the_joint_log_prob_repl
         assert torch.equal(view["log_probs"], joint[i])
         assert torch.equal(view["streams"]["audio"]["log_probs"], per_stream["audio"][i])
         assert torch.equal(view["trajectory_latents"], state.by_stream["video"].trajectory_latents[i])
-    stochastic = [t for t in range(STEPS) if settings.kind_at(t) != "ode"]
+    stochastic = [t for t in range(STEPS) if settings.kind_at(t, STEPS) != "ode"]
     assert (joint[:, stochastic] != 0).all()
 
 

@@ -280,3 +280,92 @@ def test_info_routes(served):
     info = srv.client.get("/v1/model_info").json()
     assert info["model_path"] == str(srv.path) and info["family"] == "sd3"
     assert srv.client.get("/weight_version").json() == {"weight_version": srv.engine.weight_version}
+
+
+# ---------------------------------------------------------------------------- SGLang's refit tests
+@pytest.mark.parametrize("family", ["flux2-klein", "sd3"])
+def test_sglang_update_weights_from_disk_tests(fresh_server, tiny_model_path, tmp_path, family):
+    """What SGLang's ``multimodal_gen/test/server/test_update_weights_from_disk.py`` (read at commit
+    07cc6791) sends and checks, on its default family (FLUX.2 klein) and on SD3: ``{"model_path",
+    "flush_cache"[, "target_modules"]}`` with ``requests``; the same model answers 200 with
+    ``success``; flush_cache true or false, and ``target_modules=["transformer"]``, 200; a path that
+    does not exist fails with ``result.get("success", True)`` false; ``{}`` is a 400; an unknown
+    module is a 400 whose ``message`` holds "not found in pipeline". The scripts published beside
+    SGLang's refit PRs also corrupt one module's file and look for "Failed to update module 'vae'"
+    and "rolled back" in the message, with the weights unchanged."""
+    import shutil
+
+    srv = fresh_server(family)
+    model = str(tiny_model_path(family))
+
+    def update(body: dict) -> tuple[dict, int]:
+        r = srv.client.post("/update_weights_from_disk", json=body)
+        return r.json(), r.status_code
+
+    for body in (
+        {"model_path": model, "flush_cache": True},
+        {"model_path": model, "flush_cache": False},
+        {"model_path": model, "flush_cache": True, "target_modules": ["transformer"]},
+    ):
+        result, status = update(body)
+        assert status == 200 and result.get("success", False), result
+    result, _ = update({"model_path": "/nonexistent/path/to/model", "flush_cache": True})
+    assert not result.get("success", True) and "nonexistent" in result["message"]
+    result, status = update({})
+    assert status == 400 and result["success"] is False and result["message"] == "model_path is required"
+    result, status = update(
+        {"model_path": model, "flush_cache": True, "target_modules": ["nonexistent_module"]}
+    )
+    assert status == 400 and not result.get("success", True)
+    assert "not found in pipeline" in result.get("message", "")
+
+    before = srv.client.post("/get_weights_checksum", json={}).json()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(model, corrupt)
+    (vae_file,) = sorted((corrupt / "vae").glob("*.safetensors"))
+    vae_file.write_bytes(vae_file.read_bytes()[:100])
+    result, status = update({"model_path": str(corrupt), "target_modules": ["transformer", "vae"]})
+    assert status == 400 and result["success"] is False
+    assert "Failed to update module 'vae'" in result["message"] and "rolled back" in result["message"]
+    assert srv.client.post("/get_weights_checksum", json={}).json() == before
+
+
+# ---------------------------------------------------------------------------- OpenAI image route
+def test_openai_images_generations_as_sglang_refit_test_calls_it(served):
+    """SGLang's end-to-end refit test (``test_update_weights_from_disk.py``, commit 07cc6791) and
+    the router's end-to-end test call ``openai.OpenAI(base_url=.../v1).images.generate(model=
+    "default", prompt, n=1, size=..., response_format="b64_json")``: the client POSTs that JSON to
+    ``/v1/images/generations`` and the test checks ``response.data`` is not empty. The PNG here is
+    the plain generation of the same seed, pixel for pixel."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    srv = served("sd3")
+    body = {
+        "model": "default",
+        "prompt": "a beautiful sunset",
+        "n": 2,
+        "size": "32x32",
+        "response_format": "b64_json",
+    }
+    r = srv.client.post(
+        "/v1/images/generations", json={**body, "seed": 4, "num_inference_steps": 2, "quality": "hd"}
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert isinstance(answer["created"], int) and len(answer["data"]) == 2 and answer["size"] == "32x32"
+    assert answer["ignored_fields"] == ["quality"]
+    png = Image.open(io.BytesIO(base64.b64decode(answer["data"][1]["b64_json"])))
+    assert png.format == "PNG" and png.size == (32, 32)
+    (_, second) = srv.generate(
+        {"prompt": "a beautiful sunset", "seed": 4, "num_inference_steps": 2, "width": 32, "height": 32,
+         "num_outputs_per_prompt": 2, "rollout": False, "output_dtype": "uint8"}
+    )  # fmt: skip
+    pixels = torch.tensor(list(png.getdata()), dtype=torch.uint8).reshape(32, 32, 3).permute(2, 0, 1)
+    assert torch.equal(pixels, second["generated_output"])
+    bad = srv.client.post("/v1/images/generations", json={**body, "response_format": "url"})
+    assert bad.status_code == 400 and "b64_json" in bad.json()["error"]["message"]
+    bad = srv.client.post("/v1/images/generations", json={**body, "size": "big"})
+    assert bad.status_code == 400 and "size" in bad.json()["error"]["message"]

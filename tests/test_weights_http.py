@@ -194,7 +194,7 @@ def test_bad_uploads_are_400_naming_the_problem_and_change_nothing(fresh_server)
         server.client.post("/update_weights", content=body[: len(body) // 2]), 400
     )
     assert "empty" in error_of(server.client.post("/update_weights", content=b""), 400)
-    assert "unknown target module(s) transformer_9" in error_of(
+    assert "module(s) 'transformer_9' not found in pipeline" in error_of(
         server.client.post("/update_weights", content=body, params={"target_module": "transformer_9"}), 400
     )
     assert "unknown field 'query.finale'" in error_of(

@@ -122,6 +122,36 @@ def _scale_for(guidance: Mapping[str, Any], expert: str) -> float:
     return float(guidance.get("guidance_scale", 1.0))
 
 
+def model_timestep(
+    env: Mapping[str, Any], timestep: float | torch.Tensor, step: int | None = None
+) -> torch.Tensor:
+    """The timestep the pipeline handed the transformer at the step whose scheduler timestep is
+    ``timestep`` (``dit_trajectory.timesteps[step]``).
+
+    The trajectory reports the scheduler's timesteps (0..1000) for every family, as SGLang does; some
+    pipelines hand the model another scale (Qwen-Image and FLUX ``t / 1000``, Z-Image
+    ``(1000 - t) / 1000``). ``env["timestep_map"]`` carries the values the model got, bit for bit,
+    beside the scheduler's: the step is ``step`` when given, else the one whose scheduler timestep
+    equals ``timestep``. An env without the map (built by hand) takes ``timestep`` as it is.
+    """
+    t = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    tmap = env.get("timestep_map")
+    if tmap is None:
+        return t
+    model = tmap["model_timesteps"]
+    if step is None:
+        hits = (tmap["timesteps"].float() == t.float().reshape(()).cpu()).nonzero()
+        if hits.numel() == 0:
+            raise ValueError(
+                f"timestep {float(t)} is not one of this rollout's model steps "
+                "(pass dit_trajectory.timesteps[step], or step=)"
+            )
+        step = int(hits[0])
+    if not 0 <= step < model.shape[-1]:
+        raise ValueError(f"step {step} is outside this rollout's {model.shape[-1]} model steps")
+    return model.reshape(-1)[step]
+
+
 def replay_model_output(
     transformer: torch.nn.Module | Mapping[str, torch.nn.Module],
     latents: torch.Tensor,
@@ -134,7 +164,8 @@ def replay_model_output(
 
     ``transformer`` is the module (or ``{"transformer": ..., "transformer_2": ...}`` for two-expert
     models, where ``step`` selects the expert recorded in ``env["expert_per_step"]``); ``timestep``
-    is ``dit_trajectory.timesteps[step]``; ``env`` is one sample's ``denoising_env`` or
+    is ``dit_trajectory.timesteps[step]`` (the model's own value comes from the env's
+    ``timestep_map``, see :func:`model_timestep`); ``env`` is one sample's ``denoising_env`` or
     :func:`stack_envs` of several.
     """
     if env.get("streams"):
@@ -148,7 +179,7 @@ def replay_model_output(
     guidance = env["guidance"]
     rule = guidance["rule"]
     t_dtype = _dtype(env.get("timestep_dtype", "torch.float32"))
-    t_value = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    t_value = model_timestep(env, timestep, step)
     image = _move(env.get("image_kwargs") or {}, device)
     pos = _move(env["pos_cond_kwargs"], device)
     neg = _move(env.get("neg_cond_kwargs"), device)
@@ -293,7 +324,7 @@ def replay_stream_model_outputs(
     inputs = [latents[n] for n in names]
     if cfg:
         inputs = [torch.cat([x, x], dim=0) for x in inputs]
-    t_value = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    t_value = model_timestep(env, timestep)
     t = t_value.to(device=device, dtype=t_dtype).reshape(()).expand(inputs[0].shape[0])
     video_out, audio_out = transformer(
         hidden_states=inputs[0].to(in_dtype),

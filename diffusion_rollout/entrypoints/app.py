@@ -3,7 +3,7 @@
 No module-level globals: ``create_app(config, engine=...)`` builds a fresh app whose routers reach
 the engine through ``request.app.state.engine``. Without a ready engine the app loads the model in a
 background thread at start-up, so ``/health`` answers (and ``/health_generate`` says 503) while
-a large model loads. A load that fails leaves the reason (one line) in ``app.state.load_error`` and
+a large model loads; every other request waits for it (``ready_gate.py``). A load that fails leaves the reason (one line) in ``app.state.load_error`` and
 calls ``app.state.on_load_failure``: ``serve`` sets it to stop the server and exit non-zero, since a
 model that cannot load never will. With ``upload_port`` set, the lifespan also runs the direct
 weight-upload listener (``upload_listener.py``) on the app's event loop, as
@@ -25,6 +25,7 @@ from diffusion_rollout.entrypoints.auth_gate import AuthGateMiddleware, route_ke
 from diffusion_rollout.entrypoints.body_limit import BodyLimitMiddleware
 from diffusion_rollout.entrypoints.http_errors import install_error_handlers
 from diffusion_rollout.entrypoints.msgpack_body import MsgpackBodyMiddleware
+from diffusion_rollout.entrypoints.ready_gate import ReadyGateMiddleware
 from diffusion_rollout.entrypoints.request_context import RequestContextMiddleware
 from diffusion_rollout.entrypoints.routers import ROUTERS
 from diffusion_rollout.entrypoints.segment_answer import SegmentWriter
@@ -116,6 +117,9 @@ def create_app(config: ServerConfig | None = None, engine: RolloutEngine | None 
     install_error_handlers(app)
     # msgpack rollout bodies become JSON innermost: after the key gate and the body limits.
     app.add_middleware(MsgpackBodyMiddleware)
+    # Requests that arrive while the model loads or warms up wait for it (inside the key gate: a
+    # caller without a key is refused at once rather than held).
+    app.add_middleware(ReadyGateMiddleware, engine=engine, wait_s=config.ready_wait_s)
     # Keys before bodies (inside request_context, so refusals carry request ids and are counted).
     key_levels: dict[str, str] = {}
     app.add_middleware(AuthGateMiddleware, config=config, levels=key_levels)

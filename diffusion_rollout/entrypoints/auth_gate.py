@@ -69,7 +69,7 @@ class AuthGateMiddleware:
                         break
                 error = key_error(authorization, self.config, level)
                 if error is not None:
-                    body = error_body(error.message, error.error_type, error.status_code)
+                    body = error_body(error.message, error.error_type, error.status_code, scope["path"])
                     # Connection: close, so the server stops reading a body nobody will use.
                     response = JSONResponse(
                         body, status_code=error.status_code, headers={"Connection": "close"}

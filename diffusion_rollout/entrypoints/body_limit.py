@@ -45,7 +45,7 @@ class BodyLimitMiddleware:
             nonlocal answered
             answered = True
             message = f"request body of more than {limit} bytes exceeds {name}={limit} (limit {name})"
-            body = json.dumps(error_body(message, "payload_too_large", 413)).encode()
+            body = json.dumps(error_body(message, "payload_too_large", 413, scope["path"])).encode()
             rid = dict(scope.get("headers") or []).get(b"x-request-id")
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             if rid:

@@ -10,9 +10,9 @@ A field that no SGLang version knows is still a 422, so a typo is never silently
 
 Where the lists come from (facts from the public sources): SGLang's ``SamplingParams``
 (``python/sglang/multimodal_gen/configs/sample/sampling_params.py``), which ``/rollout/generate``
-fills from ``extra_sampling_params``; UniRL's SGLang patches (``patch_sampling_io.py``:
-``return_prompt_embeds``, ``return_negative_prompt_embeds``; ``request.py``: ``init_same_noise``,
-``return_file_paths_only``); and the memory bodies of SGLang's diffusion ``io_struct.py``
+fills from ``extra_sampling_params``; UniRL's SGLang patches (``request.py``: ``init_same_noise``,
+``return_file_paths_only``; its ``return_prompt_embeds`` and ``return_negative_prompt_embeds`` are
+served, protocol fields); and the memory bodies of SGLang's diffusion ``io_struct.py``
 (``cpu_backup_tags``) and Relax's client (``resume_memory_occupation {weights_only}``).
 """
 
@@ -39,8 +39,6 @@ NOOP_SAMPLING_FIELDS: Mapping[str, str] = {
     "return_frames": "the output is always returned",
     "return_trajectory_latents": "use rollout_return_dit_trajectory",
     "return_trajectory_decoded": "decoded trajectories are not produced",
-    "return_prompt_embeds": "use rollout_return_denoising_env",
-    "return_negative_prompt_embeds": "use rollout_return_denoising_env",
     "init_same_noise": "use initial_noise_group_ids or initial_noise_seed",
     "num_frames_round_down": "one device: no sequence-parallel frame rounding",
     "adjust_frames": "one device: no sequence-parallel frame rounding",

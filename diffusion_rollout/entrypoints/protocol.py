@@ -1,12 +1,13 @@
 """Pydantic models of the HTTP bodies (api.md), and their conversion to engine parameters.
 
-Field names and defaults follow SGLang's diffusion post-training API. Every model forbids unknown
-fields, so a misspelt field is a 422 naming it rather than a silently ignored setting.
-``extra_sampling_params`` is merged over the named fields before validation, so its keys obey the
-same rules (and the same unknown-field check). Fields that SGLang or its trainers' patches accept
-but that have no effect here are dropped first and reported (``ignored_fields``, see
-``entrypoints/dialects.py``), as is a ``rollout`` inside ``extra_sampling_params``: the top-level
-flag wins there, as in SGLang.
+Field names and defaults follow SGLang's diffusion post-training API. The rollout request accepts
+keys it does not know, as SGLang does (trainers send their own: Relax's ``_task``), and names every
+one in the answer's ``ignored_fields``, so a misspelt field is reported, never silently dropped;
+``serve --strict-fields`` makes them a 422 (the router checks :attr:`GenerateRequest.unknown_fields`).
+The other bodies forbid unknown fields. ``extra_sampling_params`` is merged over the named fields
+before validation, so its keys obey the same rules. Fields that SGLang or its trainers' patches
+accept but that have no effect here are dropped first and reported too (``entrypoints/dialects.py``),
+as is a ``rollout`` inside ``extra_sampling_params``: the top-level flag wins there, as in SGLang.
 
 Precomputed conditioning (``prompt_embeds``, ``pooled_prompt_embeds`` and their negatives) arrives
 as tensor envelopes (``entrypoints/request_tensors.py``); ``prompt`` is then optional and only a
@@ -33,6 +34,8 @@ from diffusion_rollout.server.speed import CACHE_KINDS, FeatureCacheSettings
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
 NoiseKey = Annotated[str, Field(max_length=1024)] | int
+# Most prompts (groups) one request may carry as a list; the outputs are bounded by the limits too.
+MAX_PROMPTS = 1024
 EMBEDDING_FIELDS = (
     "prompt_embeds",
     "pooled_prompt_embeds",
@@ -59,7 +62,9 @@ class FeatureCacheRequest(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    prompt: str | None = None
+    # A list (SGLang's in-process form, which UniRL sends): one group of num_outputs_per_prompt
+    # outputs per prompt (``group_params``).
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
     negative_prompt: str | None = None
     # Precomputed conditioning (ext, diffusers' names): one row, the pipeline's own encoding's shape.
     prompt_embeds: WireTensor | None = None
@@ -109,6 +114,11 @@ class GenerateRequest(BaseModel):
         None, min_length=1, max_length=8
     )
     denoise_seeds: list[NoiseKey] | None = None
+    # UniRL's x_T as a tensor (server/initial_noise.py checks shape, dtype and finiteness).
+    initial_noise: WireTensor | None = None
+    # UniRL's SGLang patch fields: answer the prompt encodings the outputs were conditioned on.
+    return_prompt_embeds: bool = False
+    return_negative_prompt_embeds: bool = False
     # SGLang's client-set request id: names the request for POST /abort_request and the response.
     rid: str | None = Field(None, min_length=1, max_length=256)
     feature_cache: FeatureCacheRequest | None = None
@@ -135,24 +145,50 @@ class GenerateRequest(BaseModel):
 
     # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+    # Fields no dialect list names (a peer's own key such as Relax's ``_task``, or a typo).
+    _unknown_fields: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def ignored_fields(self) -> list[str]:
         return list(self._ignored_fields)
 
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Of :attr:`ignored_fields`, those this server does not know at all (``serve
+        --strict-fields`` refuses them with 422)."""
+        return list(self._unknown_fields)
+
     @model_validator(mode="wrap")
     @classmethod
     def _accept_dialects(cls, data: Any, handler: Any) -> GenerateRequest:
         ignored: list[str] = []
+        unknown: list[str] = []
         if isinstance(data, dict):
             data, ignored = split_noop_sampling_fields(data)
+            data, unknown = cls._split_unknown(data)
             data, overridden = cls._merge_extra(data)
-            ignored = sorted(ignored + overridden)
+            ignored = sorted(ignored + overridden + unknown)
         model = handler(data)
         model._ignored_fields = ignored
+        model._unknown_fields = sorted(unknown)
         if model.prompt is None and model.prompt_embeds is None:
             raise ValueError("prompt: field required (or prompt_embeds, precomputed conditioning)")
         return model
+
+    @classmethod
+    def _split_unknown(cls, data: dict) -> tuple[dict, list[str]]:
+        """``data`` without the keys no field of this model has (top level and in
+        ``extra_sampling_params``), and their names. SGLang accepts such keys (its trainers send their
+        own: Relax's ``_task``), so they are accepted and reported rather than refused."""
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known]
+        out = {k: v for k, v in data.items() if k in known}
+        extra = out.get("extra_sampling_params")
+        if isinstance(extra, dict):
+            names = [k for k in extra if k not in known or k == "extra_sampling_params"]
+            unknown += [f"extra_sampling_params.{k}" for k in names]
+            out["extra_sampling_params"] = {k: v for k, v in extra.items() if k not in names}
+        return out, unknown
 
     @classmethod
     def _merge_extra(cls, data: dict) -> tuple[dict, list[str]]:
@@ -166,15 +202,65 @@ class GenerateRequest(BaseModel):
             # SGLang's rule: the top-level rollout flag wins over one in extra_sampling_params.
             extra = {k: v for k, v in extra.items() if k != "rollout"}
             ignored.append("extra_sampling_params.rollout")
-        unknown = sorted(k for k in extra if k not in cls.model_fields or k == "extra_sampling_params")
-        if unknown:
-            raise ValueError(f"extra_sampling_params: unknown field(s) {', '.join(repr(k) for k in unknown)}")
         merged = dict(data)
         merged.update(extra)
         merged["extra_sampling_params"] = None
         return merged, ignored
 
+    def group_params(self, request_id: str) -> list[GenerateParams]:
+        """One ``GenerateParams`` per prompt group: one for a text ``prompt``; for a list, group
+        ``j`` holds ``num_outputs_per_prompt`` (``k``) outputs of ``prompt[j]``, in order. The
+        per-output lists (``seeds``, ``denoise_seeds``, ``initial_noise_group_ids``) and an
+        ``initial_noise`` of ``P * k`` rows are cut into the groups' slices; output ``n = j * k + i``
+        uses the seed ``seed + n`` (as one request of ``P * k`` outputs would), while ``seed`` stays
+        the base that ``denoise_seeds`` derive step noise from."""
+        if not isinstance(self.prompt, list):
+            return [self.to_params(request_id)]
+        k = self.num_outputs_per_prompt or 1
+        total = len(self.prompt) * k
+        if self.prompt_embeds is not None:
+            raise RequestError("send a list prompt or prompt_embeds, not both", field="prompt")
+
+        def part(name: str, values, j: int):
+            if values is None:
+                return None
+            if len(values) == total:
+                return values[j * k : (j + 1) * k]
+            if name != "seeds" and len(values) == 1:
+                return values
+            raise RequestError(
+                f"{name} has {len(values)} entries; with {len(self.prompt)} prompts of "
+                f"num_outputs_per_prompt={k} send {total} (one per output, in prompt order)",
+                field=name,
+            )
+
+        noise = self.initial_noise
+        if noise is not None and noise.ndim >= 1 and noise.shape[0] == total and total > 1:
+            noise_rows = [noise[j * k : (j + 1) * k] for j in range(len(self.prompt))]
+        else:
+            noise_rows = [noise] * len(self.prompt)
+        groups = []
+        for j, text in enumerate(self.prompt):
+            seeds = part("seeds", self.seeds, j)
+            if seeds is None and self.seed is not None:
+                seeds = [self.seed + j * k + i for i in range(k)]
+            sub = self.model_copy(
+                update={
+                    "prompt": text,
+                    "seeds": seeds,
+                    "denoise_seeds": part("denoise_seeds", self.denoise_seeds, j),
+                    "initial_noise_group_ids": part(
+                        "initial_noise_group_ids", self.initial_noise_group_ids, j
+                    ),
+                    "initial_noise": noise_rows[j],
+                }
+            )
+            groups.append(sub.to_params(request_id))
+        return groups
+
     def to_params(self, request_id: str) -> GenerateParams:
+        if isinstance(self.prompt, list):
+            raise RequestError("a list prompt is several requests: use group_params", field="prompt")
         for name in ("sigmas", "timesteps"):
             vals = getattr(self, name)
             if vals is not None and not all(math.isfinite(v) for v in vals):
@@ -204,6 +290,7 @@ class GenerateRequest(BaseModel):
             initial_noise_group_ids=_keys(self.initial_noise_group_ids),
             initial_noise_latent_shape=self.initial_noise_latent_shape,
             denoise_seeds=_keys(self.denoise_seeds),
+            initial_noise=self.initial_noise,
             generator_device=self.generator_device,
             width=self.width,
             height=self.height,
@@ -220,6 +307,8 @@ class GenerateRequest(BaseModel):
             return_denoising_env=self.rollout_return_denoising_env,
             return_dit_trajectory=self.rollout_return_dit_trajectory,
             return_generated_output=self.return_generated_output,
+            return_prompt_embeds=self.return_prompt_embeds,
+            return_negative_prompt_embeds=self.return_negative_prompt_embeds,
             output_dtype=self.rollout_video_dtype or self.output_dtype,
             sigmas=self.sigmas,
             timesteps=self.timesteps,

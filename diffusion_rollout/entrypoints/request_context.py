@@ -60,7 +60,7 @@ class RequestContextMiddleware:
             )
             if too_large is not None:
                 metrics.http_response(scope["method"], "unmatched", 413)
-                response = error_response(too_large)
+                response = error_response(too_large, scope["path"])
                 response.headers["X-Request-Id"] = rid
                 await response(scope, receive, send)
                 return

@@ -98,15 +98,20 @@ class RolloutSettings:
         object.__setattr__(self, "sde_step_indices", _as_index_tuple(self.sde_step_indices))
         object.__setattr__(self, "return_step_indices", _as_index_tuple(self.return_step_indices))
 
-    def kind_at(self, index: int) -> str:
-        """The kind loop step ``index`` runs: ``kind`` if it is stochastic, else ``"ode"``."""
+    def kind_at(self, index: int, num_steps: int) -> str:
+        """The kind loop step ``index`` (of ``num_steps``) runs: ``kind`` if it is stochastic, else
+        ``"ode"``. cps's last step is deterministic: its noise std ``s' * sin(eta * pi / 2)`` is 0
+        there (``s' = 0``), so it runs and is scored as an ODE step (log-prob 0 in every form, left
+        out of ``sde_step_indices``) instead of giving a non-finite gaussian log-prob (math.md)."""
         if self.sde_step_indices is not None and index not in self.sde_step_indices:
+            return "ode"
+        if self.kind == "cps" and index == num_steps - 1:
             return "ode"
         return self.kind
 
     def stochastic_steps(self, num_steps: int) -> list[int]:
         """The loop steps (of ``num_steps``) that run a stochastic kind, in increasing order."""
-        return [index for index in range(num_steps) if self.kind_at(index) != "ode"]
+        return [index for index in range(num_steps) if self.kind_at(index, num_steps) != "ode"]
 
     def kept_trajectory_indices(self, num_steps: int) -> list[int]:
         """The trajectory entries (of ``num_steps + 1``) that are recorded, in increasing order."""
@@ -152,9 +157,12 @@ class RolloutSettings:
         stochastic = self.stochastic_steps(num_steps)
         divides_by_std = self.log_prob_form in ("gaussian", "scaled")
         if not stochastic and self.log_prob_form == "gaussian":
+            cps_note = (
+                " (cps's last step has noise std 0 and runs as an ODE step)" if self.kind == "cps" else ""
+            )
             raise RequestError(
-                "every step is ODE (rollout_sde_type='ode' or an empty rollout_sde_step_indices), and an ODE "
-                "step has no density, so the gaussian log-prob is undefined: send "
+                "every step is ODE (rollout_sde_type='ode' or an empty rollout_sde_step_indices)"
+                f"{cps_note}, and an ODE step has no density, so the gaussian log-prob is undefined: send "
                 "rollout_log_prob_no_const=true (every step then contributes 0)",
                 field="rollout_log_prob_no_const",
             )
@@ -165,22 +173,13 @@ class RolloutSettings:
                 "rollout_log_prob_no_const=true",
                 field="rollout_noise_level",
             )
-        if self.kind == "cps" and stochastic and divides_by_std:
-            if eta >= 2:
-                raise RequestError(
-                    f"rollout_sde_type='cps' has noise std sigma_next * sin(eta * pi / 2), which is not positive "
-                    f"for rollout_noise_level={eta}: send a value in (0, 2) (usually <= 1), or "
-                    "rollout_log_prob_no_const=true",
-                    field="rollout_noise_level",
-                )
-            last = num_steps - 1
-            if last in stochastic:
-                raise RequestError(
-                    f"rollout_sde_type='cps' has noise std sigma_next * sin(eta * pi / 2), which is 0 at the last "
-                    f"step (sigma_next = 0), so its {self.log_prob_form} log-prob divides by zero: leave step "
-                    f"{last} out of rollout_sde_step_indices, or send rollout_log_prob_no_const=true",
-                    field="rollout_sde_step_indices",
-                )
+        if self.kind == "cps" and stochastic and divides_by_std and eta >= 2:
+            raise RequestError(
+                f"rollout_sde_type='cps' has noise std sigma_next * sin(eta * pi / 2), which is not positive "
+                f"for rollout_noise_level={eta}: send a value in (0, 2) (usually <= 1), or "
+                "rollout_log_prob_no_const=true",
+                field="rollout_noise_level",
+            )
 
 
 class RolloutState:
@@ -329,7 +328,7 @@ class RolloutState:
     def current_kind(self) -> str:
         """The kind of the step about to run."""
         self._check_can_step()
-        return self.settings.kind_at(self._loop_index)
+        return self.settings.kind_at(self._loop_index, self.num_steps)
 
     def step_scalars(
         self, scheduler_index: int

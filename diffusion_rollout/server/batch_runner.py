@@ -210,6 +210,7 @@ class BatchRunner:
         results, flags = split_batch(
             a, plans, state, recorder, images, call, copier,
             version=version, elapsed=elapsed, peak=peak, exact=exact, device=self.engine.device,
+            encodings=encodings,
         )  # fmt: skip
         copier.finish()
         args = (jobs, plans, results, flags, copier, call, version, elapsed)

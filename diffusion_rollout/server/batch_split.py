@@ -56,9 +56,23 @@ def _trajectory(view: dict[str, Any], schedule: tuple, state, copier: HostCopier
     return traj
 
 
+def _conditioning(enc: dict[str, Any], p, copier: HostCopier) -> dict[str, Any]:
+    """The encodings a request's outputs were conditioned on, as they asked: positives with
+    ``return_prompt_embeds``, ``negative_*`` with ``return_negative_prompt_embeds`` (present only
+    where the call uses CFG). One row each, shared by the request's outputs."""
+    out = {}
+    for name, value in enc.items():
+        negative = name.startswith("negative_")
+        if value is None or not (p.return_negative_prompt_embeds if negative else p.return_prompt_embeds):
+            continue
+        out[name] = copier.copy_tree(value)
+    return out
+
+
 def split_batch(
     adapter, plans, state, recorder, images, call, copier: HostCopier,
     *, version: Any, elapsed: float, peak: float | None, exact: bool, device: str,
+    encodings: list[dict[str, Any]] | None = None,
 ) -> tuple[list[SampleResult], torch.Tensor]:  # fmt: skip
     """The batch's outputs, their tensors being copied to the host by ``copier``, and a ``[B]``
     bool tensor (host, valid after ``copier.wait()``) flagging NaN/Inf per output."""
@@ -71,21 +85,32 @@ def split_batch(
         and recorder.first_step_calls
     ):
         env_rows = a.split_env(recorder.first_step_calls, batch, call, recorder.timestep_dtype)
-    timesteps = copier.copy(recorder.timestep_tensor(T)) if recorder.timesteps else None
+    # What the transformer was handed at each step, on its own scale (Qwen-Image and FLUX take
+    # t / 1000, Z-Image (1000 - t) / 1000): only replay needs it, through the env's timestep_map.
+    model_timesteps = recorder.timestep_tensor(T)[:T] if recorder.timesteps else None
     experts = recorder.expert_list(T) if a.has_experts() and recorder.experts else None
     out: list[SampleResult] = []
     flags: list[torch.Tensor] = []
     batch_id = uuid.uuid4().hex
     flag_device = images.device if images is not None else torch.device(device)
     schedule = None
+    timestep_map = None
     if state is not None and state.sigmas is not None:
-        schedule = (
-            timesteps if timesteps is not None else copier.copy(state.timesteps),
-            copier.copy(state.sigmas.float()),
-        )
+        # The scheduler's timesteps (those handed to step(), 0..num_train_timesteps), as SGLang
+        # reports them for every family: trainers derive sigmas = timesteps / 1000 from them.
+        schedule = (copier.copy(state.timesteps.float()), copier.copy(state.sigmas.float()))
+        if model_timesteps is not None:
+            steps = state.timesteps.shape[0] - 1  # the loop steps that ran (T, or fewer with a strength)
+            timestep_map = {
+                "timesteps": copier.copy(state.timesteps[:steps].float()),
+                "model_timesteps": copier.copy(model_timesteps[:steps]),
+            }
     row = 0
-    for pl in plans:
+    for plan_index, pl in enumerate(plans):
         p = pl.params
+        conditioning = None
+        if encodings is not None and (p.return_prompt_embeds or p.return_negative_prompt_embeds):
+            conditioning = _conditioning(encodings[plan_index], p, copier)
         for seed in pl.seeds:
             img = images[row] if images is not None else None
             bad = torch.zeros((), dtype=torch.bool, device=flag_device)
@@ -108,6 +133,8 @@ def split_batch(
                     traj = _trajectory(view, schedule, state, copier)
                 if p.return_denoising_env and env_rows is not None:
                     env = copier.copy_tree(env_rows[row])
+                    if timestep_map is not None:
+                        env["timestep_map"] = timestep_map
                     if experts is not None:
                         env["expert_per_step"] = experts
             out.append(
@@ -129,6 +156,7 @@ def split_batch(
                     batch_index=row,
                     batch_size=batch,
                     exact=exact,
+                    conditioning=conditioning,
                 )
             )
             flags.append(bad)

@@ -11,6 +11,9 @@ Per output ``i`` of a request (``plan.seeds[i]`` is its seed):
   the Relax/UniRL recipe (:mod:`diffusion_rollout.noise_recipes`): outputs with the same group id
   share the x_T derived from the base seed and the id, drawn on the CPU in float32 in the unpacked
   shape, cast to the pipeline's latent dtype and packed as the pipeline packs its own noise.
+- ``initial_noise`` (UniRL's field, a tensor): the trainer's own x_T, ``[n, *noise_shape]`` or one
+  ``[*noise_shape]`` for every output, unpacked, any floating dtype; cast to the pipeline's latent
+  dtype and packed as the recipe's noise is. The output's generator then feeds only its step noise.
 - ``denoise_seeds`` (one key per output): stochastic step ``k`` of output ``i`` draws from a fresh
   CPU generator derived from ``seed``, ``k`` and ``denoise_seeds[i]``, independent of x_T.
 
@@ -46,6 +49,8 @@ class SampleNoise:
 
 def validate(p: GenerateParams, n: int, adapter: FamilyAdapter, call: CallSettings) -> None:
     """Check the recipe fields of a request of ``n`` outputs against the model (``RequestError``)."""
+    if p.initial_noise is not None:
+        _validate_given_noise(p, n, adapter, call)
     ids = p.initial_noise_group_ids
     if ids is not None:
         if len(ids) not in (1, n):
@@ -83,6 +88,29 @@ def validate(p: GenerateParams, n: int, adapter: FamilyAdapter, call: CallSettin
             )
 
 
+def _validate_given_noise(p: GenerateParams, n: int, adapter: FamilyAdapter, call: CallSettings) -> None:
+    x = p.initial_noise
+    if p.initial_noise_seed is not None or p.initial_noise_group_ids is not None:
+        raise RequestError(
+            "initial_noise is the x_T itself: send it without initial_noise_seed / "
+            "initial_noise_group_ids (one source of x_T)",
+            field="initial_noise",
+        )
+    if not x.is_floating_point():
+        raise RequestError(
+            f"initial_noise must be a floating-point tensor, got {x.dtype}", field="initial_noise"
+        )
+    expected = tuple(adapter.noise_shape(call))
+    if tuple(x.shape) not in ((n, *expected), expected):
+        raise RequestError(
+            f"initial_noise has shape {list(x.shape)}; this model's x_T for {n} output(s) is "
+            f"{[n, *expected]} (or {list(expected)} for all), unpacked, at {call.width}x{call.height}",
+            field="initial_noise",
+        )
+    if not bool(torch.isfinite(x).all()):
+        raise RequestError("initial_noise contains NaN or Inf", field="initial_noise")
+
+
 def _step_generator(base_seed: int, key: str, step: int) -> torch.Generator:
     return noise_recipes.step_generator(base_seed, step, key)
 
@@ -100,7 +128,17 @@ def sample_noise(
     gen_device = p.generator_device
     shared = None
     grouped: list[torch.Tensor] | None = None
-    if p.initial_noise_group_ids is not None:
+    if p.initial_noise is not None:
+        ref = adapter.latent_reference(call, dtype)
+        rows = p.initial_noise if p.initial_noise.ndim == len(adapter.noise_shape(call)) + 1 else None
+        # Cast first, then pack, as for the recipe's noise (packing only moves elements).
+        grouped = [
+            adapter.pack_noise(
+                call, (rows[i] if rows is not None else p.initial_noise).to(device=device, dtype=ref.dtype)
+            )
+            for i in range(n)
+        ]
+    elif p.initial_noise_group_ids is not None:
         ids = list(p.initial_noise_group_ids)
         ids = ids * n if len(ids) == 1 else ids
         shape = tuple(p.initial_noise_latent_shape or adapter.noise_shape(call))

@@ -30,6 +30,9 @@ class GenerateParams:
     initial_noise_group_ids: list[str] | None = None
     initial_noise_latent_shape: list[int] | None = None
     denoise_seeds: list[str] | None = None
+    # x_T sent by the trainer (UniRL): [n, *noise_shape] or one [*noise_shape] for all outputs,
+    # unpacked, any float dtype; cast to the pipeline's latent dtype and packed as its own noise.
+    initial_noise: torch.Tensor | None = None
     generator_device: str = "cuda"
     width: int | None = None
     height: int | None = None
@@ -46,6 +49,9 @@ class GenerateParams:
     return_denoising_env: bool = False
     return_dit_trajectory: bool = False
     return_generated_output: bool = True
+    # The prompt encodings the outputs were conditioned on (UniRL's SGLang patch fields).
+    return_prompt_embeds: bool = False
+    return_negative_prompt_embeds: bool = False
     output_dtype: str = "float32"
     sigmas: list[float] | None = None
     timesteps: list[float] | None = None
@@ -90,9 +96,16 @@ class SampleResult:
     # False when an option that changes numerics was active (server/speed.py): compile, a non-exact
     # attention backend, a feature cache. True: bit-identical to the stock eager pipeline.
     exact: bool = True
+    # With return_prompt_embeds / return_negative_prompt_embeds: the encodings under the pipeline's
+    # argument names (prompt_embeds, pooled_prompt_embeds, negative_..., masks), one row each
+    # ([1, ...], the request's precomputed-conditioning form), answered as top-level fields.
+    conditioning: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         if d["expert_per_step"] is None:
             d.pop("expert_per_step")
+        conditioning = d.pop("conditioning")
+        if conditioning:
+            d.update(conditioning)
         return d

@@ -9,6 +9,7 @@ from pathlib import PurePath
 from typing import Any
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from diffusion_rollout import answer_segments, wire
@@ -145,3 +146,20 @@ def model_info_for(request: Request) -> dict[str, Any]:
         info["model_path"] = public_path(info.get("model_path"))
     info["weight_upload_port"] = upload_port(request)
     return info
+
+
+def refuse_unknown_fields(request: Request, body: Any) -> None:
+    """Under ``serve --strict-fields``, a generation body with keys this server does not know is a
+    422 naming them, in FastAPI's validation shape (by default they are accepted and reported)."""
+    unknown = getattr(body, "unknown_fields", ())
+    if unknown and request.app.state.config.strict_fields:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "extra_forbidden",
+                    "loc": ("body", *name.split(".")),
+                    "msg": "Extra inputs are not permitted",
+                }
+                for name in unknown
+            ]
+        )

@@ -26,7 +26,13 @@ from fastapi.responses import Response
 from diffusion_rollout import lean
 from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
-from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key, wire_response
+from diffusion_rollout.entrypoints.routers.common import (
+    get_engine,
+    refuse_unknown_fields,
+    require_api_key,
+    wire_response,
+)
+from diffusion_rollout.errors import RequestError
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -43,15 +49,38 @@ async def _client_disconnected(request: Request) -> None:
             return
 
 
+async def _generate_groups(engine, groups: list, limit: int) -> list:
+    if len(groups) == 1:
+        return await engine.generate(groups[0])
+    total = sum(g.num_outputs_per_prompt for g in groups)
+    if total > limit:
+        raise RequestError(
+            f"{len(groups)} prompts of num_outputs_per_prompt={groups[0].num_outputs_per_prompt} make "
+            f"{total} outputs; the limit is {limit} (max_outputs_per_request)",
+            field="prompt",
+        )
+    tasks = [asyncio.ensure_future(engine.generate(g)) for g in groups]
+    try:
+        answers = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:  # one group failed, or the client left: the others' queued work goes too
+            t.cancel()
+    return [r for answer in answers for r in answer]
+
+
 @router.post("/rollout/generate", dependencies=[Depends(require_api_key)])
 async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
+    refuse_unknown_fields(request, body)
     # SGLang's rid, when the client sets one, names the request (POST /abort_request takes it).
-    params = body.to_params(body.rid or request.state.request_id)
+    # A list prompt is one group per prompt (SGLang's in-process form): the groups run as requests
+    # of their own, under the one request id, and answer in prompt order.
+    groups = body.group_params(body.rid or request.state.request_id)
     ignored = body.ignored_fields
     if ignored:
         log_ignored_once("/rollout/generate", ignored)
-    task = asyncio.ensure_future(engine.generate(params))
+    limit = request.app.state.config.max_outputs_per_request
+    task = asyncio.ensure_future(_generate_groups(engine, groups, limit))
     watcher = asyncio.ensure_future(_client_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -64,8 +93,7 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
         engine.metrics.request_cancelled("disconnect")
         logger.info("client disconnected: request cancelled, its queued work dropped")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    results = task.result()
-    outputs = [r.to_dict() for r in results]
+    outputs = [r.to_dict() for r in task.result()]
     if ignored:  # fields of another dialect that changed nothing here (entrypoints/dialects.py)
         outputs = [{**o, "ignored_fields": ignored} for o in outputs]
     if body.lean_response:  # shared conditioning once, referenced by the other outputs (lean.py)

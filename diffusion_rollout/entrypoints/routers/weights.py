@@ -97,7 +97,8 @@ class DestroyGroupRequest(_Body):
 
 class ChecksumRequest(_Body):
     module_names: list[str] | None = None
-    algorithm: Literal["sglang", "v2"] = "sglang"
+    # "state_dict": parameters and persistent buffers, as miles hashes a trainer's state_dict().
+    algorithm: Literal["sglang", "v2", "state_dict"] = "sglang"
 
 
 class TensorCheckerRequest(_Body):

@@ -28,7 +28,8 @@ Design decisions:
   one row per sample. ``model_input_concat``: the channels the pipeline concatenates after the latent
   before every model call (the image-condition latent and its mask, zeros for t2v), ``[1, C + 1, F,
   H, W]``; replay concatenates it the same way. The timestep is handed to the model in the model's
-  dtype (``timestep_dtype``), so the trajectory's timesteps are those rounded values.
+  dtype (``timestep_dtype``); those rounded values are the env's ``timestep_map`` (what replay
+  hands the model), while the trajectory's timesteps are the scheduler's, as for every family.
 - **Noise and output.** ``prepare_latents`` draws x_T in the transformer's dtype (latents stay in it).
   The pipeline's VAE cannot decode a batch (its causal attention mask does not broadcast over more
   than one video: the stock pipeline raises for two), so the pipeline is called for latents and

@@ -92,7 +92,13 @@ def read_disk_update(model_path: str, targets: Sequence[str]) -> dict[str, list[
             try:
                 pairs.extend(load_file(str(path)).items())
             except (SafetensorError, OSError) as exc:
-                raise WeightUpdateError(f"cannot read {path}: {exc}", field="model_path") from exc
+                # SGLang's wording for a module whose load failed (its clients match it); here the
+                # files are all read before any is applied, so every module keeps its weights.
+                raise WeightUpdateError(
+                    f"Failed to update module '{module}': cannot read {path}: {exc}; rolled back: "
+                    "every module keeps its previous weights",
+                    field="model_path",
+                ) from exc
         out[module] = pairs
     return out
 

@@ -58,7 +58,9 @@ def validate_targets(target_modules: Sequence[str] | None, available: Iterable[s
     unknown = [n for n in names if n not in modules]
     if unknown:
         raise WeightUpdateError(
-            f"unknown target module(s) {', '.join(unknown)}; this pipeline has: {', '.join(sorted(modules))}",
+            # "not found in pipeline": SGLang's wording, which its clients' tests match.
+            f"module(s) {', '.join(repr(n) for n in unknown)} not found in pipeline; this pipeline has: "
+            f"{', '.join(sorted(modules))}",
             field="target_modules",
         )
     return names

@@ -72,7 +72,7 @@ def get_module(pipe, name: str) -> nn.Module:
     modules = pipeline_modules(pipe)
     if name not in modules:
         raise WeightUpdateError(
-            f"unknown target module {name!r}; this pipeline has: {', '.join(sorted(modules)) or 'none'}",
+            f"module {name!r} not found in pipeline; this pipeline has: {', '.join(sorted(modules)) or 'none'}",
             field="target_modules",
         )
     return modules[name]
