@@ -204,7 +204,9 @@ def test_offloaded_judge_scores_alike_and_returns_its_weights_to_the_host_copies
     """``offload=1`` (the CUDA default): the weights move in for a call and point back at the one
     host copy afterwards (no new copy per call); the scores are the resident judge's."""
     path, _ = judge_dir
-    off = rewards.load_reward(f"vlm_ocr_judge?model={path}&device=cpu&max_new_tokens=4&batch_size=2&offload=1")
+    off = rewards.load_reward(
+        f"vlm_ocr_judge?model={path}&device=cpu&max_new_tokens=4&batch_size=2&offload=1"
+    )
     assert off.offload and not judge.offload  # CPU default: resident
     images, prompts = _images(), ['a sign that says "OPEN"', 'a mug with "HI"', "plain words"]
     hosts = [host.data_ptr() for _, host in off._host]
