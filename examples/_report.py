@@ -17,6 +17,9 @@ from diffusion_rollout.client import RolloutOutput
 # What the progress line calls each recipe's exactness key.
 EXACTNESS_LABELS = {"first_ratio_max_dev": "|ratio-1|", "old_policy_max_dev": "old-policy dev"}
 # Phases in the order an iteration runs them (others, a recipe's own, follow).
+# Seconds recorded inside another phase (flow_grpo's optimizer step is part of ``train``): in the
+# record and the summary, not on the progress line, whose phases add up to the iteration.
+SUB_PHASES = frozenset({"optimizer_s"})
 PHASE_ORDER = ("rollout", "reward", "release", "train", "resume", "push")
 
 
@@ -47,7 +50,9 @@ def progress_line(
     seconds, the ETA ``seconds_per_iteration`` times the iterations left.
     """
     it = int(record["iteration"]) + 1
-    phases = [k.removesuffix("_s") for k in record if k.endswith("_s") and k != "iteration_s"]
+    phases = [
+        k.removesuffix("_s") for k in record if k.endswith("_s") and k != "iteration_s" and k not in SUB_PHASES
+    ]
     phases.sort(key=lambda k: PHASE_ORDER.index(k) if k in PHASE_ORDER else len(PHASE_ORDER))
     label = EXACTNESS_LABELS.get(exactness_key, exactness_key)
     parts = [
