@@ -199,6 +199,12 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "32", *_COLOCATED, "--release-memory"],
     ),
+    # verl-omni's own layout, the baseline: every rank samples its 8 groups in its own process.
+    "peer-qwen-image-in-process": (
+        "qwen-image",
+        "flow_grpo",
+        [*_PEER_QWEN, "--prompts", "32", "--layout", "in-process", "--trainer-gpus", "0,1,2,3"],
+    ),
     "peer-qwen-image-lora-2gpu": (
         "qwen-image",
         "flow_grpo",
@@ -263,7 +269,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 RANKS: dict[str, int] = {
     "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
     "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
-    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
+    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-in-process": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
 }  # fmt: skip
 
 

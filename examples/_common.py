@@ -9,9 +9,10 @@ they have in common and that is not the algorithm lives here:
   ``--server-gpu`` (``CUDA_VISIBLE_DEVICES``), or on a thread (``--server thread``, CPU only: faster to
   start, still real HTTP). ``--server-gpu 0 --trainer-gpu 0`` is the colocated layout (two processes
   on one GPU), ``--trainer-gpu 1`` the disaggregated one: the same code with other GPU numbers.
-  ``--layout in-process`` has no server at all: :class:`InProcessSampler` runs the stock diffusers
-  pipeline with the project's scheduler mixin on the trainer's own transformer (flow_grpo's and
-  DanceGRPO's layout, the baseline the server is timed against).
+  ``--layout in-process`` has no server at all: ``_in_process`` samples on the trainer's own
+  transformer, the stock diffusers pipeline with the project's scheduler mixin for SD3 (flow_grpo's
+  and DanceGRPO's layout, the baseline the server is timed against), the project's engine in the
+  trainer's process for the other families.
 - **One batch per group.** The server gets ``max_batch_size`` equal to the group size, so each
   request (one GRPO group) is one pipeline call, and the trainer replays a group as one batch: the
   transformer then sees the same batch shape on both sides and the on-policy ratio is exactly 1.
@@ -113,7 +114,8 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
         "--layout",
         choices=["server", "in-process"],
         default="server",
-        help="server: rollouts over HTTP; in-process: the stock pipeline in the trainer (SD3 only)",
+        help="server: rollouts over HTTP; in-process: sampled in the trainer on its own transformer (the "
+        "stock pipeline for SD3, this project's engine for the other families)",
     )
     g.add_argument(
         "--server",

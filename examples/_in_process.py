@@ -1,7 +1,22 @@
-"""``--layout in-process``: rollouts with the stock pipeline on the trainer's own transformer."""
+"""``--layout in-process``: rollouts in the trainer's process, on the trainer's own transformer.
+
+- SD3/SD3.5: :class:`InProcessSampler`, the stock pipeline with the scheduler mixin, as flow_grpo's
+  own loop samples.
+- Every other family (Qwen-Image, FLUX, Wan...): :class:`EngineSampler`, this project's engine run in
+  the trainer's process on a pipeline whose transformer *is* the trainer's, answered over loopback by
+  the same routes and client as a server. That is verl-omni's layout (each rank samples its own groups
+  with its own copy of the model) with this project's family code, so the baseline and the server
+  layouts differ only in where the sampling runs.
+
+:func:`in_process_sampler` picks by the folder's pipeline class.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,3 +126,59 @@ class InProcessSampler:
             )
             for i in range(n)
         ]
+
+
+def in_process_sampler(
+    model_path: Path, transformer: torch.nn.Module, device: torch.device, max_batch_size: int
+):
+    """The sampler of ``--layout in-process`` for the model folder (see the module docstring)."""
+    pipeline_class = json.loads((Path(model_path) / "model_index.json").read_text())["_class_name"]
+    if pipeline_class == "StableDiffusion3Pipeline":
+        return InProcessSampler(model_path, transformer, device)
+    return EngineSampler(model_path, transformer, device, max_batch_size)
+
+
+class EngineSampler:
+    """The engine in this process on the trainer's transformer, behind a loopback port (see above).
+
+    Nothing is pushed: the adapter the trainer steps is the one the pipeline runs. ``close()`` stops
+    the engine and its port.
+    """
+
+    def __init__(
+        self, model_path: Path, transformer: torch.nn.Module, device: torch.device, max_batch_size: int
+    ) -> None:
+        from _common import free_port
+        from diffusers import DiffusionPipeline
+
+        from diffusion_rollout.client import RolloutClient
+        from diffusion_rollout.config import ServerConfig
+        from diffusion_rollout.entrypoints.app import create_app
+        from diffusion_rollout.entrypoints.http_server import make_server
+        from diffusion_rollout.server.engine import Engine
+        from diffusion_rollout.server.loader import prepare_pipeline
+
+        dtype = next(transformer.parameters()).dtype
+        pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)
+        port, key = free_port(), secrets.token_hex(16)
+        config = ServerConfig(
+            model=str(model_path), device=str(device), dtype=str(dtype).removeprefix("torch."), host="127.0.0.1",
+            port=port, admin_key=key, max_batch_size=max_batch_size, log_level="warning", shutdown_grace_s=5.0,
+        )  # fmt: skip
+        self.engine = Engine(config, loaded=prepare_pipeline(pipe, device=str(device)))
+        self._server = make_server(create_app(config, self.engine), config)
+        self._thread = threading.Thread(target=self._server.run, name="in-process-engine", daemon=True)
+        self._thread.start()
+        self.client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=key)
+        self.client.wait_until_ready(timeout_s=600)
+        self.weight_version: Any = None
+
+    def generate_many(self, jobs: Sequence[Mapping[str, Any]], **fields: Any) -> list[list[Any]]:
+        return self.client.generate_many(jobs, **fields)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.engine.stop()

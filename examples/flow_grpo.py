@@ -39,8 +39,9 @@ and each iteration records its ``staleness`` and the first-step ratio statistics
 (``ratio_by_staleness``; |ratio - 1| is exactly 0 at staleness 0). ``0`` (the default) is the
 synchronous loop above, unchanged.
 
-``--layout in-process`` samples with the stock pipeline on the trainer's own transformer instead
-(``_in_process.InProcessSampler``): same seeds, same requests, nothing to push. ``--release-memory``
+``--layout in-process`` samples in the trainer's process on its own transformer instead
+(``_in_process``: the stock pipeline for SD3, this project's engine for the other families): same
+seeds, same requests, nothing to push. ``--release-memory``
 has a colocated server release its GPU memory while the trainer trains.
 
 **Several ranks** (``torchrun``; ``_ranks.py``): each rank takes its block of the ``--prompts``
@@ -89,7 +90,7 @@ from _common import (
 )
 from _config import parse_with_config
 from _full import FullFinetune
-from _in_process import InProcessSampler
+from _in_process import in_process_sampler
 from _ranks import Ranks
 from _recovery import Recovery, on_main, server_holds_lora
 from _report import Report
@@ -354,7 +355,7 @@ def run(
     checkpoint = Checkpoint(args.checkpoint)
     state = checkpoint.load(transformer, optimizer) or {"next_iteration": 0, "history": []}
     history: list[dict[str, Any]] = state["history"]
-    sampler = InProcessSampler(model_path, transformer, device) if in_process else client
+    sampler = in_process_sampler(model_path, transformer, device, args.group_size) if in_process else client
     version = f"iter-{state['next_iteration']}"
 
     def push(version: str) -> bool | None:
@@ -457,6 +458,8 @@ def run(
     # Closing the stream aborts what is in flight.
     with contextlib.ExitStack() as closing, report:
         closing.callback(lambda: stream is not None and stream.close())
+        if in_process and hasattr(sampler, "close"):
+            closing.callback(sampler.close)  # the engine sampler's engine and loopback port
         for it in range(state["next_iteration"], args.iterations):
             phases = Phases(device)
             t_iter = time.perf_counter()

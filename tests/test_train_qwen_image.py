@@ -92,6 +92,27 @@ def test_qwen_image_recipe_scores_with_the_ocr_judge(tiny_qwen, tiny_judge, tmp_
     assert h["reward_s"] > 0 and h["first_ratio_max_dev"] == 0.0 and h["checksum_ok"] is True
 
 
+@pytest.mark.slow
+def test_qwen_image_in_process_layout_samples_what_the_server_samples(flow_grpo, tiny_qwen, tmp_path):
+    """``--layout in-process`` for Qwen-Image (verl-omni's layout: each rank samples its own groups)
+    runs this project's engine in the trainer's process on the trainer's own transformer: the same
+    seeds give the server layout's rewards bit for bit in both iterations (the second after an
+    update, so the adapter the trainer stepped is the one sampled), the ratio exactly 1."""
+    args = [*QWEN, "--iterations", "2", "--model", str(tiny_qwen), "--reward", "brightness"]
+    served = flow_grpo.main([*args, "--server", "thread", "--out", str(tmp_path / "served.json")])
+    local = flow_grpo.main([*args, "--layout", "in-process", "--out", str(tmp_path / "local.json")])
+    assert local["layout"] == "in-process" and served["layout"] == "server"
+    for a, b in zip(local["history"], served["history"], strict=True):
+        assert a["rewards"] == b["rewards"] and a["advantages"] == b["advantages"]
+        assert a["first_ratio_max_dev"] == 0.0 and a["guidance"]["rule"] == "norm_rescale"
+    # The update moves the second iteration's rewards, so the equality above can fail: a sampler on
+    # a stale copy of the transformer would have sampled what a run without the update samples.
+    frozen = flow_grpo.main(
+        [*args, "--layout", "in-process", "--lr", "0", "--out", str(tmp_path / "lr0.json")]
+    )
+    assert frozen["history"][1]["rewards"] != local["history"][1]["rewards"]
+
+
 def test_lora_target_presets_and_lists(flow_grpo):
     common = importlib.import_module("_common")
     assert common.lora_targets("qwen-image")[-1] == "txt_mlp.net.2"
