@@ -61,6 +61,20 @@ _PEER_QWEN = ["--steps", "10", "--size", "512", "--group-size", "16", "--lora-ra
               "--prompt-set", "ocr", "--gradient-checkpointing", "--iterations", "4",
               "--reward", f"vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32"]  # fmt: skip
 
+
+def _without_cfg(args: list[str]) -> list[str]:
+    """``args`` less true CFG's two options and their values."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--true-cfg-scale", "--negative-prompt"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 # run name -> (model, recipe, arguments); "{work}" in an argument is --work.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
     "sd35-flow-grpo": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "40"]),
@@ -205,6 +219,25 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "32", "--layout", "in-process", "--trainer-gpus", "0,1,2,3"],
     ),
+    # verl-omni's full-parameter row (250 s on 4 H200s): no CFG, lr 3e-5, clip 1e-5, FSDP2 with a
+    # float32 master; full weights to the colocated replicas over NCCL. Not run yet: 20B of float32
+    # master and Adam state is about 80 GB per GPU over 4, beside a 41 GB replica (see HISTORY).
+    "peer-qwen-image-full": (
+        "qwen-image",
+        "flow_grpo",
+        [
+            *_without_cfg(_PEER_QWEN),
+            "--full-finetune",
+            "--lr",
+            "3e-5",
+            "--clip-range",
+            "1e-5",
+            "--prompts",
+            "32",
+            *_COLOCATED,
+            "--release-memory",
+        ],
+    ),
     "peer-qwen-image-lora-2gpu": (
         "qwen-image",
         "flow_grpo",
@@ -269,7 +302,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 RANKS: dict[str, int] = {
     "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
     "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
-    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-in-process": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
+    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-in-process": 4, "peer-qwen-image-full": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
 }  # fmt: skip
 
 
