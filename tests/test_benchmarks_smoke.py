@@ -302,6 +302,25 @@ def test_train_recipes_tiny_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_recipes_builds_the_judge_for_the_peer_run(tmp_path):
+    """The Qwen-Image peer run's path at CPU size: the judge's folder built beside the model (and
+    found again by its config.json, not rebuilt), ``{work}`` in the reward spec, two ranks."""
+    from benchmarks import train_recipes
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--out", str(out), "--work", str(work), "tiny-peer-qwen-image"]
+    assert train_recipes.main(argv) == 0
+    judge = work / "models" / "judge-tiny"
+    assert (judge / "config.json").exists()
+    assert train_recipes.model_folder("judge-tiny", work) == judge  # found, not rebuilt
+    run = json.loads((out / "tiny-peer-qwen-image.json").read_text())
+    assert run["ranks"] == 2 and run["args"]["reward"].startswith(f"vlm_ocr_judge?model={judge}&")
+    h = run["history"][0]
+    assert h["guidance"]["rule"] == "norm_rescale" and h["first_ratio_max_dev"] == 0.0
+    assert all(0.0 <= r <= 1.0 for r in h["rewards"]) and h["optimizer_s"] >= 0.0
+
+
+@pytest.mark.slow
 def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
     """The GPU command of ``replica_push`` on CPU replicas: the CLI server with two Ray replicas,
     verified pushes through the replicas' own ports and through the object store."""
