@@ -1,0 +1,110 @@
+"""Issue #60: shared ODE prefixes and screen-then-regenerate, through the real HTTP app.
+
+What is proven here, bit for bit (``torch.equal``), on the CPU in float32 with tiny SD3 and
+Qwen-Image, with and without guidance:
+
+- A ``rollout_share_prefix`` group of G equals the composition of two stock calls: the prefix at
+  batch 1 (a solo rollout's first k trajectory entries), then the group at batch G from that x_k
+  with the remaining sigmas (``initial_noise`` = x_k, ``sigmas`` = the tail of the schedule): every
+  output, trajectory entry, log-prob and the branch's model outputs.
+- It is not claimed equal to the unshared group: a transformer's rows at batch 1 and batch G differ
+  in their last bits on these models (the first test records that, so a change in torch that
+  makes them equal is noticed and the option could then become the default).
+- Regenerating outputs 1 and 3 of a group by naming their seeds equals those outputs of a direct
+  rollout of the same two seeds (a batch of 2); against the group of 4 it is equal in what does not
+  depend on the batch (x_T, the step noise), not in the model's last bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_rollout import wire
+
+T = 4
+K = 2  # the first stochastic step: steps 0 and 1 are the shared prefix
+SIGMAS = [1.0, 0.8, 0.55, 0.3]
+BASE = {
+    "prompt": "a red cat",
+    "width": 32,
+    "height": 32,
+    "max_sequence_length": 16,
+    "sigmas": SIGMAS,
+    "initial_noise_seed": 7,
+    "rollout_sde_step_indices": [K, K + 1],
+    "rollout_return_dit_trajectory": True,
+    "rollout_debug_mode": True,
+}
+CASES = [
+    ("sd3", {}),
+    ("sd3", {"guidance_scale": 4.0, "negative_prompt": "blurry"}),
+    ("qwenimage", {}),
+    ("qwenimage", {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}),
+]
+
+
+def post(srv, body: dict) -> list[dict]:
+    r = srv.client.post(
+        "/rollout/generate",
+        content=wire.encode(body),
+        headers={"Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK},
+    )
+    assert r.status_code == 200, r.text[:2000]
+    return wire.decode(r.content, r.headers["content-type"])
+
+
+def unpack(srv, x: torch.Tensor) -> torch.Tensor:
+    """One packed latent ``[*latent]`` back to the unpacked x_T shape ``initial_noise`` takes."""
+    a = srv.engine.adapter
+    c, h, w = a.noise_shape(_call(srv))
+    if not a.packs_latents_2x2:
+        return x.reshape(c, h, w)
+    # Inverse of the pipelines' _pack_latents: [(h/2)(w/2), 4c] -> [c, h, w].
+    return x.reshape(h // 2, w // 2, c, 2, 2).permute(2, 0, 3, 1, 4).reshape(c, h, w)
+
+
+def _call(srv):
+    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+
+    return srv.engine.planner.plan(GenerateRequest(**BASE).to_params("t")).call
+
+
+def traj(out: dict) -> torch.Tensor:
+    return out["dit_trajectory"]["latents"]
+
+
+@pytest.mark.parametrize(("family", "extra"), CASES, ids=[f"{f}-{'cfg' if e else 'nocfg'}" for f, e in CASES])
+def test_shared_prefix_group_is_prefix_at_batch_1_then_branch_at_batch_g(served, family, extra):
+    srv = served(family)
+    body = {**BASE, **extra, "seed": 40, "num_outputs_per_prompt": 4}
+    shared = post(srv, {**body, "rollout_share_prefix": True})
+    plain = post(srv, body)
+    assert [o["shared_prefix_steps"] for o in shared] == [K] * 4
+    assert [o["shared_prefix_outputs"] for o in shared] == [4] * 4
+    assert "shared_prefix_steps" not in plain[0]
+
+    # The prefix is a batch-1 rollout's prefix, bit for bit, in every output.
+    solo = post(srv, {**body, "num_outputs_per_prompt": 1})[0]
+    for o in shared:
+        assert torch.equal(traj(o)[: K + 1], traj(solo)[: K + 1])
+        assert torch.equal(o["rollout_log_probs"][:K], torch.zeros(K))
+        assert o["sde_step_indices"] == [K, K + 1] and o["batch_size"] == 4
+    # Recorded for the record: at batch 4 the same prefix differs in its last bits (see docstring).
+    assert not torch.equal(traj(plain[0])[1], traj(solo)[1])
+
+    # The branch: the group at batch 4 from x_k with the remaining sigmas, two stock calls in all.
+    x_k = unpack(srv, traj(solo)[K])
+    tail = post(srv, {
+        **{k: v for k, v in body.items() if k != "initial_noise_seed"},
+        "initial_noise": x_k, "sigmas": SIGMAS[K:], "rollout_sde_step_indices": [0, 1],
+    })  # fmt: skip
+    for o, t in zip(shared, tail, strict=True):
+        assert torch.equal(traj(o)[K:], traj(t))
+        assert torch.equal(o["rollout_log_probs"][K:], t["rollout_log_probs"])
+        assert torch.equal(o["generated_output"], t["generated_output"])
+        for name, v in t["rollout_debug_tensors"].items():
+            if v.ndim > 1 and v.shape[0] == T - K:
+                assert torch.equal(o["rollout_debug_tensors"][name][K:], v), name
+    # The branches did branch: their own step noise.
+    assert not torch.equal(shared[0]["generated_output"], shared[1]["generated_output"])
