@@ -108,3 +108,102 @@ def test_shared_prefix_group_is_prefix_at_batch_1_then_branch_at_batch_g(served,
                 assert torch.equal(o["rollout_debug_tensors"][name][K:], v), name
     # The branches did branch: their own step noise.
     assert not torch.equal(shared[0]["generated_output"], shared[1]["generated_output"])
+
+
+def test_the_prefix_runs_one_row_per_guidance_branch(served):
+    """The saving itself: the transformer sees 2 rows (CFG) at the prefix steps, 2G after them."""
+    srv = served("sd3")
+    transformer = srv.engine.adapter.transformers()["transformer"]
+    rows: list[int] = []
+    forward = transformer.forward
+
+    def counting(*args, **kwargs):
+        rows.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0])
+        return forward(*args, **kwargs)
+
+    body = {
+        **BASE,
+        "guidance_scale": 4.0,
+        "seed": 3,
+        "num_outputs_per_prompt": 3,
+        "rollout_share_prefix": True,
+    }
+    transformer.forward = counting  # an instance attribute: what nn.Module.__call__ runs
+    try:
+        post(srv, body)
+    finally:
+        del transformer.forward
+    assert rows == [2] * K + [6] * (T - K)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"initial_noise_seed": None}, "initial_noise_seed"),
+        ({"rollout": False}, "rollout=true"),
+        ({"initial_noise_group_ids": ["a"]}, "initial_noise_group_ids"),
+        ({"feature_cache": {"kind": "taylorseer"}, "allow_inexact": True}, "feature_cache"),
+    ],
+)
+def test_share_prefix_refuses_groups_whose_rows_differ(served, change, needle):
+    from tests.family_helpers import assert_400_naming
+
+    body = {**BASE, "seed": 1, "num_outputs_per_prompt": 2, "rollout_share_prefix": True, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = served("sd3").generate(body, expect=400)
+    err = r.json()["error"]
+    assert "rollout_share_prefix" in err["message"] and needle in err["message"], err
+    assert_400_naming(
+        served("flux"), {**BASE, "seed": 1, "rollout_share_prefix": True}, "rollout_share_prefix"
+    )
+
+
+@pytest.mark.parametrize("family", ["sd3", "qwenimage"])
+def test_screen_then_regenerate_the_chosen_seeds_exactly(served, family):
+    """Screen 4 candidates inexactly (a feature cache), regenerate outputs 1 and 3 exactly by their seeds."""
+    from diffusion_rollout.client.regenerate import regenerate_body
+
+    srv = served(family)
+    screen_body = {
+        **BASE, "seed": 20, "num_outputs_per_prompt": 4, "denoise_seeds": ["a", "b", "c", "d"],
+        "feature_cache": {"kind": "taylorseer"}, "allow_inexact": True,
+    }  # fmt: skip
+    screen = post(srv, screen_body)
+    assert not any(o["exact"] for o in screen)
+    body = regenerate_body(screen_body, screen, [1, 3])
+    assert body["seeds"] == [21, 23] and body["denoise_seeds"] == ["b", "d"] and "feature_cache" not in body
+    again = post(srv, body)
+    assert all(o["exact"] for o in again) and [o["seed"] for o in again] == [21, 23]
+
+    # The same random numbers as the candidates: x_T and every step's noise.
+    for o, i in zip(again, [1, 3], strict=True):
+        assert torch.equal(traj(o)[0], traj(screen[i])[0])
+        noises = o["rollout_debug_tensors"]["rollout_variance_noises"]
+        assert torch.equal(noises, screen[i]["rollout_debug_tensors"]["rollout_variance_noises"])
+        assert noises[K].abs().sum() > 0
+    # Bit-equal to a direct exact rollout of those seeds, written out by hand.
+    direct = post(srv, {
+        **BASE, "seed": 20, "seeds": [21, 23], "num_outputs_per_prompt": 2,
+        "denoise_seeds": ["b", "d"],
+    })  # fmt: skip
+    for o, d in zip(again, direct, strict=True):
+        assert torch.equal(o["generated_output"], d["generated_output"])
+        assert torch.equal(o["rollout_log_probs"], d["rollout_log_probs"])
+        assert torch.equal(traj(o), traj(d))
+
+
+def test_regenerate_body_validates_its_inputs():
+    from diffusion_rollout.client.regenerate import regenerate_body
+
+    answers = [{"seed": 5}, {"seed": 6}]
+    with pytest.raises(ValueError, match="not one of"):
+        regenerate_body({"prompt": "x"}, answers, [2])
+    with pytest.raises(ValueError, match="initial_noise"):
+        regenerate_body({"prompt": "x", "initial_noise": torch.zeros(2, 4)}, answers, [1])
+    body = regenerate_body({"prompt": "x", "initial_noise_group_ids": ["g", "h"]}, answers, [1])
+    assert body == {
+        "prompt": "x",
+        "initial_noise_group_ids": ["h"],
+        "seeds": [6],
+        "num_outputs_per_prompt": 1,
+    }
