@@ -207,3 +207,25 @@ def test_regenerate_body_validates_its_inputs():
         "seeds": [6],
         "num_outputs_per_prompt": 1,
     }
+
+
+@pytest.mark.parametrize(("family", "extra"), [CASES[1], CASES[3]], ids=["sd3-cfg", "qwenimage-truecfg"])
+def test_a_trainer_replays_a_shared_prefix_group_with_ratio_exactly_1(served, tiny_model_path, family, extra):
+    """The trainer's own transformer replays the window's steps (run at the group's batch): the
+    server's model outputs bit for bit and a ratio of exactly 1; the prefix steps are not trainable."""
+    from diffusion_rollout.client import RolloutClient, replay_steps
+    from tests.family_helpers import REPLAY
+    from tests.test_client_weights import trainer_transformer
+
+    srv = served(family)
+    c = RolloutClient("http://testserver", http_client=srv.client)
+    fields = {k: v for k, v in {**BASE, **extra, **REPLAY}.items() if k != "prompt"}
+    outs = c.generate("a red cat", seed=9, num_outputs_per_prompt=3, rollout_share_prefix=True, **fields)
+    assert [o.extra["shared_prefix_steps"] for o in outs] == [K] * 3
+    trainer = trainer_transformer(tiny_model_path(family)).requires_grad_(True)
+    steps = list(replay_steps(trainer, outs))
+    assert [s.step for s in steps] == [K, K + 1]
+    for s in steps:
+        server_v = torch.stack([o.rollout_debug_tensors["rollout_model_outputs"][s.step] for o in outs])
+        assert torch.equal(s.model_output.detach(), server_v)
+        assert torch.equal(s.ratio.detach(), torch.ones(3))
