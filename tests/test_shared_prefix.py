@@ -7,9 +7,10 @@ Qwen-Image, with and without guidance:
   batch 1 (a solo rollout's first k trajectory entries), then the group at batch G from that x_k
   with the remaining sigmas (``initial_noise`` = x_k, ``sigmas`` = the tail of the schedule): every
   output, trajectory entry, log-prob and the branch's model outputs.
-- It is not claimed equal to the unshared group: a transformer's rows at batch 1 and batch G differ
-  in their last bits on these models (the first test records that, so a change in torch that
-  makes them equal is noticed and the option could then become the default).
+- It is not claimed equal to the unshared group: a transformer's rows at batch 1 and batch 4 differ
+  in their last bits on these models (measured on the CPU, float32, all four cases below; not
+  asserted, since it is a property of the kernels, not of this feature). That the prefix really
+  ran narrowed is asserted by counting the transformer's rows.
 - Regenerating outputs 1 and 3 of a group by naming their seeds equals those outputs of a direct
   rollout of the same two seeds (a batch of 2); against the group of 4 it is equal in what does not
   depend on the batch (x_T, the step noise), not in the model's last bits.
@@ -90,8 +91,6 @@ def test_shared_prefix_group_is_prefix_at_batch_1_then_branch_at_batch_g(served,
         assert torch.equal(traj(o)[: K + 1], traj(solo)[: K + 1])
         assert torch.equal(o["rollout_log_probs"][:K], torch.zeros(K))
         assert o["sde_step_indices"] == [K, K + 1] and o["batch_size"] == 4
-    # Recorded for the record: at batch 4 the same prefix differs in its last bits (see docstring).
-    assert not torch.equal(traj(plain[0])[1], traj(solo)[1])
 
     # The branch: the group at batch 4 from x_k with the remaining sigmas, two stock calls in all.
     x_k = unpack(srv, traj(solo)[K])
