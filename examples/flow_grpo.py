@@ -147,6 +147,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="the window starts within the first N steps (default: half the steps)",
     )
+    g.add_argument(
+        "--share-prefix",
+        action="store_true",
+        help="rollout_share_prefix: each group's ODE steps before its window run once, then branch "
+        "(SD3, Qwen-Image; exact against a batch-1 prefix, not the unshared group's last bits: docs/api.md)",
+    )
     g.add_argument("--inner-epochs", type=int, default=1, help="optimizer steps per batch of rollouts")
     g.add_argument("--clip-range", type=float, default=1e-4)
     g.add_argument("--adv-clip-max", type=float, default=5.0)
@@ -411,6 +417,8 @@ def run(
     # Sent only when set, so the families that take no such field are asked exactly as before.
     shared.update({k: v for k, v in (("true_cfg_scale", args.true_cfg_scale), ("negative_prompt", args.negative_prompt),
                                      ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
+    if args.share_prefix:
+        shared["rollout_share_prefix"] = True
     prompts = prompt_set(args.prompt_set)
 
     def iteration_jobs(it: int) -> list[dict[str, Any]]:
@@ -534,6 +542,7 @@ def run(
             record = iteration_record(
                 it, version, all_rewards, outputs, phases, t_iter,
                 sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
+                **({"shared_prefix_steps": outputs[0].extra.get("shared_prefix_steps")} if args.share_prefix else {}),
                 guidance=guidance_record(outputs[0]),
                 advantages=[float(a) for q in seen for a in q["advantages"].flatten()],
                 **({"server_span": server_span} if server_span else {}), **extra,

@@ -69,6 +69,20 @@ def test_flow_grpo_on_policy_ratio_verified_pushes_and_records(examples, tmp_pat
     assert written == run
 
 
+def test_flow_grpo_share_prefix_keeps_the_first_ratio_exactly_1(examples):
+    """--share-prefix: each group's ODE steps before its window run once; the trainer replays the
+    window's steps (run at the group's batch), so its first ratio is still exactly 1."""
+    run = examples("flow_grpo").main(
+        [*SMALL, "--share-prefix", "--sde-window", "1", "--sde-window-range", "3"]
+    )
+    history = run["history"]
+    for h in history:
+        assert h["first_ratio_max_dev"] == 0.0 and h["checksum_ok"] is True
+        assert h["shared_prefix_steps"] == h["sde_steps"][0]
+    # Some iteration's window starts after step 0, so something was shared (seeded windows).
+    assert max(h["shared_prefix_steps"] for h in history) > 0
+
+
 def test_flow_grpo_async_depth_trains_on_batches_at_most_one_push_stale(examples):
     """--async-depth 1: the next iteration's rollouts run while the trainer trains; staleness <= 1,
     |ratio - 1| exactly 0 on staleness-0 batches and above 0 on stale ones (so the check can fail)."""

@@ -123,6 +123,8 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(None, min_length=1, max_length=256)
     feature_cache: FeatureCacheRequest | None = None
     allow_inexact: bool = False
+    # Issue #60: the group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
+    rollout_share_prefix: bool = False
     lean_response: bool = False
     # Bounded staleness (ext): the weights must be at least this version (weight_versions.py).
     min_weight_version: Annotated[StrictStr, Field(min_length=1, max_length=256)] | StrictInt | None = Field(
@@ -316,6 +318,7 @@ class GenerateRequest(BaseModel):
             flow_shift=self.flow_shift,
             feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
             allow_inexact=self.allow_inexact,
+            share_prefix=self.rollout_share_prefix,
             image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
             image_data=image_data,
             min_weight_version=self.min_weight_version,

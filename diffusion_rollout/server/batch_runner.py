@@ -39,6 +39,7 @@ from diffusion_rollout.server.lanes import Lane, finish_before_sharing, on_lane_
 from diffusion_rollout.server.planner import Plan
 from diffusion_rollout.server.recorder import TransformerCallRecorder
 from diffusion_rollout.server.result_copy import HostCopier
+from diffusion_rollout.server.shared_prefix import narrowed_prefix, prefix_steps
 from diffusion_rollout.server.speed import feature_cache_applied
 from diffusion_rollout.server.worker import Job
 
@@ -169,6 +170,8 @@ class BatchRunner:
             )
             if watch and state is None:
                 kwargs["callback_on_step_end"] = recorder.on_step_end
+            # A shared-prefix request runs alone (its batch key), so its rows are one group.
+            shared = prefix_steps(settings, call.num_inference_steps) if p0.share_prefix and batch > 1 else 0
             cache = p0.feature_cache
             speed = self.engine.loaded.speed
             try:
@@ -182,12 +185,13 @@ class BatchRunner:
                     torch.compiler.set_stance("force_eager")
                     if first.eager and speed.compile
                     else contextlib.nullcontext(),
+                    # The recorder's hooks first: it records full batches, before the prefix narrows them.
+                    recorder.attach(a.transformers()) if watch else contextlib.nullcontext(),
+                    narrowed_prefix(a.transformers(), batch, shared, lambda: state.loop_index)
+                    if shared
+                    else contextlib.nullcontext(),
                 ):
-                    if watch:
-                        with recorder.attach(a.transformers()):
-                            output = pipe(**kwargs)
-                    else:
-                        output = pipe(**kwargs)
+                    output = pipe(**kwargs)
             except (RequestError, ContextParallelError):
                 raise
             except torch.cuda.OutOfMemoryError as exc:
@@ -213,6 +217,9 @@ class BatchRunner:
             encodings=encodings,
         )  # fmt: skip
         copier.finish()
+        if p0.share_prefix:
+            for r in results:
+                r.shared_prefix_steps, r.shared_prefix_outputs = shared, batch
         args = (jobs, plans, results, flags, copier, call, version, elapsed)
         try:
             self._results.submit(self._deliver, *args)

@@ -59,6 +59,8 @@ class GenerateParams:
     flow_shift: float | None = None
     feature_cache: FeatureCacheSettings | None = None
     allow_inexact: bool = False
+    # Run the ODE steps before the first stochastic step once for the group (server/shared_prefix.py).
+    share_prefix: bool = False
     # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
     image_path: list[str] | None = None
     image_data: list[bytes] | None = None
@@ -100,11 +102,16 @@ class SampleResult:
     # argument names (prompt_embeds, pooled_prompt_embeds, negative_..., masks), one row each
     # ([1, ...], the request's precomputed-conditioning form), answered as top-level fields.
     conditioning: dict[str, Any] | None = None
+    # With rollout_share_prefix: the leading ODE steps computed once for the request's
+    # ``shared_prefix_outputs`` outputs (server/shared_prefix.py); absent from answers otherwise.
+    shared_prefix_steps: int | None = None
+    shared_prefix_outputs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        if d["expert_per_step"] is None:
-            d.pop("expert_per_step")
+        for name in ("expert_per_step", "shared_prefix_steps", "shared_prefix_outputs"):
+            if d[name] is None:
+                d.pop(name)
         conditioning = d.pop("conditioning")
         if conditioning:
             d.update(conditioning)
