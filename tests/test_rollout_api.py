@@ -353,6 +353,9 @@ BAD_400 = [
     ({"num_outputs_per_prompt": 1000}, "max_outputs_per_request"),
     ({"sigmas": [1.0, 0.7, 0.4, 0.1], "flow_shift": 3.0}, "flow_shift"),
     ({"image_path": ["/etc/passwd"]}, "image_path"),
+    # Beyond the transformer's position table (tiny SD3: 32 patches a side, 256 px): the pipeline
+    # would raise inside the call, a 500; SGLang's OpenAI test asks 512x512 of whatever it serves.
+    ({"width": 512, "height": 512}, "pos_embed_max_size"),
 ]
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from diffusion_rollout.errors import RequestError
 from diffusion_rollout.server.families.base import CallSettings, FamilyAdapter
 
 
@@ -21,6 +22,22 @@ class SD3Adapter(FamilyAdapter):
     def default_size(self) -> tuple[int, int]:
         s = int(self.pipe.default_sample_size) * int(self.pipe.vae_scale_factor)
         return s, s
+
+    def validate(self, settings: CallSettings) -> None:
+        super().validate(settings)
+        # The transformer's position table covers pos_embed_max_size patches a side; larger images
+        # fail inside the pipeline (a 500), so they are refused here with the limit named.
+        most = getattr(self.pipe.transformer.config, "pos_embed_max_size", None)
+        if most:
+            limit = int(most) * self.spatial_factor()
+            for name in ("height", "width"):
+                v = getattr(settings, name)
+                if v > limit:
+                    raise RequestError(
+                        f"{name}={v} exceeds {limit}, the most this model's position table covers "
+                        f"(pos_embed_max_size {most} patches)",
+                        field=name,
+                    )
 
     def default_guidance(self) -> float:
         return 7.0
