@@ -417,36 +417,19 @@ def _load_image_processor(path: Path):
     raise ImportError(f"vlm_ocr_judge: no image processor for {path} in this transformers")
 
 
-def vlm_ocr_judge(
-    model: str | None = None,
-    max_new_tokens: int = 32,
-    batch_size: int = 32,
-    device: str | None = None,
-    dtype: str | None = None,
-    attn_implementation: str | None = None,
-    fixed_budget: int = 1,
-    offload: int | None = None,
-) -> Reward:
+def vlm_ocr_judge(model: str | None = None, **options: object) -> Reward:
     """The OCR judge (``VlmOcrJudge``): ``vlm_ocr_judge?model=/path/to/folder&max_new_tokens=32``
     (also ``batch_size``, ``device``, ``dtype`` such as ``bfloat16``, ``attn_implementation`` such as
     ``sdpa`` or ``flash_attention_2``, ``fixed_budget=0`` to let a real judge stop at its end token,
-    ``offload=0`` to keep the weights on the GPU between calls: on CUDA they wait in pinned host memory)."""
+    ``offload=0`` to keep the weights on the GPU between calls: on CUDA they wait in pinned host memory).
+    The options are :class:`VlmOcrJudge`'s; this factory only turns a missing ``model`` into a clear error."""
     if model is None:
         raise ValueError(
             "vlm_ocr_judge needs model=/path/to/folder: a Qwen3-VL-8B-Instruct (or other "
             "AutoModelForImageTextToText) folder, e.g. one written by "
             "benchmarks.judge_builders.save_vlm_judge"
         )
-    return VlmOcrJudge(
-        model,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        device=device,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        fixed_budget=fixed_budget,
-        offload=offload,
-    )
+    return VlmOcrJudge(model, **options)
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., Reward]] = {
