@@ -114,15 +114,42 @@ def test_a_buffer_is_reused_only_when_no_view_is_left():
     lease.writable()[:8] = b"ABCDEFGH"
     kept = lease.data[:8]  # something still looks at the bytes
     lease.release()
-    assert pool.stats.abandoned == 1 and pool.stats.kept_bytes == 0
+    assert pool.stats.deferred == 1 and pool.stats.kept_bytes == 0 and pool.stats.deferred_bytes > 0
     other = pool.lease(1000)
+    assert pool.stats.allocated == 2 and pool.stats.reused == 0  # the viewed buffer was not handed out
     other.writable()[:8] = b"ZZZZZZZZ"
     assert bytes(kept.numpy()) == b"ABCDEFGH"  # the held view was not overwritten
     del kept
     other.release()
-    assert pool.stats.kept_bytes > 0
+    # Both are free now: the deferred one was looked at again when ``other`` came back.
+    assert pool.stats.deferred_bytes == 0 and pool.stats.kept_bytes == 2 * (1 << 20)
     again = pool.lease(10)
-    assert pool.stats.reused == 1 and again.nbytes == 10
+    assert pool.stats.reused == 1 and again.nbytes == 10 and pool.stats.abandoned == 0
+
+
+def test_a_view_that_outlives_its_lease_briefly_does_not_cost_the_next_upload_a_buffer():
+    # The race the deferral is for: the thread that parsed the body drops its result a moment after
+    # the event loop released the lease.
+    pool = BufferPool()
+    lease = pool.lease(100)
+    late = lease.data[:4]
+    lease.release()
+    del late  # the worker thread lets go
+    nxt = pool.lease(100)
+    assert pool.stats.allocated == 1 and pool.stats.reused == 1 and pool.stats.deferred == 1
+    nxt.release()
+
+
+def test_a_buffer_viewed_for_good_is_let_go_at_the_bound():
+    pool = BufferPool(keep_bytes=3 * (1 << 20))
+    held = []
+    for _ in range(4):
+        lease = pool.lease(100)
+        held.append(lease.data[:4])
+        lease.release()
+    # Four deferred MiB buffers over a 3 MiB bound: the oldest was let go, the pool holds 3 MiB.
+    assert pool.stats.abandoned == 1 and pool.stats.deferred_bytes == 3 * (1 << 20)
+    assert pool.stats.kept_bytes == 0
 
 
 def test_finite_flags_catch_nan_and_both_infinities_in_every_float_dtype():

@@ -14,9 +14,13 @@ Design decisions:
   know makes one) is the only copy.
 - **A buffer goes back to the pool only when nothing else holds it.** Staged tensors, and anything
   a loader keeps from them, are views sharing the buffer's storage. :meth:`Lease.release` returns
-  the buffer only when the storage's use count is back to the pool's own references; otherwise the
-  buffer is left to whoever still holds it (freed with its last view) and the pool allocates anew.
-  A bug that keeps a view can cost memory, never corrupt weights.
+  the buffer only when the storage's use count is back to the pool's own references. A buffer still
+  viewed is *deferred*: it is looked at again at every later lease and release and joins the free
+  list once its last view is gone. That matters because a view can outlive the lease by
+  microseconds: a worker thread that ran the parse still holds its finished job (and so the
+  result) until its loop drops it, which races the event loop's ``release()``. Deferred buffers
+  count against ``keep_bytes`` and are dropped first when over it (``abandoned``), so a view that
+  lives on for good costs memory only until the bound, and never corrupts weights.
 - The header is checked completely (``safetensors_layout.parse_header``: known dtypes, offsets
   inside the body, sizes equal to shape x element size, no overlaps) before any view is made; a
   malformed body is a :class:`WeightUpdateError` (400) naming the problem.
@@ -85,7 +89,9 @@ class PoolStats:
     allocated: int = 0  # buffers created
     reused: int = 0  # leases served from kept buffers
     kept_bytes: int = 0  # bytes of free buffers held now
-    abandoned: int = 0  # buffers not reused because a view outlived the lease
+    deferred: int = 0  # releases that found a view still alive (the buffer is looked at again later)
+    deferred_bytes: int = 0  # bytes of deferred buffers held now
+    abandoned: int = 0  # deferred buffers let go while still viewed (over keep_bytes)
 
 
 @dataclass
@@ -98,9 +104,12 @@ class BufferPool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     stats: PoolStats = field(default_factory=PoolStats)
 
+    _held: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # deferred (buffer, baseline)
+
     def lease(self, nbytes: int) -> Lease:
         """A buffer of at least ``nbytes``: the smallest kept one that fits, else a new one."""
         with self._lock:
+            self._reclaim()
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buffer = min(fits, key=lambda b: b.numel())
@@ -115,24 +124,48 @@ class BufferPool:
         return Lease(self, buffer, nbytes)
 
     def _give_back(self, buffer: torch.Tensor, baseline: int | None) -> None:
-        now = _use_count(buffer.untyped_storage())
-        if baseline is None or now is None or now > baseline:
-            with self._lock:
-                self.stats.abandoned += 1
-            return
+        if baseline is None or _use_count(buffer.untyped_storage()) is None:
+            return  # no use count in this torch: never reuse (slower, still correct)
         with self._lock:
+            self._held.append((buffer, baseline))
+            self.stats.deferred_bytes += buffer.numel()
+            if not self._reclaim(buffer):
+                self.stats.deferred += 1
+            self._bound()
+
+    def _reclaim(self, just: torch.Tensor | None = None) -> bool:
+        """Move every deferred buffer with no view left to the free list (under the lock); whether
+        ``just`` was among them."""
+        moved = False
+        still: list[tuple[torch.Tensor, int]] = []
+        for buffer, baseline in self._held:
+            if (_use_count(buffer.untyped_storage()) or 0) > baseline:
+                still.append((buffer, baseline))
+                continue
             self._free.append(buffer)
+            self.stats.deferred_bytes -= buffer.numel()
             self.stats.kept_bytes += buffer.numel()
-            # Over the bound: drop the smallest first (the large ones are the expensive ones to redo).
-            while self.stats.kept_bytes > self.keep_bytes and self._free:
-                smallest = min(self._free, key=lambda b: b.numel())
-                self._free = [b for b in self._free if b is not smallest]
-                self.stats.kept_bytes -= smallest.numel()
+            moved = moved or buffer is just
+        self._held = still
+        return moved
+
+    def _bound(self) -> None:
+        """Over ``keep_bytes``: let go of deferred buffers first (they may be viewed for good), then
+        the smallest free ones (the large ones are the expensive ones to redo)."""
+        while self.stats.kept_bytes + self.stats.deferred_bytes > self.keep_bytes and self._held:
+            buffer, _ = self._held.pop(0)
+            self.stats.deferred_bytes -= buffer.numel()
+            self.stats.abandoned += 1
+        while self.stats.kept_bytes > self.keep_bytes and self._free:
+            smallest = min(self._free, key=lambda b: b.numel())
+            self._free = [b for b in self._free if b is not smallest]
+            self.stats.kept_bytes -= smallest.numel()
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
-            self.stats.kept_bytes = 0
+            self._held.clear()
+            self.stats.kept_bytes = self.stats.deferred_bytes = 0
 
 
 def unpooled(data: bytes | bytearray | memoryview) -> Lease:
