@@ -369,3 +369,119 @@ def test_openai_images_generations_as_sglang_refit_test_calls_it(served):
     assert bad.status_code == 400 and "b64_json" in bad.json()["error"]["message"]
     bad = srv.client.post("/v1/images/generations", json={**body, "size": "big"})
     assert bad.status_code == 400 and "size" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("family", ["flux2-klein", "qwenimage"])
+def test_sglang_refit_checksums_default_modules_and_repo_id(
+    fresh_server, tiny_model_path, tmp_path, family, monkeypatch
+):
+    """What SGLang's current refit test (``test_update_weights_from_disk.py`` at commit 2a5b6808,
+    its FLUX.2 klein and Qwen-Image pairs) sends and checks: it resets the server by posting the
+    served model's Hub repo id as ``model_path`` (SGLang resolves it like ``maybe_download_model``),
+    refits a folder whose transformer and vae differ with no ``target_modules`` (SGLang's
+    ``WeightsUpdater`` then updates every module), and compares ``/get_weights_checksum``'s
+    ``transformer`` with SHA-256 over the folder's file tensors (sorted names, name then raw bytes).
+    Qwen-Image's text encoder is saved under transformers' file names (``model.layers...``), which
+    a default refit must read as the module names them. A repo id that is in no cache stays a 400."""
+    import hashlib
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def disk_checksum(folder) -> str:
+        h = hashlib.sha256()
+        tensors: dict = {}
+        for f in sorted((folder / "transformer").glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        for name in sorted(tensors):
+            h.update(name.encode())
+            h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return h.hexdigest()
+
+    srv = fresh_server(family)
+    base = tiny_model_path(family)
+    repo = "tiny-org/base-model"
+    snap = tmp_path / "hub" / "models--tiny-org--base-model" / "snapshots" / ("0" * 40)
+    shutil.copytree(base, snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at import, so patched
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    for module in ("transformer", "vae"):
+        for f in (other / module).glob("*.safetensors"):
+            save_file(
+                {k: v + 0.01 if v.is_floating_point() else v for k, v in load_file(str(f)).items()}, str(f)
+            )
+
+    def update(body: dict) -> tuple[dict, int]:
+        r = srv.client.post("/update_weights_from_disk", json=body)
+        return r.json(), r.status_code
+
+    def checksums() -> dict:
+        return srv.client.post("/get_weights_checksum", json={}).json()
+
+    before = checksums()
+    assert before["transformer"] == disk_checksum(base)
+    result, status = update({"model_path": str(other), "flush_cache": True})
+    assert status == 200 and result["success"], result
+    after = checksums()
+    assert after["transformer"] == disk_checksum(other)
+    assert after["vae"] != before["vae"]
+    encoders = [m for m in before if m.startswith("text_encoder")]
+    assert encoders and all(after[m] == before[m] for m in encoders)  # the same files, read by their names
+
+    result, status = update({"model_path": repo, "flush_cache": True})
+    assert status == 200 and result["success"], result
+    assert checksums() == before
+    result, status = update({"model_path": "tiny-org/not-cached", "flush_cache": True})
+    assert status == 400 and result["success"] is False
+    result, status = update({"model_path": str(other), "target_modules": ["all"]})
+    assert status == 200 and checksums()["vae"] == after["vae"]
+
+
+def test_port_listens_before_uvicorns_startup_line(monkeypatch):
+    """SGLang's fixture takes uvicorn's "Application startup complete." as ready and sends its
+    first request at once; uvicorn prints that line before it binds the port. The server listens
+    before the app's start-up runs, so that request is never refused."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from diffusion_rollout.entrypoints.http_server import DrainingServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen: dict = {}
+
+    async def app(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return
+        await receive()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # refused if not yet listening
+            seen["connected"] = True
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    class Engine:
+        def begin_shutdown(self) -> None:
+            pass
+
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on"), Engine())
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await task
+
+    asyncio.run(run())
+    assert seen.get("connected") and server.started
