@@ -201,9 +201,9 @@ def test_a_reward_in_a_config_is_code_spelled_out_and_logged_once(examples, tmp_
     config = tmp_path / "run.yaml"
     config.write_text(f"reward: {plugin}:make?scale=2\n")
     args = flow_grpo.parse_args(["--config", str(config)])
-    with caplog.at_level(logging.INFO, logger="examples.rewards"):
+    with caplog.at_level(logging.INFO, logger="diffusion_rollout.rewards"):
         rewards.load_reward(args.reward)
-    [line] = [r.getMessage() for r in caplog.records if r.name == "examples.rewards"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "diffusion_rollout.rewards"]
     assert line == (
         f"reward {args.reward!r}: imported {plugin}:make from {plugin} and called with {{'scale': 2}}; "
         "it runs in this process as this user (a reward spec is code)"
