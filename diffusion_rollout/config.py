@@ -143,6 +143,29 @@ class ServerConfig(BaseModel):
     max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")
 
+    # Rewards scored on the server (server/reward_runner.py)
+    reward: list[str] = Field(
+        default_factory=list,
+        description="NAME=SPEC, repeatable: a reward the server scores when a request names it in "
+        "'rewards' (SPEC as the recipes' --reward: a built-in such as jpeg_compressibility, "
+        "clip:/folder, vlm_judge?model=/folder, http://host/path, module:callable); loaded at start, "
+        "and a reward that fails to load stops the server; in DIFFUSION_ROLLOUT_REWARD, separate with ';'",
+    )
+    reward_gpus: str | None = Field(
+        None,
+        description="CUDA devices for the reward models, comma-separated indices (e.g. 1 or 1,2: the "
+        "rewards are placed on them in turn); unset = the rollout device",
+    )
+    reward_timeout_s: float = Field(
+        600.0, gt=0, description="longest one reward may take for one request before its outputs are marked failed"
+    )
+    reward_batch_size: int = Field(
+        64,
+        ge=1,
+        description="most samples one reward call scores, taken from every request waiting for that "
+        "reward; halved for that reward whenever a call runs out of GPU memory",
+    )
+
     # Input images (image-conditioned families)
     image_path_root: str | None = Field(
         None, description="folder image_path may read from (subfolders too); unset refuses image_path"
@@ -283,6 +306,35 @@ class ServerConfig(BaseModel):
     cache_dir: str = Field(
         default_factory=lambda: str(default_cache_dir()), description="folder for the generated demo model"
     )
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_list(cls, value: object) -> object:
+        if isinstance(value, str):  # the environment variable: one string, ';' between rewards
+            value = [v for v in value.split(";") if v.strip()]
+        if isinstance(value, list) and value:
+            from diffusion_rollout.rewards import parse_named_reward
+
+            names = [parse_named_reward(str(v))[0] for v in value]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"reward: the name(s) {twice} are given more than once")
+        return value
+
+    @field_validator("reward_gpus")
+    @classmethod
+    def _reward_gpus(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
+            raise ValueError(f"reward_gpus={value!r}: expected CUDA device indices separated by commas (e.g. 1,2)")
+        return value
+
+    def reward_specs(self) -> dict[str, str]:
+        """The configured rewards, ``{NAME: SPEC}`` in the order given."""
+        if not self.reward:
+            return {}
+        from diffusion_rollout.rewards import parse_named_reward
+
+        return dict(parse_named_reward(v) for v in self.reward)
 
     @field_validator("warmup_shapes")
     @classmethod

@@ -123,6 +123,11 @@ class RolloutOutput:
     batch_id: str | None = None
     batch_index: int | None = None
     batch_size: int | None = None
+    # With ``rewards`` asked for (serve --reward): {name: value, None when failed}, why each failed
+    # one failed, and a reward's own outputs (a judge's reading).
+    rewards: dict[str, float | None] | None = None
+    reward_errors: dict[str, str] | None = None
+    reward_extras: dict[str, Any] | None = None
     replay_settings: ReplaySettings = field(default_factory=ReplaySettings)
     extra: dict[str, Any] = field(default_factory=dict)
 

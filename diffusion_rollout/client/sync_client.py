@@ -240,6 +240,9 @@ class RolloutClient(_ClientBase):
         output_dtype: str | None = None,
         return_generated_output: bool | None = None,
         max_sequence_length: int | None = None,
+        rewards: Sequence[str] | None = None,
+        reward_metadata: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        return_output: bool | None = None,
         server: int | None = None,
         timeout: float | httpx.Timeout | None = None,
         **extra_fields: Any,
@@ -250,6 +253,9 @@ class RolloutClient(_ClientBase):
         default applies). ``prompt_embeds`` and friends (one prompt's row, the server's dtype) replace
         the prompt text, which is then optional, a label; such a body travels as msgpack. ``extra_fields`` are sent as they are (the server rejects unknown names
         with 422). ``server`` pins the request to one of several servers (default: round-robin).
+        ``rewards`` names rewards the server scores (``serve --reward``): each output's
+        ``rewards`` holds them, ``None`` for a failed one (``reward_errors`` says why); with
+        ``return_output=False`` no pixels travel.
         """
         args = dict(locals())
         fields = {k: v for k, v in args.items() if k not in _NOT_FIELDS}

@@ -45,6 +45,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
             )
             continue
+        if typing.get_origin(field.annotation) is list:  # repeatable (serve --reward A=... --reward B=...)
+            parser.add_argument(flag, dest=name, action="append", default=None, help=field.description)
+            continue
         typ, choices = _arg_type(field.annotation)
         parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
 

@@ -126,6 +126,12 @@ class GenerateRequest(BaseModel):
     # Issue #60: the group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
     rollout_share_prefix: bool = False
     lean_response: bool = False
+    # Rewards scored on the server (ext, server/reward_runner.py): names given to serve --reward.
+    rewards: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=16)] | None = None
+    # One object per prompt (a list prompt: one per prompt, in order), given to rewards that take it.
+    reward_metadata: dict[str, Any] | list[dict[str, Any]] | None = None
+    # False (ext): the answer carries no generated output (the rewards are still scored on it).
+    return_output: bool = True
     # Bounded staleness (ext): the weights must be at least this version (weight_versions.py).
     min_weight_version: Annotated[StrictStr, Field(min_length=1, max_length=256)] | StrictInt | None = Field(
         None,
@@ -147,6 +153,7 @@ class GenerateRequest(BaseModel):
 
     # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
     # Fields no dialect list names (a peer's own key such as Relax's ``_task``, or a typo).
     _unknown_fields: list[str] = PrivateAttr(default_factory=list)
 
@@ -241,6 +248,13 @@ class GenerateRequest(BaseModel):
             noise_rows = [noise[j * k : (j + 1) * k] for j in range(len(self.prompt))]
         else:
             noise_rows = [noise] * len(self.prompt)
+        meta = self.reward_metadata
+        if isinstance(meta, list) and len(meta) != len(self.prompt):
+            raise RequestError(
+                f"reward_metadata has {len(meta)} entries for {len(self.prompt)} prompts: send one object "
+                "per prompt, in order (or one object for all)",
+                field="reward_metadata",
+            )
         groups = []
         for j, text in enumerate(self.prompt):
             seeds = part("seeds", self.seeds, j)
@@ -255,6 +269,7 @@ class GenerateRequest(BaseModel):
                         "initial_noise_group_ids", self.initial_noise_group_ids, j
                     ),
                     "initial_noise": noise_rows[j],
+                    "reward_metadata": meta[j] if isinstance(meta, list) else meta,
                 }
             )
             groups.append(sub.to_params(request_id))
@@ -323,8 +338,38 @@ class GenerateRequest(BaseModel):
             image_data=image_data,
             min_weight_version=self.min_weight_version,
             min_weight_version_wait=self.min_weight_version_wait,
+            rewards=self._rewards(),
+            reward_metadata=self._reward_metadata(),
+            return_output=self.return_output,
             request_id=request_id,
         )
+
+    def _rewards(self) -> tuple[str, ...]:
+        names = tuple(self.rewards or ())
+        if len(set(names)) != len(names):
+            raise RequestError(f"rewards: a name is given twice in {list(names)}", field="rewards")
+        if names and not self.return_generated_output:
+            raise RequestError(
+                "rewards are scored on the decoded output, and return_generated_output=false asks for "
+                "latents instead; send return_output=false to leave the pixels out of the answer",
+                field="return_generated_output",
+            )
+        return names
+
+    def _reward_metadata(self) -> dict[str, Any] | None:
+        meta = self.reward_metadata
+        if meta is None:
+            return None
+        if not self.rewards:
+            raise RequestError("reward_metadata is given, but no rewards are asked for", field="reward_metadata")
+        if isinstance(meta, dict):
+            return meta
+        if len(meta) != 1:
+            raise RequestError(
+                f"reward_metadata has {len(meta)} entries for one prompt: send one object",
+                field="reward_metadata",
+            )
+        return meta[0]
 
 
 def _keys(values: list[str | int] | None) -> list[str] | None:

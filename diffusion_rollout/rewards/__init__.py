@@ -4,7 +4,7 @@ recipes (scored in the trainer) and ``serve --reward`` (scored on the server).""
 from diffusion_rollout.rewards.calling import Scores, call_reward, is_groupwise, score, takes_metadata
 from diffusion_rollout.rewards.ocr import OCR_PROMPTS, levenshtein, ocr_similarity, ocr_target
 from diffusion_rollout.rewards.simple import Reward, brightness, jpeg_compressibility, jpeg_incompressibility
-from diffusion_rollout.rewards.spec import BUILTIN_REWARDS, load_reward
+from diffusion_rollout.rewards.spec import BUILTIN_REWARDS, load_reward, parse_named_reward
 from diffusion_rollout.rewards.vlm_judge import VlmOcrJudge, vlm_ocr_judge
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "load_reward",
     "ocr_similarity",
     "ocr_target",
+    "parse_named_reward",
     "score",
     "takes_metadata",
     "vlm_ocr_judge",

@@ -73,12 +73,17 @@ def score(
     images: torch.Tensor,
     prompts: Sequence[str],
     metadata: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    reraise: tuple[type[BaseException], ...] = (),
 ) -> Scores:
     """Call ``reward`` once on all of ``images``: a raise fails every sample (with its reason), a
-    non-finite value fails its sample."""
+    non-finite value fails its sample. Exceptions of the ``reraise`` types propagate (the server
+    retries a call that ran out of GPU memory in halves)."""
     n = images.shape[0]
     try:
         values = call_reward(reward, images, prompts, metadata)
+    except reraise:
+        raise
     except Exception as exc:  # a reward is user code: its failure is reported, never fatal
         return Scores.failed(n, f"raised {type(exc).__name__}: {exc}")
     extras = getattr(reward, "last_extras", None)

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qsl
@@ -59,12 +60,16 @@ def _import_object(target: str) -> tuple[object, str]:
         raise ValueError(f"reward {target!r}: {where} has no attribute {attr!r}") from None
 
 
-def load_reward(spec: str) -> Reward:
-    """The reward a ``--reward`` spec names (see the module docstring)."""
+def load_reward(spec: str, *, device: str | None = None) -> Reward:
+    """The reward a ``--reward`` spec names (see the module docstring). ``device`` (the server's
+    placement) is passed to a factory that takes one, unless the spec sets ``device`` itself."""
     name, _, query = spec.partition("?")
     kwargs = {k: _coerce(v) for k, v in parse_qsl(query, strict_parsing=bool(query))}
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name](**kwargs)
+        factory = BUILTIN_REWARDS[name]
+        if device is not None and "device" not in kwargs and _accepts(factory, "device"):
+            kwargs["device"] = device
+        return factory(**kwargs)
     obj, origin = _import_object(name)
     logger.info(
         "reward %r: imported %s from %s%s; it runs in this process as this user (a reward spec is code)",
@@ -79,9 +84,40 @@ def load_reward(spec: str) -> Reward:
     return obj
 
 
+def _accepts(obj: object, name: str) -> bool:
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _takes_no_arguments(obj: object) -> bool:
     try:
         params = inspect.signature(obj).parameters.values()
     except (TypeError, ValueError):
         return False
     return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD,) for p in params)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def parse_named_reward(arg: str) -> tuple[str, str]:
+    """``NAME=SPEC`` as ``(NAME, SPEC)``; a bare built-in (``jpeg_compressibility?quality=80``) is
+    named after itself. The ``=`` that names must come before any ``:``, ``?`` or ``/`` of the spec,
+    whose own query may hold ``=`` too."""
+    arg = arg.strip()
+    cut = min((i for i in (arg.find(c) for c in ":?/") if i >= 0), default=len(arg))
+    eq = arg.find("=")
+    if 0 <= eq < cut:
+        name, spec = arg[:eq], arg[eq + 1 :]
+    else:
+        name, spec = arg.partition("?")[0], arg
+        if name not in BUILTIN_REWARDS:
+            raise ValueError(f"reward {arg!r}: name it, NAME=SPEC (only a built-in name stands alone)")
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"reward {arg!r}: the name {name!r} must be 1-64 of letters, digits, '_', '.', '-'")
+    if not spec:
+        raise ValueError(f"reward {arg!r}: no spec after '{name}='")
+    return name, spec

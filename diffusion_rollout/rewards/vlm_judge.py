@@ -160,6 +160,7 @@ class VlmOcrJudge:
                 self._back_to_host()
         scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
         self.last_readings = readings
+        self.last_extras = [{"reading": r} for r in readings]  # travels with the score (rewards.score)
         self.tokens_generated = generated
         self.last_seconds = time.perf_counter() - start
         return torch.tensor(scores, dtype=torch.float32)

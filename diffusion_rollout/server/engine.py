@@ -65,6 +65,7 @@ from diffusion_rollout.server.metrics import Metrics
 from diffusion_rollout.server.params import GenerateParams, SampleResult
 from diffusion_rollout.server.planner import Plan, RequestPlanner
 from diffusion_rollout.server.prompt_cache import PromptCache
+from diffusion_rollout.server.reward_runner import RewardRunner
 from diffusion_rollout.server.speed import SUPPORTED_CACHES
 from diffusion_rollout.server.worker import Job, Worker
 from diffusion_rollout.weight_versions import VersionGate, VersionHistory
@@ -99,6 +100,8 @@ class Engine:
         self.compiled = CompiledStart()
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
+        # serve --reward: scored on this engine's outputs as they finish (server/reward_runner.py).
+        self.rewards = RewardRunner(config, self.device)
         # The worker side: batches of planned jobs -> pipeline calls -> answers (server/batch_runner.py).
         self.runner = BatchRunner(self)
         self.worker = Worker(
@@ -174,6 +177,8 @@ class Engine:
             dtype=self.dtype,
             num_train_timesteps=lambda: self.loaded.pipe.scheduler.config.num_train_timesteps,
         )
+        # With the model, before ready: a reward that cannot load fails the start (serve exits).
+        self.rewards.load()
         if self.config.context_parallel > 1 and self.context_parallel is None:
             # Imported here: a k = 1 engine never loads torch.distributed or spawns anything.
             from diffusion_rollout.server.context_parallel import start_for
@@ -213,6 +218,7 @@ class Engine:
         deadline = self.begin_shutdown(grace_s)
         self.worker.stop(max(0.0, deadline - time.monotonic()))
         self.runner.close()
+        self.rewards.close()
         if self.context_parallel is not None:
             self.context_parallel.stop()
         logger.info("engine stopped")
@@ -305,6 +311,7 @@ class Engine:
         outcome = "ok"
         try:
             self._check_ready()
+            self.rewards.check(params.rewards)
             plan = self.plan(params)
             if probe:
                 plan.as_probe()
@@ -318,7 +325,7 @@ class Engine:
             fut = self.worker.submit(plan.job(params.request_id))
             try:
                 remaining = max(0.0, t0 + timeout - time.monotonic())
-                return await asyncio.wait_for(asyncio.wrap_future(fut), remaining)
+                results = await asyncio.wait_for(asyncio.wrap_future(fut), remaining)
             except asyncio.TimeoutError:
                 dropped = fut.cancel()  # False once the batch runs: it cannot be interrupted
                 self.metrics.request_cancelled("timeout")
@@ -334,6 +341,12 @@ class Engine:
             except asyncio.CancelledError:
                 fut.cancel()
                 raise
+            # The worker is on the next batch already: scoring overlaps it (server/reward_runner.py).
+            await self.rewards.score(results, params, self.adapter.to_uint8)
+            if not params.return_output:
+                for r in results:
+                    r.generated_output = None
+            return results
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

@@ -69,6 +69,12 @@ class GenerateParams:
     # is false.
     min_weight_version: Any = None
     min_weight_version_wait: bool = True
+    # Rewards the server scores on the decoded outputs (server/reward_runner.py), by configured
+    # name, with this prompt's metadata (an OCR target text...); ``return_output=False`` answers
+    # without the generated output (the trainer needs only rewards, log-probs and latents).
+    rewards: tuple[str, ...] = ()
+    reward_metadata: dict[str, Any] | None = None
+    return_output: bool = True
     request_id: str = "-"
 
 
@@ -106,10 +112,18 @@ class SampleResult:
     # ``shared_prefix_outputs`` outputs (server/shared_prefix.py); absent from answers otherwise.
     shared_prefix_steps: int | None = None
     shared_prefix_outputs: int | None = None
+    # With ``rewards``: {name: value, or None when it failed}, why each failed one failed, and what
+    # a reward reported beside its value (a judge's reading); absent from answers otherwise.
+    rewards: dict[str, float | None] | None = None
+    reward_errors: dict[str, str] | None = None
+    reward_extras: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for name in ("expert_per_step", "shared_prefix_steps", "shared_prefix_outputs"):
+        for name in (
+            "expert_per_step", "shared_prefix_steps", "shared_prefix_outputs",
+            "rewards", "reward_errors", "reward_extras",
+        ):  # fmt: skip
             if d[name] is None:
                 d.pop(name)
         conditioning = d.pop("conditioning")

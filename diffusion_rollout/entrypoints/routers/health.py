@@ -176,8 +176,10 @@ async def server_info(request: Request) -> dict:
             "api_key_required": cfg.api_key is not None,
             "admin_key_required": True,
             "weight_upload_port": upload_port(request),
+            "rewards": list(cfg.reward_specs()),
             "uptime_s": time.time() - engine.started_at,
         }
+    runner = getattr(engine, "rewards", None)  # a cluster front's replicas score their own
     return {
         **engine.model_info(),
         **({"replicas": replicas} if replicas is not None else {}),
@@ -191,6 +193,7 @@ async def server_info(request: Request) -> dict:
         "api_key_required": cfg.api_key is not None,
         "admin_key_required": cfg.admin_key is not None,
         "weight_upload_port": upload_port(request),
+        "rewards": runner.info() if runner is not None else cfg.reward_specs(),
         "uptime_s": time.time() - engine.started_at,
     }
 

@@ -33,6 +33,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     wire_response,
 )
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.server.reward_runner import check_reward_names
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -72,6 +73,8 @@ async def _generate_groups(engine, groups: list, limit: int) -> list:
 async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
     refuse_unknown_fields(request, body)
+    if body.rewards:  # at the edge, so a cluster front refuses before any replica is asked
+        check_reward_names(body.rewards, list(request.app.state.config.reward_specs()))
     # SGLang's rid, when the client sets one, names the request (POST /abort_request takes it).
     # A list prompt is one group per prompt (SGLang's in-process form): the groups run as requests
     # of their own, under the one request id, and answer in prompt order.
