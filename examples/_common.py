@@ -183,7 +183,16 @@ def base_parser(description: str, *, reporting: bool = True) -> argparse.Argumen
     g.add_argument("--height", type=int, default=None)
     g.add_argument("--frames", type=int, default=None, help="num_frames (video models)")
     g.add_argument(
-        "--reward", default="jpeg_compressibility", help="a reward of rewards.py or module:callable"
+        "--reward",
+        default="jpeg_compressibility",
+        help="a reward of rewards.py or module:callable (NAME=SPEC names it for --reward-on server)",
+    )
+    g.add_argument(
+        "--reward-on",
+        choices=["trainer", "server"],
+        default="trainer",
+        help="score in this process (trainer) or on the rollout server (server: a server started here "
+        "gets --reward NAME=SPEC; one at --url must serve NAME), where no pixels need to travel",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", help="write the run (per-iteration records and summary) as JSON here")
@@ -294,8 +303,68 @@ class Server:
     model_path: Path
 
 
+def recipe_reward(args: argparse.Namespace) -> tuple[str, str]:
+    """``--reward`` as (NAME, SPEC): ``NAME=SPEC``, a built-in named after itself, else ``reward``."""
+    from diffusion_rollout.rewards import parse_named_reward
+
+    try:
+        return parse_named_reward(args.reward)
+    except ValueError:
+        return "reward", args.reward
+
+
+def server_rewards(args: argparse.Namespace) -> list[str]:
+    """The ``serve --reward`` values for a server started here."""
+    if getattr(args, "reward_on", "trainer") != "server":
+        return []
+    name, spec = recipe_reward(args)
+    return [f"{name}={spec}"]
+
+
+class RecipeReward:
+    """``--reward`` scored where ``--reward-on`` says: the same callable in this process, or on
+    the server (the request names it, and no pixels travel unless ``--log-to`` shows them)."""
+
+    def __init__(self, args: argparse.Namespace, client: Any) -> None:
+        from diffusion_rollout.rewards import load_reward
+
+        self.name, spec = recipe_reward(args)
+        self.on_server = args.reward_on == "server"
+        self.keep_pixels = bool(getattr(args, "log_to", None))
+        if not self.on_server:
+            self.fn = load_reward(spec)
+            return
+        if client is None:
+            raise SystemExit("--reward-on server needs a rollout server (not --layout in-process)")
+        served = client.server_info().get("rewards") or []
+        if self.name not in served:
+            raise SystemExit(
+                f"--reward-on server: the server at {client.urls[0]} does not serve a reward named "
+                f"{self.name!r} (it serves {list(served) or 'none'}); start it with --reward {self.name}=SPEC"
+            )
+
+    def request_fields(self) -> dict[str, Any]:
+        if not self.on_server:
+            return {}
+        return {"rewards": [self.name], **({} if self.keep_pixels else {"return_output": False})}
+
+    def __call__(self, outputs: Sequence[RolloutOutput]) -> torch.Tensor:
+        if not self.on_server:
+            return self.fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+        values = []
+        for i, o in enumerate(outputs):
+            value = (o.rewards or {}).get(self.name)
+            if value is None:  # a missing reward cannot be trained on: stop, naming why
+                why = (o.reward_errors or {}).get(self.name, "the answer has no such reward")
+                raise RuntimeError(f"the server's reward {self.name!r} failed for output {i} ({o.prompt!r}): {why}")
+            values.append(value)
+        return torch.tensor(values, dtype=torch.float32)
+
+
 @contextlib.contextmanager
-def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: int) -> Iterator[None]:
+def _thread_server(
+    model_path: Path, port: int, admin_key: str, max_batch_size: int, rewards: Sequence[str] = ()
+) -> Iterator[None]:
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.entrypoints.http_server import make_server
@@ -303,6 +372,7 @@ def _thread_server(model_path: Path, port: int, admin_key: str, max_batch_size: 
     config = ServerConfig(
         model=str(model_path), device="cpu", dtype="float32", host="127.0.0.1", port=port,
         admin_key=admin_key, max_batch_size=max_batch_size, log_level="warning", shutdown_grace_s=5.0,
+        reward=list(rewards),
     )  # fmt: skip
     server = make_server(create_app(config), config)
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
@@ -336,7 +406,7 @@ def server_visible_devices(gpus: Sequence[int], visible: str | None) -> str:
 @contextlib.contextmanager
 def _subprocess_server(
     model_path: Path, port: int, admin_key: str, max_batch_size: int, gpus: list[int] | None,
-    replicas: int | None, dtype: str, extra: str,
+    replicas: int | None, dtype: str, extra: str, rewards: Sequence[str] = (),
 ) -> Iterator[None]:  # fmt: skip
     device = "cpu" if gpus is None else "cuda"
     if dtype == "auto":
@@ -346,6 +416,7 @@ def _subprocess_server(
         "--device", device, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
         "--max-batch-size", str(max_batch_size), "--log-level", "warning", "--shutdown-grace-s", "5",
         *(["--replicas", str(replicas)] if replicas and replicas > 1 else []), *extra.split(),
+        *(a for r in rewards for a in ("--reward", r)),
     ]  # fmt: skip
     # The key travels in the environment, not on the command line (where `ps` would show it).
     env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": admin_key}
@@ -421,11 +492,12 @@ def _start_rollout_server(args: argparse.Namespace, family: str) -> Iterator[Ser
                 raise SystemExit(
                     "--server thread is one float32 CPU server: use --server subprocess for a GPU or replicas"
                 )
-            start = _thread_server(model_path, port, admin_key, args.group_size)
+            start = _thread_server(model_path, port, admin_key, args.group_size, server_rewards(args))
         else:
             start = _subprocess_server(
-                model_path, port, admin_key, args.group_size, gpus, replicas, args.dtype, args.server_args
-            )
+                model_path, port, admin_key, args.group_size, gpus, replicas, args.dtype, args.server_args,
+                server_rewards(args),
+            )  # fmt: skip
         with start:
             yield Server(f"http://127.0.0.1:{port}", admin_key, model_path)
 

@@ -51,6 +51,7 @@ from _common import (
     PROMPTS,
     Checkpoint,
     Phases,
+    RecipeReward,
     add_lora,
     base_parser,
     client_timeout,
@@ -62,7 +63,6 @@ from _common import (
     summarize,
     trainer_device,
     trainer_dtype,
-    uint8_images,
     wait_ready,
     write_run,
 )
@@ -70,7 +70,6 @@ from _config import parse_with_config
 from _ranks import Ranks
 from _recovery import Recovery, on_main, server_holds_lora
 from _report import Report
-from rewards import load_reward
 
 from diffusion_rollout.client import (
     RolloutClient,
@@ -200,7 +199,7 @@ def run(
     device = trainer_device(args, ranks)
     dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
-    reward_fn = load_reward(args.reward)
+    reward_fn = RecipeReward(args, client)
     transformer = load_trainer_transformer(
         model_path, device=device, dtype=dtype, gradient_checkpointing=args.gradient_checkpointing
     )
@@ -274,6 +273,7 @@ def run(
                     rollout_return_step_indices=sorted({parity_step, parity_step + 1, args.steps}),
                     rollout_return_denoising_env=True, rollout_debug_mode=False, output_dtype="uint8",
                     generator_device="cuda" if device.type == "cuda" else "cpu",
+                    **reward_fn.request_fields(),
             )  # fmt: skip
             with phases("rollout"):  # only a batch made under the pushed version is trained on
                 groups = recovery.rollouts(
@@ -289,7 +289,7 @@ def run(
                     f"rollouts came from { ({o.weight_version for o in outputs}) }, expected {version!r}"
                 )
             with phases("reward"):
-                rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+                rewards = reward_fn(outputs)
                 adv = group_advantages(rewards, args.group_size)
                 seen = ranks.gather({"rewards": rewards, "adv_max": float(adv.abs().max())})
                 # The scale is the whole iteration's largest |advantage|, as in a 1-rank run.

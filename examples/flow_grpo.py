@@ -71,6 +71,7 @@ from _common import (
     PROMPTS,
     Checkpoint,
     Phases,
+    RecipeReward,
     add_lora,
     base_parser,
     client_timeout,
@@ -84,7 +85,6 @@ from _common import (
     summarize,
     trainer_device,
     trainer_dtype,
-    uint8_images,
     wait_ready,
     write_run,
 )
@@ -94,7 +94,6 @@ from _in_process import in_process_sampler
 from _ranks import Ranks
 from _recovery import Recovery, on_main, server_holds_lora
 from _report import Report
-from rewards import load_reward
 
 from diffusion_rollout.client import (
     ReplayBatch,
@@ -340,8 +339,8 @@ def run(
     device = trainer_device(args, ranks)
     dtype = trainer_dtype(args, device)
     torch.manual_seed(args.seed)
-    reward_fn = load_reward(args.reward)
     in_process = client is None
+    reward_fn = RecipeReward(args, client)
     full = None
     if args.full_finetune:
         # A thread server shares this process, where a second group of the same name cannot be made.
@@ -419,6 +418,7 @@ def run(
                                      ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
     if args.share_prefix:
         shared["rollout_share_prefix"] = True
+    shared.update(reward_fn.request_fields())  # --reward-on server: the server scores, no pixels travel
     prompts = prompt_set(args.prompt_set)
 
     def iteration_jobs(it: int) -> list[dict[str, Any]]:
@@ -472,6 +472,8 @@ def run(
             phases = Phases(device)
             t_iter = time.perf_counter()
             staleness, server_span, regenerated = None, None, False
+            # Answer bytes received this iteration (with --async-depth: whatever arrived meanwhile).
+            received = 0 if in_process else client.received_answer_bytes
             with phases("rollout"):
                 if stream is not None:
                     batch = next_batch(it)
@@ -512,11 +514,12 @@ def run(
                         client.release_memory_occupation()
                     ranks.barrier()
             with phases("reward"):
-                rewards = reward_fn(uint8_images(outputs), [o.prompt for o in outputs]).float()
+                rewards = reward_fn(outputs)
                 adv = group_advantages(rewards, args.group_size).view(len(groups), args.group_size)
                 seen = ranks.gather(
                     {"rewards": rewards, "advantages": adv, "version": versions.pop(), "regenerated": regenerated,
-                     "server_peak": server_peak_gb(outputs)}
+                     "server_peak": server_peak_gb(outputs),
+                     "answer_bytes": 0 if in_process else client.received_answer_bytes - received}
                 )  # fmt: skip
             with phases("train"):
                 stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness, ranks)
@@ -543,7 +546,7 @@ def run(
                 it, version, all_rewards, outputs, phases, t_iter,
                 sde_steps=outputs[0].sde_step_indices, **stats, checksum_ok=checksum_ok,
                 **({"shared_prefix_steps": outputs[0].extra.get("shared_prefix_steps")} if args.share_prefix else {}),
-                guidance=guidance_record(outputs[0]),
+                guidance=guidance_record(outputs[0]), answer_bytes=sum(q["answer_bytes"] for q in seen),
                 advantages=[float(a) for q in seen for a in q["advantages"].flatten()],
                 **({"server_span": server_span} if server_span else {}), **extra,
                 images=len(all_rewards), server_peak=max((q["server_peak"] for q in seen if q["server_peak"] is not None), default=None),

@@ -147,6 +147,37 @@ def test_flow_grpo_reward_plugin_gets_the_served_images_and_prompts(examples, tm
     assert run["summary"]["checksums_ok"] and run["summary"]["first_ratio_max_dev"] == 0.0
 
 
+def test_flow_grpo_reward_on_server_trains_on_the_same_values_without_the_pixels(examples, tmp_path):
+    # The same plug-in scored in the trainer and on the server (serve --reward): the runs are the
+    # same run, and the server's answers are smaller by the images.
+    flow_grpo = examples("flow_grpo")
+    plugin = tmp_path / "myreward.py"
+    plugin.write_text("def score(images, prompts):\n    return images.float().mean(dim=(1, 2, 3))\n")
+    spec = f"mine={plugin}:score"
+    trainer = flow_grpo.main([*SMALL, "--reward", spec])
+    server = flow_grpo.main([*SMALL, "--reward", spec, "--reward-on", "server"])
+    for t, s in zip(trainer["history"], server["history"], strict=True):
+        assert s["rewards"] == t["rewards"] and s["advantages"] == t["advantages"]
+        assert s["first_ratio_max_dev"] == 0.0
+        # The uint8 images, and per output a tensor envelope less a rewards field (under 200 bytes).
+        images = 2 * 4 * 3 * 32 * 32
+        assert images <= t["answer_bytes"] - s["answer_bytes"] < images + 8 * 200
+    assert server["final_adapter_checksum"] == trainer["final_adapter_checksum"]
+
+
+def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, served):
+    from diffusion_rollout.client import RolloutClient
+    from tests.reliability_helpers import live_server
+
+    common = examples("_common")
+    args = types.SimpleNamespace(reward="ocr=vlm_ocr_judge", reward_on="server", log_to=[])
+    with live_server(served("sd3")) as (url, _), RolloutClient(url) as client:
+        with pytest.raises(SystemExit, match=r"does not serve a reward named 'ocr' .*--reward ocr=SPEC"):
+            common.RecipeReward(args, client)
+    with pytest.raises(SystemExit, match="needs a rollout server"):
+        common.RecipeReward(args, None)
+
+
 def test_dance_grpo_replays_exactly(examples):
     run = examples("flow_grpo").main([*SMALL, "--step-kind", "dance"])
     for h in run["history"]:

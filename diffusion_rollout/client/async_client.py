@@ -200,6 +200,7 @@ class AsyncRolloutClient(_ClientBase):
             finally:
                 await resp.aclose()
             body = answer.body(resp.headers, body)
+            self._count_answer(body)
             media = resp.headers.get("content-type", wire.MSGPACK)
             # Decoding a large trajectory is CPU work: keep it off the event loop.
             return await asyncio.to_thread(_wire_outputs, body, media, settings)

@@ -178,8 +178,15 @@ class _ClientBase:
         self.extra_headers = dict(headers or {})
         self._rr = itertools.count()
         self._rr_lock = threading.Lock()
+        # Bytes of rollout answers received (socket or same-host segment): what a trainer weighs
+        # when it decides whether pixels should travel (serve --reward, return_output=false).
+        self.received_answer_bytes = 0
         # Main URL -> its direct upload URL (None: it has none), as last advertised.
         self._upload_urls: dict[str, str | None] = {}
+
+    def _count_answer(self, body: bytes | memoryview) -> None:
+        with self._rr_lock:
+            self.received_answer_bytes += len(body)
 
     @property
     def url(self) -> str:

@@ -278,6 +278,7 @@ class RolloutClient(_ClientBase):
             finally:
                 resp.close()
             body = answer.body(resp.headers, body)
+            self._count_answer(body)
             return _wire_outputs(body, resp.headers.get("content-type", wire.MSGPACK), settings)
 
     def generate_many(
