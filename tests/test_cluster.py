@@ -55,7 +55,8 @@ def cluster(tiny_model_path):
     engine = None
     try:
         config = ServerConfig(
-            model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=2, gpus_per_replica=0
+            model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=2, gpus_per_replica=0,
+            reward=["jpeg=jpeg_compressibility"],
         )
         engine = ClusterEngine(config)
         engine.start()
@@ -192,6 +193,22 @@ def test_a_replica_runs_pipeline_lanes(cluster, tiny_model_path):
     for a, b in zip(one, two, strict=True):
         for x, y in zip(a, b, strict=True):
             assert_same_output(y, x)
+
+
+def test_replicas_score_rewards_on_their_own(cluster):
+    from diffusion_rollout.rewards import jpeg_compressibility
+
+    assert not hasattr(cluster.engine, "rewards")  # the front loads none: each replica scores its own
+    assert cluster.client.get("/server_info").json()["rewards"] == {"jpeg": "jpeg_compressibility"}
+    body = {**BODY, "num_outputs_per_prompt": 2, "output_dtype": "uint8", "rewards": ["jpeg"]}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: generate(cluster.client, {**body, "seed": 100 + i}), range(4)))
+    for outs in answers:
+        images = torch.stack([o["generated_output"] for o in outs])
+        expected = jpeg_compressibility()(images, [BODY["prompt"]] * 2)
+        assert torch.equal(torch.tensor([o["rewards"]["jpeg"] for o in outs]), expected)
+    bad = cluster.client.post("/rollout/generate", json={**body, "rewards": ["nope"]})
+    assert bad.status_code == 400 and "rewards" in bad.json()["error"]["message"]
 
 
 def test_full_update_fans_out_all_or_nothing(cluster, served):
