@@ -343,6 +343,13 @@ class RecipeReward:
                 f"{self.name!r} (it serves {list(served) or 'none'}); start it with --reward {self.name}=SPEC"
             )
 
+    def server_record(self, client: Any) -> dict[str, Any] | None:
+        """The server's account of the reward (calls, seconds, device, memory held), for the run record."""
+        if not self.on_server:
+            return None
+        rewards = client.server_info(admin=client.admin_key is not None).get("rewards")
+        return rewards.get(self.name) if isinstance(rewards, dict) else None
+
     def request_fields(self) -> dict[str, Any]:
         if not self.on_server:
             return {}

@@ -171,9 +171,9 @@ def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, serv
 
     common = examples("_common")
     args = types.SimpleNamespace(reward="ocr=vlm_ocr_judge", reward_on="server", log_to=[])
-    with live_server(served("sd3")) as (url, _), RolloutClient(url) as client:
-        with pytest.raises(SystemExit, match=r"does not serve a reward named 'ocr' .*--reward ocr=SPEC"):
-            common.RecipeReward(args, client)
+    refused = pytest.raises(SystemExit, match=r"does not serve a reward named 'ocr' .*--reward ocr=SPEC")
+    with live_server(served("sd3")) as (url, _), RolloutClient(url) as client, refused:
+        common.RecipeReward(args, client)
     with pytest.raises(SystemExit, match="needs a rollout server"):
         common.RecipeReward(args, None)
 

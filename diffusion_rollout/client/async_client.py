@@ -169,8 +169,8 @@ class AsyncRolloutClient(_ClientBase):
     async def model_info(self, *, server: int = 0) -> dict[str, Any]:
         return await self._one(_info_call("/model_info"), server)
 
-    async def server_info(self, *, server: int = 0) -> dict[str, Any]:
-        return await self._one(_info_call("/server_info"), server)
+    async def server_info(self, *, server: int = 0, admin: bool = False) -> dict[str, Any]:
+        return await self._one(_info_call("/server_info", admin=admin), server)
 
     async def list_models(self, *, server: int = 0) -> dict[str, Any]:
         return await self._one(_info_call("/v1/models"), server)

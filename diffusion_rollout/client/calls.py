@@ -112,9 +112,10 @@ def _optional_list(values: Sequence[Any] | None) -> list[Any] | None:
 
 
 # ---------------------------------------------------------------------------- reads and switches
-def _info_call(path: str, decode: Literal["json", "text"] = "json") -> _Call:
-    """An unauthenticated, idempotent ``GET`` (health, info, models, metrics)."""
-    return _Call("GET", path, "none", "idempotent", decode=decode)
+def _info_call(path: str, decode: Literal["json", "text"] = "json", *, admin: bool = False) -> _Call:
+    """An idempotent ``GET`` (health, info, models, metrics); unauthenticated unless ``admin`` (then
+    with the admin key, for the answer's full form)."""
+    return _Call("GET", path, "admin" if admin else "none", "idempotent", decode=decode)
 
 
 def _ready_call() -> _Call:

@@ -185,9 +185,10 @@ class RolloutClient(_ClientBase):
         """``GET /model_info``: model path, family, dtype, device, ``weight_version``."""
         return self._one(_info_call("/model_info"), server)
 
-    def server_info(self, *, server: int = 0) -> dict[str, Any]:
-        """``GET /server_info``: model info plus versions, limits and queue state."""
-        return self._one(_info_call("/server_info"), server)
+    def server_info(self, *, server: int = 0, admin: bool = False) -> dict[str, Any]:
+        """``GET /server_info``: model info plus versions, limits and queue state; with ``admin``
+        (the admin key), the full form: paths, library versions, speed, each reward's account."""
+        return self._one(_info_call("/server_info", admin=admin), server)
 
     def list_models(self, *, server: int = 0) -> dict[str, Any]:
         """``GET /v1/models``."""

@@ -67,6 +67,7 @@ class RewardLane:
         self.groupwise = is_groupwise(reward)
         self.calls = 0
         self.seconds = 0.0
+        self.resident_bytes: int | None = None
         self._queue: deque[_Item] = deque()
         self._cv = threading.Condition()
         self._stopped = False
@@ -203,13 +204,16 @@ class RewardRunner:
                 continue
             device = self.placement(index)
             t0 = time.perf_counter()
+            before = _allocated(device)
             try:
                 reward = load_reward(spec, device=device)
             except Exception as exc:
                 raise ServiceUnavailableError(
                     f"reward {name!r} ({spec}) failed to load: {type(exc).__name__}: {exc}", field="reward"
                 ) from exc
-            self.lanes[name] = RewardLane(name, spec, reward, device, self.config.reward_batch_size)
+            self.lanes[name] = lane = RewardLane(name, spec, reward, device, self.config.reward_batch_size)
+            # What the reward holds on its GPU once loaded (a judge that offloads holds ~0).
+            lane.resident_bytes = None if before is None else _allocated(device) - before
             logger.info(
                 "reward %r loaded from %s on %s in %.1f s", name, spec, device, time.perf_counter() - t0
             )
@@ -225,7 +229,8 @@ class RewardRunner:
     def info(self) -> dict[str, Any]:
         return {
             name: {"spec": lane.spec, "device": lane.device, "batch_size": lane.batch_size,
-                   "groupwise": lane.groupwise, "calls": lane.calls, "seconds": round(lane.seconds, 3)}
+                   "groupwise": lane.groupwise, "calls": lane.calls, "seconds": round(lane.seconds, 3),
+                   "resident_bytes": lane.resident_bytes}
             for name, lane in self.lanes.items()
         }  # fmt: skip
 
@@ -273,6 +278,12 @@ class RewardRunner:
                     extras[name] = s.extras[row]
             r.reward_errors = errors or None
             r.reward_extras = extras or None
+
+
+def _allocated(device: str | None) -> int | None:
+    if device is None or not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_allocated(device))
 
 
 def check_reward_names(names: tuple[str, ...] | list[str], configured: list[str]) -> None:
