@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,19 @@ _PEER_QWEN = ["--steps", "10", "--size", "512", "--group-size", "16", "--lora-ra
               "--max-sequence-length", "256", "--noise-level", "1.2", "--sde-window", "2", "--sde-window-range", "6",
               "--prompt-set", "ocr", "--gradient-checkpointing", "--iterations", "4",
               "--reward", f"vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32"]  # fmt: skip
+
+
+# Issue #59's placement rows: Flow-GRPO on SD3.5-medium, 4 prompts x 16 at 512², 10 steps, CFG 4.5, the
+# trainer and the server colocated on one GPU, the reward scored in the trainer or on the server. The
+# "free" reward (brightness, scored on the server) is the iteration with nothing to score; the scorers
+# are random-weight architectures built beside the model: CLIP ViT-H/14 (PickScore's) and Qwen3-VL-8B
+# reading 32 tokens per image, its weights resident on the GPU (offload=0) in both places.
+_REWARD_SD35 = ["--steps", "10", "--size", "512", "--prompts", "4", "--group-size", "16", "--lora-rank", "32",
+                "--lr", "1e-3", "--guidance-scale", "4.5", "--iterations", "8"]  # fmt: skip
+_CLIP = ["--reward", "pickscore=clip:{work}/models/clip-large"]
+_VLM = ["--prompt-set", "ocr",
+        "--reward", f"ocr=vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32&offload=0"]  # fmt: skip
+_ON_SERVER = ["--reward-on", "server"]
 
 
 def _without_cfg(args: list[str]) -> list[str]:
@@ -261,6 +275,17 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
             "--release-memory",
         ],
     ),
+    "reward-free-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, "--reward", "brightness", *_ON_SERVER]),
+    "reward-clip-trainer": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_CLIP]),
+    "reward-clip-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_CLIP, *_ON_SERVER]),
+    "reward-vlm-trainer": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_VLM]),
+    "reward-vlm-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_VLM, *_ON_SERVER]),
+    # The placement rows at CPU size (tiny SD3, tiny CLIP), run by the suite's smoke test.
+    "tiny-reward-server": (
+        "tiny-sd3",
+        "flow_grpo",
+        [*_TINY, "--iterations", "2", "--reward", "pickscore=clip:{work}/models/clip-tiny?device=cpu", *_ON_SERVER],
+    ),
     # The same path at CPU size: a tiny Qwen-Image and a tiny judge, two ranks.
     "tiny-peer-qwen-image": (
         "tiny-qwenimage",
@@ -309,13 +334,15 @@ RANKS: dict[str, int] = {
 def model_folder(name: str, work: Path) -> Path:
     """The saved diffusers folder of ``name`` (built here on first use, in a process of its own)."""
     path = work / "models" / name
-    if (path / ("config.json" if name.startswith("judge-") else "model_index.json")).exists():
+    if (path / ("config.json" if name.startswith(("judge-", "clip-")) else "model_index.json")).exists():
         return path
     code = (
         "import sys, torch; from pathlib import Path\n"
         "name, path = sys.argv[1], Path(sys.argv[2])\n"
         "if name.startswith('judge-'):\n"
         "    from benchmarks.judge_builders import save_vlm_judge; print(save_vlm_judge(path, name[6:]))\n"
+        "elif name.startswith('clip-'):\n"
+        "    from benchmarks.judge_builders import save_clip_scorer; print(save_clip_scorer(path, name[5:]))\n"
         "elif name.startswith('tiny-'):\n"
         "    from diffusion_rollout.models import save_tiny_model; save_tiny_model(name[5:], path)\n"
         "else:\n"
@@ -332,9 +359,10 @@ def model_folder(name: str, work: Path) -> Path:
 def run_one(name: str, args: argparse.Namespace, deadline: float) -> int:
     model, recipe, extra = RUNS[name]
     path = model_folder(model, args.work)
+    # The reward models a run names ({work}/models/judge-..., clip-...), built beside the model.
+    for reward_model in sorted({m for a in extra for m in re.findall(r"\{work\}/models/([\w.-]+)", a)}):
+        model_folder(reward_model, args.work)
     extra = [a.replace("{work}", str(args.work)) for a in extra]
-    for judge in {a.split("model=")[1].split("&")[0] for a in extra if "vlm_ocr_judge?model=" in a}:
-        model_folder(Path(judge).name, args.work)  # the reward's judge, built beside the model
     out = Path(args.out) / f"{name}.json"
     launch = [sys.executable]
     if RANKS.get(name, 1) > 1:
