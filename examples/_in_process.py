@@ -61,9 +61,11 @@ class InProcessSampler:
         width: int, height: int, guidance_scale: float, rollout_sde_type: str = "sde",
         rollout_noise_level: float = 0.7, rollout_sde_step_indices: Sequence[int] | None = None,
         rollout_return_step_indices: Sequence[int] | None = None, initial_noise_seed: int | None = None,
-        generator_device: str = "cuda", **_: Any,
+        generator_device: str = "cuda", rollout_ode_solver: str = "euler", rollout_outside_window_stride: int = 1,
+        **_: Any,
     ) -> list[RolloutOutput]:  # fmt: skip
         from diffusion_rollout.scheduler_mixins import RolloutSettings, RolloutState, rollout_context
+        from diffusion_rollout.scheduler_mixins.outside_window import coarse_settings
 
         pipe, n = self.pipe, num_outputs_per_prompt
         gen_device = generator_device if self.device.type == "cuda" else "cpu"
@@ -84,7 +86,10 @@ class InProcessSampler:
             eta=rollout_noise_level,
             sde_step_indices=rollout_sde_step_indices,
             return_step_indices=rollout_return_step_indices,
+            ode_solver=rollout_ode_solver,
         )
+        # The server's rule for a coarse outside (scheduler_mixins/outside_window.py), the same function.
+        settings = coarse_settings(settings, num_inference_steps, rollout_outside_window_stride)
         state = RolloutState(settings, generators)
         rep = lambda t: None if t is None else t.repeat(n, *([1] * (t.ndim - 1)))  # noqa: E731
         with rollout_context(state):

@@ -152,6 +152,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="rollout_share_prefix: each group's ODE steps before its window run once, then branch "
         "(SD3, Qwen-Image; exact against a batch-1 prefix, not the unshared group's last bits: docs/api.md)",
     )
+    g.add_argument(
+        "--outside-window-stride",
+        type=int,
+        default=1,
+        help="rollout_outside_window_stride: outside the window keep every k-th sigma (fewer ODE steps)",
+    )
+    g.add_argument(
+        "--ode-solver",
+        choices=["euler", "dpm2m"],
+        default="euler",
+        help="rollout_ode_solver for the steps outside the window (dpm2m: DPM-Solver++(2M))",
+    )
     g.add_argument("--inner-epochs", type=int, default=1, help="optimizer steps per batch of rollouts")
     g.add_argument("--clip-range", type=float, default=1e-4)
     g.add_argument("--adv-clip-max", type=float, default=5.0)
@@ -418,6 +430,8 @@ def run(
                                      ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
     if args.share_prefix:
         shared["rollout_share_prefix"] = True
+    if args.outside_window_stride != 1 or args.ode_solver != "euler":  # fewer, cheaper ODE steps
+        shared.update(rollout_outside_window_stride=args.outside_window_stride, rollout_ode_solver=args.ode_solver)
     shared.update(reward_fn.request_fields())  # --reward-on server: the server scores, no pixels travel
     prompts = prompt_set(args.prompt_set)
 

@@ -125,6 +125,9 @@ class GenerateRequest(BaseModel):
     allow_inexact: bool = False
     # Issue #60: the group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
     rollout_share_prefix: bool = False
+    # Issue #60: cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
+    rollout_ode_solver: Literal["euler", "dpm2m"] = "euler"
+    rollout_outside_window_stride: int = Field(1, ge=1, le=64)
     lean_response: bool = False
     # Rewards scored on the server (ext, server/reward_runner.py): names given to serve --reward.
     rewards: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=16)] | None = None
@@ -295,6 +298,7 @@ class GenerateRequest(BaseModel):
             if self.rollout_return_step_indices is not None
             else None,
             debug=self.rollout_debug_mode,
+            ode_solver=self.rollout_ode_solver,
         )
         embeds = {name: getattr(self, name) for name in EMBEDDING_FIELDS if getattr(self, name) is not None}
         return GenerateParams(
@@ -334,6 +338,7 @@ class GenerateRequest(BaseModel):
             feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
             allow_inexact=self.allow_inexact,
             share_prefix=self.rollout_share_prefix,
+            outside_window_stride=self.rollout_outside_window_stride,
             image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
             image_data=image_data,
             min_weight_version=self.min_weight_version,

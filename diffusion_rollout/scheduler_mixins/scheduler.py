@@ -28,6 +28,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,6 +38,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
+from .outside_window import dpm2m_next
 from .state import RolloutState
 from .transition import transition
 
@@ -104,13 +106,31 @@ class RolloutSchedulerMixin:
         """Stock ``set_timesteps``, unless the bound state carries an exact schedule (then that one)."""
         state = _ACTIVE_STATE.get()
         if state is None or state.exact_sigmas is None:
-            return super().set_timesteps(
+            super().set_timesteps(
                 num_inference_steps=num_inference_steps,
                 device=device,
                 sigmas=sigmas,
                 mu=mu,
                 timesteps=timesteps,
             )
+        else:
+            self._set_exact_timesteps(state, device)
+        keep = None if state is None else state.settings.keep_sigma_indices
+        if keep is not None:
+            self._keep_sigmas(keep)
+
+    def _keep_sigmas(self, keep: tuple[int, ...]) -> None:
+        """Run on the kept sigmas only (``outside_window.py``): the values are the schedule's own."""
+        if keep[-1] != len(self.sigmas) - 1:
+            raise ValueError(
+                f"the request was planned for {keep[-1]} steps but the pipeline set {len(self.sigmas) - 1}"
+            )
+        rows = torch.tensor(keep, dtype=torch.long)
+        self.sigmas = self.sigmas[rows.to(self.sigmas.device)]
+        self.timesteps = self.timesteps[rows[:-1].to(self.timesteps.device)]
+        self.num_inference_steps = len(keep) - 1
+
+    def _set_exact_timesteps(self, state: RolloutState, device: str | torch.device | None) -> None:
         if getattr(self.config, "invert_sigmas", False):
             raise ValueError(
                 "exact sigmas are not supported with invert_sigmas=True: they would not be inverted"
@@ -199,6 +219,13 @@ class RolloutSchedulerMixin:
             noise=noise,
             log_prob_form=state.settings.log_prob_form,
         )
+        if kind != "ode":
+            state.ode_history = None  # an ODE run after the window starts afresh
+        elif state.settings.ode_solver == "dpm2m":
+            stored, mean, state.ode_history = dpm2m_next(
+                sample, model_output, sigma, sigma_next, state.ode_history
+            )
+            result = dataclasses.replace(result, next_sample=stored, mean=mean)
         state.record_step(
             timestep=timestep, sample=sample, model_output=model_output, result=result, noise=noise
         )

@@ -84,6 +84,9 @@ class RolloutSettings:
             all ``T+1``. Kept entries are stored in increasing index order.
         debug: also record noise, mean, std and model output per step (``rollout_debug_mode``).
         record: ``False`` for plain generation: the stock step runs and nothing is recorded.
+        ode_solver: the ODE steps' solver, ``"euler"`` (stock) or ``"dpm2m"`` (``outside_window.py``).
+        keep_sigma_indices: the full schedule's sigma indices the loop runs on (``outside_window.py``;
+            the step indices above are then of the kept schedule); ``None`` = all.
     """
 
     kind: str = "sde"
@@ -93,6 +96,8 @@ class RolloutSettings:
     return_step_indices: tuple[int, ...] | None = None
     debug: bool = False
     record: bool = True
+    ode_solver: str = "euler"
+    keep_sigma_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sde_step_indices", _as_index_tuple(self.sde_step_indices))
@@ -246,6 +251,8 @@ class RolloutState:
 
         self._loop_index = 0
         self._kept_position: dict[int, int] = {}
+        # dpm2m: (sigma, x0) of the current ODE run's last step; None at a run's start.
+        self.ode_history: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def loop_index(self) -> int:
@@ -283,6 +290,8 @@ class RolloutState:
             # Catches a state bound after the pipeline set its own schedule: the request's sigmas
             # would be silently ignored. One small comparison per call.
             wanted = torch.tensor([*self.exact_sigmas, 0.0], dtype=torch.float32)
+            if self.settings.keep_sigma_indices is not None:
+                wanted = wanted[list(self.settings.keep_sigma_indices)]
             if not torch.equal(scheduler_sigmas.detach().to("cpu", torch.float32), wanted):
                 raise RuntimeError(
                     "the scheduler is not running the state's exact sigmas: enter rollout_context(state) "

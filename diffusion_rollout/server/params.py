@@ -61,6 +61,8 @@ class GenerateParams:
     allow_inexact: bool = False
     # Run the ODE steps before the first stochastic step once for the group (server/shared_prefix.py).
     share_prefix: bool = False
+    # Keep every k-th sigma outside the SDE window (scheduler_mixins/outside_window.py).
+    outside_window_stride: int = 1
     # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
     image_path: list[str] | None = None
     image_data: list[bytes] | None = None

@@ -17,6 +17,7 @@ import torch
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigmas
+from diffusion_rollout.scheduler_mixins.outside_window import coarse_settings
 from diffusion_rollout.server import initial_noise, shared_prefix
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
@@ -201,6 +202,7 @@ class RequestPlanner:
 
         if p.rollout:
             p.settings.validate(steps)
+            self._outside_window(p, steps)
             size = self.response_tensor_bytes(p, call, n)
             if size > cfg.max_trajectory_bytes:
                 raise RequestError(
@@ -225,6 +227,25 @@ class RequestPlanner:
         if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
             p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
         return Plan(p, call, seeds, schedule, stock_sigmas, images)
+
+    def _outside_window(self, p: GenerateParams, steps: int) -> None:
+        """``rollout_outside_window_stride`` / ``rollout_ode_solver``: the settings of the kept
+        schedule (scheduler_mixins/outside_window.py), or a 400 naming what they cannot go with."""
+        stride, solver = p.outside_window_stride, p.settings.ode_solver
+        if stride == 1 and solver == "euler":
+            return
+        field = "rollout_outside_window_stride" if stride > 1 else "rollout_ode_solver"
+        a = self.adapter
+        why = (
+            "a family with several latent streams or experts" if a.streams or a.has_experts()
+            else "rollout_share_prefix" if p.share_prefix
+            else "denoise_seeds (their keys are loop steps, which the kept schedule renumbers)" if p.denoise_seeds
+            else "a context-parallel server" if self.config.context_parallel > 1
+            else None
+        )  # fmt: skip
+        if why is not None:
+            raise RequestError(f"{field} does not go with {why}", field=field)
+        p.settings = coarse_settings(p.settings, steps, stride)
 
     def _images(self, p: GenerateParams) -> tuple[ConditionImage, ...]:
         """The request's input images, decoded and validated, checked against the family."""
