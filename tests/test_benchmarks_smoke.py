@@ -593,3 +593,21 @@ def test_soak_reads_the_gpu_memory_the_metrics_report():
     assert soak.gpu_memory_mib(text) == {"gpu_allocated_mib": 3.0, "gpu_reserved_mib": 10.0}
     assert soak.gpu_memory_mib(Metrics().render(**state)) == {}  # on a CPU: no such series
     assert soak.slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0]) == 2.0 and soak.slope([1], [1.0]) is None
+
+
+def test_group_rollouts_dry_run_times_every_variant(tmp_path):
+    """The GPU command of ``group_rollouts`` at CPU size: one CLI server, every variant once, the
+    screen-then-regenerate round, the JSON written."""
+    from benchmarks import group_rollouts
+
+    out = tmp_path / "out"
+    argv = ["--cpu", "--screen", "6", "--out", str(out), "--work", str(tmp_path / "work")]
+    assert group_rollouts.main(argv) == 0
+    doc = json.loads((out / "group_rollouts.json").read_text())
+    rows = {r["variant"]: r for r in doc["results"]}
+    assert set(rows) == set(group_rollouts.VARIANTS)
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["plain"]["drift_max"] == 0.0
+    assert rows["stride2"]["steps_run"] < rows["plain"]["steps_run"]  # fewer loop steps
+    assert 0 < rows["share_prefix"]["formula_vs_plain"] < 1
+    [screen] = doc["screen"]
+    assert screen["seconds_per_kept"] > 0
