@@ -19,7 +19,7 @@ EXACTNESS_LABELS = {"first_ratio_max_dev": "|ratio-1|", "old_policy_max_dev": "o
 # Phases in the order an iteration runs them (others, a recipe's own, follow).
 # Seconds recorded inside another phase (flow_grpo's optimizer step is part of ``train``): in the
 # record and the summary, not on the progress line, whose phases add up to the iteration.
-SUB_PHASES = frozenset({"optimizer_s"})
+SUB_PHASES = frozenset({"optimizer_s", "screen_s"})  # parts of train_s and rollout_s
 PHASE_ORDER = ("rollout", "reward", "release", "train", "resume", "push")
 
 
@@ -51,7 +51,9 @@ def progress_line(
     """
     it = int(record["iteration"]) + 1
     phases = [
-        k.removesuffix("_s") for k in record if k.endswith("_s") and k != "iteration_s" and k not in SUB_PHASES
+        k.removesuffix("_s")
+        for k in record
+        if k.endswith("_s") and k != "iteration_s" and k not in SUB_PHASES
     ]
     phases.sort(key=lambda k: PHASE_ORDER.index(k) if k in PHASE_ORDER else len(PHASE_ORDER))
     label = EXACTNESS_LABELS.get(exactness_key, exactness_key)

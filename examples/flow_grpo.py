@@ -164,6 +164,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="euler",
         help="rollout_ode_solver for the steps outside the window (dpm2m: DPM-Solver++(2M))",
     )
+    g.add_argument(
+        "--screen",
+        type=int,
+        default=0,
+        help="screen K candidates per group cheaply, then regenerate the group's --group-size of them "
+        "exactly (half the highest rewards, half the lowest) and train on those (0: off)",
+    )
+    g.add_argument(
+        "--screen-cache",
+        choices=["taylorseer", "first_block", "mag", "none"],
+        default="taylorseer",
+        help="the screen's feature_cache on the same server (inexact, never trained on); none: full cost",
+    )
     g.add_argument("--inner-epochs", type=int, default=1, help="optimizer steps per batch of rollouts")
     g.add_argument("--clip-range", type=float, default=1e-4)
     g.add_argument("--adv-clip-max", type=float, default=5.0)
@@ -343,6 +356,39 @@ def server_adapter_checksum(client: RolloutClient, name: str = "default") -> str
     return listing.get("adapters", {}).get(name, {}).get("checksum")
 
 
+def extremes(scores: torch.Tensor, keep: int) -> list[int]:
+    """The ``keep`` candidates with the highest and lowest scores (the upper half rounded up), in
+    candidate order: a group whose rewards spread wide gives its advantages the most to say."""
+    order = scores.argsort(descending=True).tolist()
+    high = (keep + 1) // 2
+    return sorted(order[:high] + order[len(order) - (keep - high) :] if keep > high else order[:high])
+
+
+def screened_groups(
+    client: RolloutClient, jobs: list[dict[str, Any]], shared: dict[str, Any], args: argparse.Namespace,
+    reward_fn: Any, phases: Any,
+) -> list[list[Any]]:  # fmt: skip
+    """Screen then regenerate (issue #60, Sol-RL): ``--screen`` candidates per group made cheaply
+    (``--screen-cache``, no trajectory), scored, and the chosen ``--group-size`` regenerated exactly
+    (``client.regenerate.regenerate_body``: the same x_T and step noise, exact numbers)."""
+    from diffusion_rollout.client.regenerate import regenerate_body
+
+    screen = {"num_outputs_per_prompt": args.screen, "rollout_return_dit_trajectory": False,
+              "rollout_return_denoising_env": False, "rollout_return_step_indices": None}  # fmt: skip
+    if args.screen_cache != "none":
+        screen.update(feature_cache={"kind": args.screen_cache}, allow_inexact=True)
+    bodies = [{**shared, **job, **screen} for job in jobs]
+    with phases("screen"):
+        candidates = client.generate_many(bodies)
+        chosen = [extremes(reward_fn(c), args.group_size) for c in candidates]
+    keep = {k: shared[k] for k in ("rollout_return_dit_trajectory", "rollout_return_denoising_env")}
+    again = [
+        regenerate_body(b, c, ch, rollout_return_step_indices=job.get("rollout_return_step_indices"), **keep)
+        for b, c, ch, job in zip(bodies, candidates, chosen, jobs, strict=True)
+    ]
+    return client.generate_many(again)
+
+
 def run(
     client: RolloutClient | None, model_path, args: argparse.Namespace, out_path: str | None,
     ranks: Ranks | None = None,
@@ -353,6 +399,8 @@ def run(
     torch.manual_seed(args.seed)
     in_process = client is None
     reward_fn = RecipeReward(args, client)
+    if args.screen and (in_process or args.async_depth > 0 or args.screen < args.group_size):
+        raise SystemExit("--screen K needs the server layout, synchronous rollouts and K >= --group-size")
     full = None
     if args.full_finetune:
         # A thread server shares this process, where a second group of the same name cannot be made.
@@ -431,7 +479,9 @@ def run(
     if args.share_prefix:
         shared["rollout_share_prefix"] = True
     if args.outside_window_stride != 1 or args.ode_solver != "euler":  # fewer, cheaper ODE steps
-        shared.update(rollout_outside_window_stride=args.outside_window_stride, rollout_ode_solver=args.ode_solver)
+        shared.update(
+            rollout_outside_window_stride=args.outside_window_stride, rollout_ode_solver=args.ode_solver
+        )
     shared.update(reward_fn.request_fields())  # --reward-on server: the server scores, no pixels travel
     prompts = prompt_set(args.prompt_set)
 
@@ -505,13 +555,16 @@ def run(
                 elif in_process:
                     groups = sampler.generate_many(iteration_jobs(it), **shared)
                 else:  # only a batch made under the pushed version is trained on
-                    groups = recovery.rollouts(
-                        it,
-                        version,
-                        lambda i=it: client.generate_many(iteration_jobs(i), **shared),
-                        push,
-                        holds,
+                    make = (
+                        (
+                            lambda i=it, ph=phases: screened_groups(
+                                client, iteration_jobs(i), shared, args, reward_fn, ph
+                            )
+                        )
+                        if args.screen
+                        else (lambda i=it: client.generate_many(iteration_jobs(i), **shared))
                     )
+                    groups = recovery.rollouts(it, version, make, push, holds)
             outputs = [o for g in groups for o in g]
             versions = {o.weight_version for o in outputs}
             if stream is not None and len(versions) != 1:

@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Small: 2 groups of 4 images per iteration, 2 iterations (the recipe's defaults otherwise: 4 steps, 32x32).
@@ -176,6 +177,20 @@ def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, serv
         common.RecipeReward(args, client)
     with pytest.raises(SystemExit, match="needs a rollout server"):
         common.RecipeReward(args, None)
+
+
+def test_flow_grpo_screens_then_trains_on_exact_regenerations(examples):
+    # Sol-RL's screen: 8 cheap candidates per group (TaylorSeer, inexact), the 4 at the reward's two
+    # extremes regenerated exactly and trained on, the first-step ratio exactly 1.
+    flow_grpo = examples("flow_grpo")
+    run = flow_grpo.main([*SMALL, "--screen", "8", "--reward-on", "server"])
+    for h in run["history"]:
+        assert h["first_ratio_max_dev"] == 0.0 and h["checksum_ok"] is True
+        assert h["screen_s"] > 0 and len(h["rewards"]) == 2 * 4
+    assert flow_grpo.extremes(torch.tensor([0.5, 0.9, 0.1, 0.7, 0.3]), 3) == [1, 2, 3]
+    assert flow_grpo.extremes(torch.tensor([0.5, 0.9, 0.1, 0.7]), 4) == [0, 1, 2, 3]
+    with pytest.raises(SystemExit, match="--screen K needs"):
+        flow_grpo.main([*SMALL, "--screen", "2"])
 
 
 def test_dance_grpo_replays_exactly(examples):
