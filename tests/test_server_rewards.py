@@ -213,6 +213,28 @@ def test_the_client_returns_rewards(served_rewards):
     assert all(o.generated_output is None and o.rewards["jpeg"] < 0 for o in outs)
 
 
+def test_the_async_client_returns_rewards(served_rewards):
+    import asyncio
+
+    from diffusion_rollout.client import AsyncRolloutClient
+
+    async def go(url: str):
+        async with AsyncRolloutClient(url, timeout=60) as client:
+            return await client.generate_many(
+                ["a cat", "a dog"], rewards=["jpeg"], seed=3, num_inference_steps=2, output_dtype="uint8",
+                num_outputs_per_prompt=2,
+            )  # fmt: skip
+
+    with live_server(served_rewards) as (url, _):
+        answers = asyncio.run(go(url))
+    from diffusion_rollout.rewards import jpeg_compressibility
+
+    for outs in answers:
+        images = torch.stack([o.generated_output for o in outs])
+        expected = jpeg_compressibility()(images, [o.prompt for o in outs])
+        assert torch.equal(torch.tensor([o.rewards["jpeg"] for o in outs]), expected)
+
+
 def test_a_reward_lane_batches_waiting_requests_and_halves_on_out_of_memory():
     gate = threading.Event()
     sizes: list[int] = []
