@@ -166,14 +166,15 @@ def test_flow_grpo_reward_on_server_trains_on_the_same_values_without_the_pixels
     assert server["final_adapter_checksum"] == trainer["final_adapter_checksum"]
 
 
-def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, served):
+def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, fresh_server):
     from diffusion_rollout.client import RolloutClient
     from tests.reliability_helpers import live_server
 
     common = examples("_common")
     args = types.SimpleNamespace(reward="ocr=vlm_ocr_judge", reward_on="server", log_to=[])
     refused = pytest.raises(SystemExit, match=r"does not serve a reward named 'ocr' .*--reward ocr=SPEC")
-    with live_server(served("sd3")) as (url, _), RolloutClient(url) as client, refused:
+    # A private server: live_server drains its engine at the end (the shared one must live on).
+    with live_server(fresh_server("sd3")) as (url, _), RolloutClient(url) as client, refused:
         common.RecipeReward(args, client)
     with pytest.raises(SystemExit, match="needs a rollout server"):
         common.RecipeReward(args, None)

@@ -202,8 +202,10 @@ def test_metadata_per_prompt_and_group_wise_rewards(served_rewards):
         assert (means[0] > means[1]) == (group[0]["rewards"]["rank"] > group[1]["rewards"]["rank"])
 
 
-def test_the_client_returns_rewards(served_rewards):
-    with live_server(served_rewards) as (url, _), RolloutClient(url, timeout=60) as client:
+def test_the_client_returns_rewards(fresh_server, plugin):
+    # Private servers for the live (uvicorn) tests: live_server drains its engine at the end.
+    server = fresh_server("sd3", reward=["jpeg=jpeg_compressibility", f"meta={plugin}:text_length"])
+    with live_server(server) as (url, _), RolloutClient(url, timeout=60) as client:
         [outs] = client.generate_many(
             [{"prompt": "a cat", "reward_metadata": {"text": "four"}}],
             rewards=["jpeg", "meta"], return_output=False, num_outputs_per_prompt=2, seed=3,
@@ -213,7 +215,7 @@ def test_the_client_returns_rewards(served_rewards):
     assert all(o.generated_output is None and o.rewards["jpeg"] < 0 for o in outs)
 
 
-def test_the_async_client_returns_rewards(served_rewards):
+def test_the_async_client_returns_rewards(fresh_server):
     import asyncio
 
     from diffusion_rollout.client import AsyncRolloutClient
@@ -225,7 +227,7 @@ def test_the_async_client_returns_rewards(served_rewards):
                 num_outputs_per_prompt=2,
             )  # fmt: skip
 
-    with live_server(served_rewards) as (url, _):
+    with live_server(fresh_server("sd3", reward=["jpeg=jpeg_compressibility"])) as (url, _):
         answers = asyncio.run(go(url))
     from diffusion_rollout.rewards import jpeg_compressibility
 
