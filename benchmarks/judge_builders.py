@@ -408,6 +408,67 @@ def save_vlm_judge(
     )
 
 
+# A CLIP scorer's architecture: "large" is PickScore's CLIP ViT-H/14 (vision 1280 wide, 32 layers,
+# patch 14 at 224 px; text 1024 wide, 24 layers; projection 1024; about 986M parameters), "tiny" a
+# few-layer one for CPU tests. Random weights: time and memory real, scores meaningless.
+CLIP_SIZES = ("tiny", "large")
+
+
+def clip_config(size: str, tokenizer):
+    from transformers import CLIPConfig
+
+    if size == "large":
+        text = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                "vocab_size": 49408}  # fmt: skip
+        vision = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
+                  "image_size": 224, "patch_size": 14}  # fmt: skip
+        projection = 1024
+    elif size == "tiny":
+        text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "vocab_size": len(tokenizer)}  # fmt: skip
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "image_size": 32, "patch_size": 8}  # fmt: skip
+        projection = 16
+    else:
+        raise ValueError(f"size {size!r}: expected one of {CLIP_SIZES}")
+    # The text model pools at the end-of-text token: the offline tokenizer's own ids.
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    text.update(max_position_embeddings=77, hidden_act="gelu", **ids)
+    vision.update(hidden_act="gelu")
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection)
+
+
+def save_clip_scorer(
+    path: str | Path,
+    size: str = "large",
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    seed: int = 0,
+) -> str:
+    """Write a random-weight CLIP scorer folder (model, tokenizer, image processor) at ``path``, in
+    float32 for "tiny" and bfloat16 for "large" unless ``dtype`` says otherwise; returns the path."""
+    from transformers import CLIPImageProcessor, CLIPModel
+
+    from diffusion_rollout.models.tokenizers import make_clip_tokenizer
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_clip_tokenizer()
+    config = clip_config(size, tokenizer)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
+    model = build_module(lambda: CLIPModel(config), device, dtype, seed)
+    model.save_pretrained(str(out))
+    del model
+    side = config.vision_config.image_size
+    CLIPImageProcessor(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    ).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import dataclasses

@@ -321,6 +321,21 @@ def test_train_recipes_builds_the_judge_for_the_peer_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_recipes_scores_on_the_server_with_a_clip_built_beside_the_model(tmp_path):
+    """Issue #59's placement run at CPU size: a tiny CLIP folder built under ``--work`` and served by
+    ``serve --reward pickscore=clip:...``, the recipe asking for it by name, no pixels travelling."""
+    from benchmarks import train_recipes
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert train_recipes.main(["--out", str(out), "--work", str(work), "tiny-reward-server"]) == 0
+    assert (work / "models" / "clip-tiny" / "config.json").exists()
+    run = json.loads((out / "tiny-reward-server.json").read_text())
+    assert run["args"]["reward_on"] == "server" and run["server_reward"]["calls"] >= 2
+    for h in run["history"]:
+        assert h["first_ratio_max_dev"] == 0.0 and len(h["rewards"]) == 8
+
+
+@pytest.mark.slow
 def test_replica_push_dry_run_pushes_through_both_paths(tmp_path):
     """The GPU command of ``replica_push`` on CPU replicas: the CLI server with two Ray replicas,
     verified pushes through the replicas' own ports and through the object store."""

@@ -82,9 +82,17 @@ BODY = {
 }
 
 
-def test_server_rewards_equal_the_trainers_bit_for_bit(fresh_server, plugin, judge_dir):
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from benchmarks.judge_builders import save_clip_scorer
+
+    return save_clip_scorer(tmp_path_factory.mktemp("clip"), "tiny")
+
+
+def test_server_rewards_equal_the_trainers_bit_for_bit(fresh_server, plugin, judge_dir, clip_dir):
     judge = f"vlm_ocr_judge?model={judge_dir}&device=cpu&max_new_tokens=4"
     specs = {
+        "pick": f"clip:{clip_dir}",
         "jpeg": "jpeg_compressibility",
         "bright": "brightness?target=0.3",
         "ocr": judge,

@@ -14,10 +14,12 @@ import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urldefrag
 
+from diffusion_rollout.rewards.clip_score import clip_score
+from diffusion_rollout.rewards.http_reward import HttpReward
 from diffusion_rollout.rewards.simple import Reward, brightness, jpeg_compressibility, jpeg_incompressibility
-from diffusion_rollout.rewards.vlm_judge import vlm_ocr_judge
+from diffusion_rollout.rewards.vlm_judge import vlm_judge, vlm_ocr_judge
 
 logger = logging.getLogger("diffusion_rollout.rewards")
 
@@ -26,6 +28,8 @@ BUILTIN_REWARDS: dict[str, Callable[..., Reward]] = {
     "jpeg_incompressibility": jpeg_incompressibility,
     "brightness": brightness,
     "vlm_ocr_judge": vlm_ocr_judge,
+    "vlm_judge": vlm_judge,
+    "clip_score": clip_score,
 }
 
 
@@ -63,8 +67,16 @@ def _import_object(target: str) -> tuple[object, str]:
 def load_reward(spec: str, *, device: str | None = None) -> Reward:
     """The reward a ``--reward`` spec names (see the module docstring). ``device`` (the server's
     placement) is passed to a factory that takes one, unless the spec sets ``device`` itself."""
+    if spec.startswith(("http://", "https://")):
+        # The whole spec is the service's URL; the reward's options ride in its fragment.
+        url, fragment = urldefrag(spec)
+        options = {k: _coerce(v) for k, v in parse_qsl(fragment, strict_parsing=bool(fragment))}
+        logger.info("reward %r: scored by the service at %s with %s", spec, url, options or "the defaults")
+        return HttpReward(url, **options)
     name, _, query = spec.partition("?")
     kwargs = {k: _coerce(v) for k, v in parse_qsl(query, strict_parsing=bool(query))}
+    if name.startswith("clip:"):  # clip:FOLDER[?options]
+        name, kwargs = "clip_score", {"model": name[len("clip:") :], **kwargs}
     if name in BUILTIN_REWARDS:
         factory = BUILTIN_REWARDS[name]
         if device is not None and "device" not in kwargs and _accepts(factory, "device"):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from diffusion_rollout.rewards.ocr import ocr_similarity, ocr_target
+from diffusion_rollout.rewards.http_reward import target_text
+from diffusion_rollout.rewards.ocr import ocr_similarity
 from diffusion_rollout.rewards.simple import Reward, _frames
 
 
@@ -43,9 +45,16 @@ class VlmOcrJudge:
         attn_implementation: str | None = None,
         fixed_budget: int = 1,
         offload: int | None = None,
+        template: str | None = None,
+        rule: str = "ocr",
     ) -> None:
         from transformers import AutoModelForImageTextToText
 
+        if rule not in ("ocr", "yes_no"):
+            raise ValueError(f"vlm judge: rule must be ocr or yes_no, got {rule!r}")
+        self.rule = rule
+        # The instruction; {prompt} and {target} (the OCR target text) are filled in per image.
+        self.template = self.INSTRUCTION if template is None else str(template)
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(
                 f"vlm_ocr_judge: max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}"
@@ -98,26 +107,26 @@ class VlmOcrJudge:
         self.tokens_generated = 0
         self.last_readings: list[str] = []
 
-    def _prompt_text(self) -> str:
-        messages = [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.INSTRUCTION}]}
-        ]
+    def _prompt_text(self, instruction: str) -> str:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
         )
 
-    def _inputs(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's inputs for uint8 ``[B, 3, H, W]``: what a Qwen-VL processor makes for images
-        (pixel patches, each image's grid, its pad token repeated once per merged patch)."""
+    def _inputs(self, frames: torch.Tensor, instructions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The model's inputs for uint8 ``[B, 3, H, W]`` and one instruction each: what a Qwen-VL
+        processor makes for images (pixel patches, each image's grid, its pad token repeated once per
+        merged patch)."""
         from PIL import Image
 
         pil = [Image.fromarray(f.permute(1, 2, 0).contiguous().numpy()) for f in frames]
         vision = self.image_processor(images=pil, return_tensors="pt")
         grids = vision["image_grid_thw"]
-        template = self._prompt_text()
         texts = [
-            template.replace(self.image_token, self.image_token * (int(g.prod()) // self.merge**2), 1)
-            for g in grids
+            self._prompt_text(ins).replace(
+                self.image_token, self.image_token * (int(g.prod()) // self.merge**2), 1
+            )
+            for g, ins in zip(grids, instructions, strict=True)
         ]
         text = self.tokenizer(texts, padding=True, return_tensors="pt")
         inputs = {
@@ -145,22 +154,42 @@ class VlmOcrJudge:
         return self.tokenizer.decode(known, skip_special_tokens=True)
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    def __call__(
+        self,
+        images: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> torch.Tensor:
         frames = _frames(images)[:, 0]  # a video is judged on its first frame
         if len(prompts) != frames.shape[0]:
-            raise ValueError(f"vlm_ocr_judge: {frames.shape[0]} images but {len(prompts)} prompts")
+            raise ValueError(f"vlm judge: {frames.shape[0]} images but {len(prompts)} prompts")
+        meta = list(metadata) if metadata is not None else [{}] * len(prompts)
+        # A request's per-prompt text (reward_metadata ocr_text) wins over the prompt's quotes.
+        targets = [target_text(p, m) for p, m in zip(prompts, meta, strict=True)]
+        instructions = [
+            self.template.replace("{prompt}", p).replace("{target}", t)
+            for p, t in zip(prompts, targets, strict=True)
+        ]
         start = time.perf_counter()
         if self.offload:
             for t, host in self._host:
                 t.data = host.to(self.device, non_blocking=True)
         try:
-            readings, generated = self._read(frames)
+            if self.rule == "yes_no":
+                p_yes, generated = self._p_yes(frames, instructions), 0
+                readings = []
+            else:
+                readings, generated = self._read(frames, instructions)
         finally:
             if self.offload:
                 self._back_to_host()
-        scores = [ocr_similarity(r, ocr_target(p)) for r, p in zip(readings, prompts, strict=True)]
+        if self.rule == "yes_no":
+            scores = p_yes
+            self.last_extras = [{"p_yes": v} for v in scores]
+        else:
+            scores = [ocr_similarity(r, t) for r, t in zip(readings, targets, strict=True)]
+            self.last_extras = [{"reading": r} for r in readings]  # travels with the score (rewards.score)
         self.last_readings = readings
-        self.last_extras = [{"reading": r} for r in readings]  # travels with the score (rewards.score)
         self.tokens_generated = generated
         self.last_seconds = time.perf_counter() - start
         return torch.tensor(scores, dtype=torch.float32)
@@ -177,11 +206,38 @@ class VlmOcrJudge:
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]
 
-    def _read(self, frames: torch.Tensor) -> tuple[list[str], int]:
+    def _answer_ids(self, word: str) -> list[int]:
+        """The first token of each spelling of ``word`` (with and without a leading capital)."""
+        ids = []
+        for spelling in (word, word.capitalize()):
+            tokens = self.tokenizer.encode(spelling, add_special_tokens=False)
+            if tokens and tokens[0] not in ids:
+                ids.append(tokens[0])
+        return ids
+
+    def _p_yes(self, frames: torch.Tensor, instructions: Sequence[str]) -> list[float]:
+        """``p(yes) / (p(yes) + p(no))`` of the first answer token: one forward, no generation."""
+        yes, no = self._answer_ids("yes"), self._answer_ids("no")
+        if not yes or not no or set(yes) & set(no):
+            raise ValueError(
+                "vlm judge rule=yes_no: the tokenizer has no distinct first tokens for yes and no"
+            )
+        out: list[float] = []
+        for lo in range(0, frames.shape[0], self.batch_size):
+            inputs = self._inputs(frames[lo : lo + self.batch_size], instructions[lo : lo + self.batch_size])
+            logits = (
+                self.model(**inputs).logits[:, -1].float()
+            )  # left-padded: the last column is the next token
+            probs = torch.softmax(logits, dim=-1)
+            p_y, p_n = probs[:, yes].sum(-1), probs[:, no].sum(-1)
+            out.extend((p_y / (p_y + p_n)).cpu().tolist())
+        return out
+
+    def _read(self, frames: torch.Tensor, instructions: Sequence[str]) -> tuple[list[str], int]:
         readings: list[str] = []
         generated = 0
         for lo in range(0, frames.shape[0], self.batch_size):
-            inputs = self._inputs(frames[lo : lo + self.batch_size])
+            inputs = self._inputs(frames[lo : lo + self.batch_size], instructions[lo : lo + self.batch_size])
             out = self.model.generate(
                 **inputs,
                 do_sample=False,
@@ -248,3 +304,11 @@ def vlm_ocr_judge(model: str | None = None, **options: object) -> Reward:
             "benchmarks.judge_builders.save_vlm_judge"
         )
     return VlmOcrJudge(model, **options)
+
+
+def vlm_judge(model: str | None = None, **options: object) -> Reward:
+    """A generative VLM judge with its own instruction and scoring rule:
+    ``vlm_judge?model=/path&rule=yes_no&template=Does this image show {prompt}? Answer yes or no.``
+    (``rule=ocr``: the reading's edit-distance match to the target; ``yes_no``: the probability of
+    "yes" against "no" as the first answer token, one forward pass). Options as ``vlm_ocr_judge``."""
+    return vlm_ocr_judge(model, **options)
