@@ -227,6 +227,13 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "32", *_COLOCATED, "--release-memory"],
     ),
+    # Issue #59 on the peer's workload: the judge scored by each replica (its weights in pinned host
+    # memory between calls), the trainer ranks receiving values and no pixels. Not run on a GPU yet.
+    "peer-qwen-image-lora-server-reward": (
+        "qwen-image",
+        "flow_grpo",
+        [*_PEER_QWEN, "--prompts", "32", *_COLOCATED, "--release-memory", "--reward-on", "server"],
+    ),
     # verl-omni's own layout, the baseline: every rank samples its 8 groups in its own process.
     "peer-qwen-image-in-process": (
         "qwen-image",
@@ -327,7 +334,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
 RANKS: dict[str, int] = {
     "scale-in-process": 4, "scale-colocated": 4, "scale-colocated-fast": 4, "scale-colocated-fast-async": 4,
     "scale-disagg": 2, "scale-disagg-async": 2, "scale-disagg-fast-async": 2, "scale-full": 2,
-    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-in-process": 4, "peer-qwen-image-full": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
+    "tiny-scale-2": 2, "peer-qwen-image-lora": 4, "peer-qwen-image-lora-server-reward": 4, "peer-qwen-image-in-process": 4, "peer-qwen-image-full": 4, "peer-qwen-image-lora-2gpu": 2, "tiny-peer-qwen-image": 2, "peer-qwen-image-rates": 2,
 }  # fmt: skip
 
 
