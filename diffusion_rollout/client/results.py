@@ -123,6 +123,10 @@ class RolloutOutput:
     batch_id: str | None = None
     batch_index: int | None = None
     batch_size: int | None = None
+    # With ``rollout_branch``: this leaf's child index at each branch point, and the tree
+    # ([[step, factor], ...]); the leaves of one tree replay as one batch, in order.
+    branch_path: list[int] | None = None
+    rollout_branch: list[list[int]] | None = None
     # With ``rewards`` asked for (serve --reward): {name: value, None when failed}, why each failed
     # one failed, and a reward's own outputs (a judge's reading).
     rewards: dict[str, float | None] | None = None

@@ -30,7 +30,9 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from diffusion_rollout.client.replay import (
     stack_envs,
 )
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
+from diffusion_rollout.row_sharing import branch_block, branch_path, shared_rows
 from diffusion_rollout.scheduler_mixins import TransitionResult, joint_log_prob
 
 __all__ = [
@@ -157,6 +160,8 @@ class ReplayBatch:
         if len(stochastic) != 1:
             raise ValueError("outputs with different stochastic steps cannot be replayed as one batch")
         self.sde_steps = set(next(iter(stochastic)))
+        # A tree (rollout_branch): its steps ran on one row per node; replay narrows the same way.
+        self.branch = _tree_of(self.outputs)
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -190,6 +195,20 @@ class ReplayBatch:
         ]
 
 
+def _tree_of(outputs: Sequence[RolloutOutput]) -> list[list[int]] | None:
+    """The tree a batch of leaves came from, checked whole and in order, or None (no tree)."""
+    trees = {tuple(map(tuple, o.rollout_branch)) if o.rollout_branch else None for o in outputs}
+    if trees == {None}:
+        return None
+    if len(trees) != 1 or None in trees:
+        raise ValueError("outputs of different trees (or a tree and others) cannot be replayed as one batch")
+    tree = [list(b) for b in next(iter(trees))]
+    expected = [branch_path(r, tree) for r in range(math.prod(f for _, f in tree))]
+    if [o.branch_path for o in outputs] != expected:
+        raise ValueError("a tree replays as one batch: all of its leaves, in the order it answered them")
+    return tree
+
+
 def trainable_steps(outputs: RolloutOutput | Mapping[str, Any] | Sequence[Any]) -> list[int]:
     """The steps :func:`replay_step` can score for every one of ``outputs``."""
     return ReplayBatch(outputs).trainable_steps()
@@ -215,7 +234,13 @@ def replay_step(
         return _replay_joint_step(transformer, batch, step, device)
     x = batch.latents(step).to(device)
     x_next = batch.latents(step + 1).to(device)
-    v = replay_model_output(transformer, x, batch.timesteps[step], batch.env, step=step)
+    block = 1 if batch.branch is None else branch_block(len(batch), batch.branch, step)
+    with (
+        shared_rows([transformer], len(batch), lambda: block, this_thread=False)
+        if block > 1
+        else nullcontext()
+    ):
+        v = replay_model_output(transformer, x, batch.timesteps[step], batch.env, step=step)
     kind = batch.kind_at(step)
     res = replay_log_prob(
         kind,

@@ -59,6 +59,16 @@ class FeatureCacheRequest(BaseModel):
         return FeatureCacheSettings(**self.model_dump())
 
 
+class BranchPoint(BaseModel):
+    """One branch point of ``rollout_branch`` (server/branch_tree.py): at loop ``step`` every node
+    splits into ``factor`` children."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0)
+    factor: int = Field(ge=2, le=64)
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -127,6 +137,8 @@ class GenerateRequest(BaseModel):
     rollout_share_prefix: bool = False
     # Issue #60: cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
     rollout_ode_solver: Literal["euler", "dpm2m"] = "euler"
+    # Issue #60: a tree of rollouts grown from one x_T (server/branch_tree.py).
+    rollout_branch: Annotated[list[BranchPoint], Field(min_length=1, max_length=8)] | None = None
     rollout_outside_window_stride: int = Field(1, ge=1, le=64)
     lean_response: bool = False
     # Rewards scored on the server (ext, server/reward_runner.py): names given to serve --reward.
@@ -339,6 +351,7 @@ class GenerateRequest(BaseModel):
             allow_inexact=self.allow_inexact,
             share_prefix=self.rollout_share_prefix,
             outside_window_stride=self.rollout_outside_window_stride,
+            branch=tuple((b.step, b.factor) for b in self.rollout_branch) if self.rollout_branch else None,
             image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
             image_data=image_data,
             min_weight_version=self.min_weight_version,

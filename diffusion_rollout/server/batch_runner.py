@@ -30,6 +30,7 @@ from diffusion_rollout.errors import (
     ServiceUnavailableError,
 )
 from diffusion_rollout.logging_utils import request_id_var
+from diffusion_rollout.row_sharing import branch_block, branch_path, shared_rows
 from diffusion_rollout.scheduler_mixins import RolloutSettings, make_rollout_state, rollout_context
 from diffusion_rollout.server.batch_split import split_batch
 from diffusion_rollout.server.delivery import deliver
@@ -189,6 +190,10 @@ class BatchRunner:
                     recorder.attach(a.transformers()) if watch else contextlib.nullcontext(),
                     narrowed_prefix(a.transformers(), batch, shared, lambda: state.loop_index)
                     if shared
+                    else shared_rows(
+                        a.transformers().values(), batch, lambda: branch_block(batch, p0.branch, state.loop_index)
+                    )
+                    if p0.branch
                     else contextlib.nullcontext(),
                 ):
                     output = pipe(**kwargs)
@@ -220,6 +225,10 @@ class BatchRunner:
         if p0.share_prefix:
             for r in results:
                 r.shared_prefix_steps, r.shared_prefix_outputs = shared, batch
+        if p0.branch:  # a tree runs alone: its rows are its leaves, in order
+            for row, r in enumerate(results):
+                r.branch_path = branch_path(row, p0.branch)
+                r.rollout_branch = [list(b) for b in p0.branch]
         args = (jobs, plans, results, flags, copier, call, version, elapsed)
         try:
             self._results.submit(self._deliver, *args)

@@ -63,6 +63,8 @@ class GenerateParams:
     share_prefix: bool = False
     # Keep every k-th sigma outside the SDE window (scheduler_mixins/outside_window.py).
     outside_window_stride: int = 1
+    # A tree of rollouts: ((step, factor), ...) (server/branch_tree.py).
+    branch: tuple[tuple[int, int], ...] | None = None
     # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
     image_path: list[str] | None = None
     image_data: list[bytes] | None = None
@@ -116,6 +118,9 @@ class SampleResult:
     shared_prefix_outputs: int | None = None
     # With ``rewards``: {name: value, or None when it failed}, why each failed one failed, and what
     # a reward reported beside its value (a judge's reading); absent from answers otherwise.
+    # With rollout_branch: this leaf's child index at each branch point, and the request's tree.
+    branch_path: list[int] | None = None
+    rollout_branch: list[list[int]] | None = None
     rewards: dict[str, float | None] | None = None
     reward_errors: dict[str, str] | None = None
     reward_extras: dict[str, Any] | None = None
@@ -123,7 +128,7 @@ class SampleResult:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         for name in (
-            "expert_per_step", "shared_prefix_steps", "shared_prefix_outputs",
+            "expert_per_step", "shared_prefix_steps", "shared_prefix_outputs", "branch_path", "rollout_branch",
             "rewards", "reward_errors", "reward_extras",
         ):  # fmt: skip
             if d[name] is None:

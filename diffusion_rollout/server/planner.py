@@ -18,7 +18,7 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigmas
 from diffusion_rollout.scheduler_mixins.outside_window import coarse_settings
-from diffusion_rollout.server import initial_noise, shared_prefix
+from diffusion_rollout.server import branch_tree, initial_noise, shared_prefix
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
 from diffusion_rollout.server.params import GenerateParams
@@ -65,7 +65,7 @@ class Plan:
             self.image_key,
             # A shared-prefix request runs alone: its prefix is then one row per guidance branch,
             # the batch-1 call its exactness is stated against (server/shared_prefix.py).
-            object() if p.share_prefix else None,
+            object() if p.share_prefix or p.branch else None,
         )
 
     def as_probe(self) -> Plan:
@@ -224,6 +224,7 @@ class RequestPlanner:
             seeds = [p.seed + i for i in range(n)]
         initial_noise.validate(p, n, a, call)
         shared_prefix.validate(p, a.name, context_parallel=self.config.context_parallel > 1)
+        branch_tree.validate(p, a.name, steps, context_parallel=self.config.context_parallel > 1)
         if p.generator_device.startswith("cuda") and not self.device.startswith("cuda"):
             p.generator_device = "cpu"  # api.md: on a CPU-only server cuda falls back to cpu
         return Plan(p, call, seeds, schedule, stock_sigmas, images)

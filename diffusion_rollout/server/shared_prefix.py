@@ -24,19 +24,20 @@ How, and why this way:
   ran (``shared_prefix_steps``).
 - Stochastic steps are never narrowed: they run at batch ``G`` as the trainer's replay does, so
   the PPO ratio stays exactly 1 (prefix steps are ODE steps, log-prob 0, never replayed).
-- Only calls from the thread that attached the hooks are changed (pipeline lanes share modules).
+- The narrowing itself is ``row_sharing.shared_rows`` (one implementation with the trees'). Only
+  calls from the thread that attached the hooks are changed (pipeline lanes share modules).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.row_sharing import shared_rows
 
 # Families whose transformer calls have been checked to take the batch on dimension 0 of every
 # per-row argument (tensors and per-row lists such as Qwen-Image's img_shapes), and tested.
@@ -73,29 +74,6 @@ def validate(p: Any, family: str, *, context_parallel: bool) -> None:
         raise RequestError("rollout_share_prefix is not supported on a context_parallel engine", field=field)
 
 
-def _take(value: Any, rows: torch.Tensor, batch: int) -> Any:
-    """``value`` narrowed to ``rows`` when it is per-row (batch on dimension 0), else as is."""
-    if isinstance(value, torch.Tensor):
-        if value.ndim > 0 and value.shape[0] == batch:
-            return value.index_select(0, rows.to(value.device))
-        return value
-    if isinstance(value, (list, tuple)) and len(value) == batch:
-        return type(value)(value[i] for i in rows.tolist())
-    return value
-
-
-def _repeat(output: Any, expand: torch.Tensor) -> Any:
-    """The model output of the narrowed rows repeated back to the full batch."""
-    if isinstance(output, torch.Tensor):
-        return output.index_select(0, expand.to(output.device))
-    if isinstance(output, tuple):
-        return (_repeat(output[0], expand), *output[1:])
-    if hasattr(output, "sample"):  # diffusers' Transformer2DModelOutput
-        output.sample = _repeat(output.sample, expand)
-        return output
-    raise TypeError(f"shared prefix: unexpected transformer output {type(output).__name__}")
-
-
 @contextlib.contextmanager
 def narrowed_prefix(
     modules: dict[str, torch.nn.Module], group: int, steps: int, loop_index: Callable[[], int]
@@ -107,40 +85,5 @@ def narrowed_prefix(
     if group < 2 or steps < 1:
         yield
         return
-    owner = threading.get_ident()
-    pending: list[torch.Tensor] = []  # the expansion of the call in flight (pre-hook -> hook)
-
-    def active() -> bool:
-        return threading.get_ident() == owner and loop_index() < steps
-
-    def pre_hook(module, args, kwargs):
-        if not active():
-            return None
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        batch = hidden.shape[0]
-        if batch % group:
-            raise RuntimeError(
-                f"shared prefix: a batch of {batch} rows is not a multiple of the group {group}"
-            )
-        chunks = batch // group
-        rows = torch.arange(chunks) * group  # the first row of each guidance chunk
-        pending.append(torch.arange(chunks).repeat_interleave(group))
-        return (
-            tuple(_take(a, rows, batch) for a in args),
-            {name: _take(v, rows, batch) for name, v in kwargs.items()},
-        )
-
-    def hook(module, args, kwargs, output):
-        if threading.get_ident() != owner or not pending:
-            return None
-        return _repeat(output, pending.pop())
-
-    handles = []
-    try:
-        for m in modules.values():
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(hook, with_kwargs=True))
+    with shared_rows(modules.values(), group, lambda: group if loop_index() < steps else 1):
         yield
-    finally:
-        for h in handles:
-            h.remove()
