@@ -60,6 +60,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -153,6 +154,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(SD3, Qwen-Image; exact against a batch-1 prefix, not the unshared group's last bits: docs/api.md)",
     )
     g.add_argument(
+        "--branch",
+        type=branch_spec,
+        default=None,
+        help="rollout_branch: grow each group as a tree, STEP:FACTOR,... (e.g. 1:2,3:4 makes 8 leaves, "
+        "--group-size must be their number); the branch steps are the stochastic ones",
+    )
+    g.add_argument(
         "--outside-window-stride",
         type=int,
         default=1,
@@ -220,8 +228,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def branch_spec(text: str) -> list[dict[str, int]]:
+    """``--branch 1:2,3:4`` as ``rollout_branch``'s points."""
+    try:
+        points = [tuple(int(x) for x in part.split(":")) for part in text.split(",") if part.strip()]
+        if not points or any(len(p) != 2 for p in points):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP:FACTOR,... (e.g. 1:2,3:4), got {text!r}") from None
+    return [{"step": s, "factor": f} for s, f in points]
+
+
 def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
-    """This iteration's stochastic steps: a window drawn from a per-iteration seeded RNG."""
+    """This iteration's stochastic steps: a window drawn from a per-iteration seeded RNG (with
+    --branch, the branch steps)."""
+    if args.branch:
+        return [p["step"] for p in args.branch]
     if args.sde_window <= 0:
         return None
     # The last step ends at sigma 0 and has no density in the gaussian form: never in the window.
@@ -399,6 +421,10 @@ def run(
     torch.manual_seed(args.seed)
     in_process = client is None
     reward_fn = RecipeReward(args, client)
+    if args.branch and (in_process or math.prod(p["factor"] for p in args.branch) != args.group_size):
+        raise SystemExit(
+            "--branch needs the server layout and --group-size equal to the product of its factors"
+        )
     if args.screen and (in_process or args.async_depth > 0 or args.screen < args.group_size):
         raise SystemExit("--screen K needs the server layout, synchronous rollouts and K >= --group-size")
     full = None
@@ -478,6 +504,8 @@ def run(
                                      ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
     if args.share_prefix:
         shared["rollout_share_prefix"] = True
+    if args.branch:  # a tree per group: its leaves are the group (server/branch_tree.py)
+        shared["rollout_branch"] = args.branch
     if args.outside_window_stride != 1 or args.ode_solver != "euler":  # fewer, cheaper ODE steps
         shared.update(
             rollout_outside_window_stride=args.outside_window_stride, rollout_ode_solver=args.ode_solver

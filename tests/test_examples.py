@@ -194,6 +194,17 @@ def test_flow_grpo_screens_then_trains_on_exact_regenerations(examples):
         flow_grpo.main([*SMALL, "--screen", "2"])
 
 
+def test_flow_grpo_trains_on_trees_with_ratio_exactly_1(examples):
+    # BranchGRPO's rollout: each group a tree of 4 leaves (branching at steps 1 and 3), its nodes'
+    # steps computed once on the server and replayed the same way by the trainer.
+    flow_grpo = examples("flow_grpo")
+    run = flow_grpo.main([*SMALL, "--steps", "6", "--branch", "1:2,3:2"])
+    for h in run["history"]:
+        assert h["first_ratio_max_dev"] == 0.0 and h["checksum_ok"] is True and h["sde_steps"] == [1, 3]
+    with pytest.raises(SystemExit, match="--group-size equal to the product"):
+        flow_grpo.main([*SMALL, "--branch", "1:3"])
+
+
 def test_dance_grpo_replays_exactly(examples):
     run = examples("flow_grpo").main([*SMALL, "--step-kind", "dance"])
     for h in run["history"]:
