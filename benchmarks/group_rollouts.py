@@ -9,6 +9,8 @@ variant, so their images differ only by what the option changes):
   ``(k/T)(G-1)/G`` for a window at step k of T;
 - ``stride2`` / ``stride2_dpm2m`` / ``dpm2m``: fewer or second-order ODE steps outside the window,
   with their drift against ``plain``'s images (mean and max absolute uint8 difference, PSNR);
+- ``tree``: ``rollout_branch`` at the window's two steps (G = f1 x f2 leaves), seconds per leaf as
+  ``seconds / G`` beside plain's;
 - ``screen`` (with ``--screen K``): K candidates from a second server (``--screen-args``, by
   default the fast tier ``--speed fast`` on the same GPU; on the CPU the same exact server), the best
   ``G`` by a cheap reward regenerated on the exact server (``client.regenerate.regenerate_body``):
@@ -39,11 +41,13 @@ VARIANTS = {
     "stride2": {"rollout_outside_window_stride": 2},
     "stride2_dpm2m": {"rollout_outside_window_stride": 2, "rollout_ode_solver": "dpm2m"},
     "dpm2m": {"rollout_ode_solver": "dpm2m"},
+    "tree": None,  # rollout_branch at the window's two steps, the group as f1 x f2 leaves (tree_fields)
 }
 COLUMNS = [
     ("variant", "variant", ""),
     ("seconds", "s (median)", ".3f"),
     ("spread", "spread", ".3f"),
+    ("seconds_per_output", "s/output", ".4f"),
     ("vs_plain", "vs plain", ".3f"),
     ("formula_vs_plain", "formula", ".3f"),
     ("steps_run", "steps", ""),
@@ -98,6 +102,14 @@ def group_body(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "rollout_return_denoising_env": True, "rollout_debug_mode": False, "output_dtype": "uint8",
         "generator_device": "cpu" if args.cpu else "cuda", "lean_response": True,
     }  # fmt: skip
+
+
+def tree_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """A BranchGRPO-style tree of ``--group`` leaves branching at the window's two steps."""
+    g, k = args.group, args.window_start
+    f1 = max(d for d in range(1, int(g**0.5) + 1) if g % d == 0)
+    points = [{"step": k, "factor": g // f1}] + ([{"step": k + 1, "factor": f1}] if f1 > 1 else [])
+    return {"rollout_branch": points}
 
 
 def post(client: Any, body: dict[str, Any]) -> tuple[list[Any], float]:
@@ -161,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed = 1000 * (rep + 1)
                 reference = None
                 for variant, extra in VARIANTS.items():  # interleaved: one of each per round
+                    extra = tree_fields(args) if extra is None else extra
                     outs, seconds = post(client, {**group_body(args, seed), **extra})
                     times[variant].append(seconds)
                     steps_run[variant] = len(outs[0].rollout_log_probs)
@@ -197,7 +210,8 @@ def summarize(
         med = statistics.median(xs)
         last = drifts[variant][-1]
         rows.append({
-            "variant": variant, "seconds": med, "spread": max(xs) - min(xs), "vs_plain": med / plain,
+            "variant": variant, "seconds": med, "seconds_per_output": med / g, "spread": max(xs) - min(xs),
+            "vs_plain": med / plain,
             # share_prefix's transformer calls, as a share of plain's (the denoiser is most of a step).
             "formula_vs_plain": 1 - (k / t) * (g - 1) / g if variant == "share_prefix" else None,
             "steps_run": steps_run.get(variant), **last, "reps": len(xs), "all_seconds": xs,
