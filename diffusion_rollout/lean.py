@@ -11,6 +11,11 @@ list. Field names are unchanged; only a client that asked for the lean form ever
   (:func:`to_lean`) then only looks at object identity.
 - The client (:func:`from_lean`) gives every output its own dict structure again (per-output views
   sharing the same tensors), so replay sees exactly what the per-output form would have delivered.
+- **A tree's shared trajectory entries** (``rollout_branch``): a leaf's trajectory entry that is
+  bit-identical to an earlier leaf's (the latents of their common ancestors) travels once. The leaf
+  carries only its own entries in ``latents`` and ``latents_from``: per kept entry, ``-1`` (its own,
+  next in ``latents``) or the index of the output whose entry it is. Only entries the tree's shape
+  says are shared are compared, and only bit-equal ones are referenced.
 """
 
 from __future__ import annotations
@@ -68,8 +73,60 @@ def share_equal(values: list[Any]) -> list[Any]:
     return out
 
 
+FROM_KEY = "latents_from"
+
+
+def _tree_trajectories(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``outputs`` with each tree leaf's trajectory entries shared with an earlier leaf referenced."""
+    from diffusion_rollout.row_sharing import branch_block
+
+    group = len(outputs)
+    out = list(outputs)
+    for i, d in enumerate(outputs):
+        traj, branch = d.get("dit_trajectory"), d.get("rollout_branch")
+        if not traj or not branch or not isinstance(traj.get("latents"), torch.Tensor):
+            continue
+        latents, steps = traj["latents"], list(traj["latent_step_indices"])
+        sources: list[int] = []
+        for k, step in enumerate(steps):
+            first = (i // branch_block(group, branch, step)) * branch_block(group, branch, step)
+            src = outputs[first].get("dit_trajectory") if first < i else None
+            same = (
+                src is not None
+                and list(src["latent_step_indices"]) == steps
+                and same_tree(src["latents"][k], latents[k])
+            )
+            sources.append(first if same else -1)
+        if all(s == -1 for s in sources):
+            continue
+        own = [k for k, s in enumerate(sources) if s == -1]
+        lean_traj = dict(traj)
+        lean_traj["latents"] = latents[own] if own else latents[:0]
+        lean_traj[FROM_KEY] = sources
+        out[i] = {**d, "dit_trajectory": lean_traj}
+    return out
+
+
+def _tree_latents(resolved: list[dict[str, Any]], i: int, traj: dict[str, Any]) -> dict[str, Any]:
+    sources, own = traj[FROM_KEY], iter(traj["latents"])
+    rows = []
+    for k, src in enumerate(sources):
+        if src == -1:
+            rows.append(next(own))
+            continue
+        if not isinstance(src, int) or not 0 <= src < i:
+            raise ValueError(f"output {i}: trajectory entry {k} refers to output {src!r}")
+        rows.append(resolved[src]["dit_trajectory"]["latents"][k])
+    full = {k: v for k, v in traj.items() if k != FROM_KEY}
+    full["latents"] = torch.stack(rows)
+    return full
+
+
 def to_lean(outputs: list[dict[str, Any]], fields: tuple[str, ...] = LEAN_FIELDS) -> list[dict[str, Any]]:
-    """The lean form of one response: a field value that *is* an earlier output's becomes a reference."""
+    """The lean form of one response: a field value that *is* an earlier output's becomes a reference
+    (and a tree's shared trajectory entries travel once)."""
+    if any(isinstance(d, dict) and d.get("rollout_branch") for d in outputs):
+        outputs = _tree_trajectories(outputs)
     lean = []
     for i, d in enumerate(outputs):
         d = dict(d)
@@ -112,5 +169,8 @@ def from_lean(outputs: list[dict[str, Any]], fields: tuple[str, ...] = LEAN_FIEL
                 if not isinstance(j, int) or not 0 <= j < i or resolved[j].get(name) is None:
                     raise ValueError(f"output {i}: {name} refers to output {j!r}, which does not carry it")
                 d[name] = _fresh_structure(resolved[j][name])
+        traj = d.get("dit_trajectory")
+        if isinstance(traj, dict) and FROM_KEY in traj:
+            d["dit_trajectory"] = _tree_latents(resolved, i, traj)
         resolved.append(d)
     return resolved

@@ -133,3 +133,34 @@ def test_what_a_tree_refuses_names_the_field(served, patch, needle):
 
 def r_code(patch: dict) -> int:
     return 422 if patch.get("rollout_branch") == [{"step": 1, "factor": 1}] else 400
+
+
+def test_a_lean_tree_sends_its_shared_trajectory_entries_once(served):
+    from diffusion_rollout import lean
+
+    srv = served("sd3")
+    body = {**BASE, "rollout_return_denoising_env": True, "rollout_debug_mode": False}
+
+    def raw(lean_response: bool):
+        r = srv.client.post(
+            "/rollout/generate", content=wire.encode({**body, "lean_response": lean_response}),
+            headers={"Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text[:500]
+        return r.content, wire.decode(r.content, r.headers["content-type"])
+
+    plain_bytes, plain = raw(False)
+    lean_bytes, sent = raw(True)
+    # Leaf 0 carries all 6 entries; leaf 1 shares entries 0-3 with leaf 0; leaf 2 shares 0-1 with
+    # leaf 0; leaf 3 shares 0-1 with leaf 0 and 2-3 with leaf 2.
+    froms = [o["dit_trajectory"].get(lean.FROM_KEY) for o in sent]
+    assert froms == [None, [0, 0, 0, 0, -1, -1], [0, 0, -1, -1, -1, -1], [0, 0, 2, 2, -1, -1]]
+    entry = (
+        plain[0]["dit_trajectory"]["latents"][0].numel()
+        * plain[0]["dit_trajectory"]["latents"].element_size()
+    )
+    assert len(plain_bytes) - len(lean_bytes) >= 10 * entry  # ten entries not sent (and the envs once)
+    rebuilt = lean.from_lean(sent)
+    for a, b in zip(plain, rebuilt, strict=True):
+        assert torch.equal(a["dit_trajectory"]["latents"], b["dit_trajectory"]["latents"])
+        assert lean.FROM_KEY not in b["dit_trajectory"]

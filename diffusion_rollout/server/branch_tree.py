@@ -22,7 +22,7 @@ How:
 - **What is exact, and what not.** Every node's computation is that of a call at the narrowed batch
   (its node count); a leaf is therefore not the last bits of the same path sampled alone at batch 1
   (a transformer's last bits depend on its batch, as documented for shared prefixes). Trajectories
-  are per leaf: a shared node's latents appear in each of its leaves (identical copies).
+  are per leaf; in the lean form a shared node's entries travel once (``lean.py``).
 """
 
 from __future__ import annotations
