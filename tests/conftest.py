@@ -40,7 +40,35 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# What the fast path (``--fast``; ``./scripts/test.sh --fast``) leaves out: tests that build or serve
+# a model, start Ray, or are marked slow. What stays is the step math, the wire, the protocol, the
+# rewards and the other units: a loop of well under a minute on two cores.
+_MODEL_FIXTURES = {"tiny_model_path", "served", "fresh_server", "demo_cache_dir", "cluster", "served_rewards"}
+# Files whose tests build their own models, servers or recipe runs (measured over 10 s in a fast run).
+_INTEGRATION_FILES = {
+    "test_benchmarks_smoke.py", "test_examples.py", "test_cli_serve.py", "test_scale_suite.py",
+    "test_recipe_reporting.py", "test_docs_site.py", "test_vae_split.py", "test_ltx2_cp_plan.py",
+    "test_pipeline_lanes.py", "test_hunyuanvideo15_cp_plan.py", "test_cp_scaling.py",
+    "test_ring_attention_diagnosis.py", "test_outside_window.py",
+}  # fmt: skip
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast", action="store_true", help="only the unit tests: nothing that builds or serves a model, or is slow"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--fast"):
+        keep = [
+            i for i in items
+            if "slow" not in i.keywords and "gpu" not in i.keywords
+            and i.path.name not in _INTEGRATION_FILES
+            and not _MODEL_FIXTURES & set(getattr(i, "fixturenames", ()))
+        ]  # fmt: skip
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     _slow_files_first(items)
     if torch.cuda.is_available():
         return
