@@ -107,6 +107,7 @@ from diffusion_rollout.client import (
     ratio_stats_by_staleness,
     replay_step,
     tis_policy_loss,
+    tree_advantages,
 )
 
 logger = logging.getLogger("examples.flow_grpo")
@@ -252,6 +253,11 @@ def sde_window(args: argparse.Namespace, iteration: int) -> list[int] | None:
     return list(range(start, min(start + args.sde_window, args.steps - 1)))
 
 
+def at(adv: Any, step: int) -> torch.Tensor:
+    """A batch's advantages at ``step``: one ``[G]`` for every step, or a tree's ``{step: [G]}``."""
+    return adv[step] if isinstance(adv, dict) else adv
+
+
 def train_iteration(
     transformer, optimizer, params, groups, advantages, args, staleness=None, ranks: Ranks | None = None
 ) -> dict[str, Any]:
@@ -289,12 +295,12 @@ def train_iteration(
                     if epoch == 0:  # the trainer's policy before this update, per (batch, step)
                         proximal[(id(batch), t)] = step.log_prob.detach()
                     loss, stats = tis_policy_loss(
-                        step.log_prob, proximal[(id(batch), t)], step.old_log_prob, adv,
+                        step.log_prob, proximal[(id(batch), t)], step.old_log_prob, at(adv, t),
                         clip_range=args.clip_range, tis_cap=args.tis_cap, adv_clip_max=args.adv_clip_max,
                     )  # fmt: skip
                 else:
                     loss, stats = clipped_policy_loss(
-                        step.log_prob, step.old_log_prob, adv,
+                        step.log_prob, step.old_log_prob, at(adv, t),
                         clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
                     )  # fmt: skip
                 if args.kl_beta > 0:
@@ -617,7 +623,18 @@ def run(
                      "answer_bytes": 0 if in_process else client.received_answer_bytes - received}
                 )  # fmt: skip
             with phases("train"):
-                stats = train_iteration(transformer, optimizer, params, groups, adv, args, staleness, ranks)
+                # Trees: BranchGRPO's advantage per branch step, its nodes' mean rewards normalised by depth.
+                per_step = (
+                    [
+                        tree_advantages(r, [(b["step"], b["factor"]) for b in args.branch])
+                        for r in rewards.view(adv.shape)
+                    ]
+                    if args.branch
+                    else adv
+                )
+                stats = train_iteration(
+                    transformer, optimizer, params, groups, per_step, args, staleness, ranks
+                )
             if args.release_memory and not in_process and ranks.is_main:
                 with phases("resume"):
                     client.resume_memory_occupation()

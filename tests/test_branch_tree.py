@@ -164,3 +164,16 @@ def test_a_lean_tree_sends_its_shared_trajectory_entries_once(served):
     for a, b in zip(plain, rebuilt, strict=True):
         assert torch.equal(a["dit_trajectory"]["latents"], b["dit_trajectory"]["latents"])
         assert lean.FROM_KEY not in b["dit_trajectory"]
+
+
+def test_tree_advantages_normalise_node_rewards_by_depth():
+    from diffusion_rollout.client import group_advantages, tree_advantages
+
+    rewards = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    adv = tree_advantages(rewards, [(1, 2), (3, 2)])
+    node = torch.tensor([1.5, 4.0])  # the first-level nodes' mean rewards
+    first = (node - node.mean()) / (node.std() + 1e-4)
+    assert torch.equal(adv[1], first.repeat_interleave(2))
+    assert torch.equal(adv[3], group_advantages(rewards, 4))  # the last level: the leaves themselves
+    with pytest.raises(ValueError, match="one per leaf"):
+        tree_advantages(rewards[:3], [(1, 2), (3, 2)])

@@ -52,6 +52,7 @@ from diffusion_rollout.client.training import (
     replay_steps,
     tis_policy_loss,
     trainable_steps,
+    tree_advantages,
 )
 from diffusion_rollout.client.weights import (
     WeightBroadcaster,
@@ -107,6 +108,7 @@ __all__ = [
     "stack_envs",
     "tis_policy_loss",
     "trainable_steps",
+    "tree_advantages",
     "verify_lora",
     "verify_weights_checksum",
 ]

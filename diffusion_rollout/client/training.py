@@ -338,6 +338,33 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+def tree_advantages(
+    rewards: torch.Tensor, branch: Sequence[Sequence[int]], *, eps: float = 1e-4, scale: bool = True
+) -> dict[int, torch.Tensor]:
+    """BranchGRPO-style advantages of one tree's leaves, per branch step: ``{step: [G]}``.
+
+    A node's reward is the mean of its leaves' (``rewards`` ``[G]``, the leaves in the order the
+    server answers them); at branch step ``s`` each leaf takes the advantage of the node it belongs to
+    after ``s``, its reward minus the mean over that depth's nodes (over their std when ``scale``). At
+    the last branch the nodes are the leaves: plain group advantages.
+    """
+    r = rewards.to(torch.float32)
+    points = [(int(s), int(f)) for s, f in branch]
+    leaves = math.prod(f for _, f in points)
+    if r.ndim != 1 or r.numel() != leaves:
+        raise ValueError(f"rewards must be [{leaves}], one per leaf of the tree, got {tuple(r.shape)}")
+    out: dict[int, torch.Tensor] = {}
+    nodes = 1
+    for step, factor in points:
+        nodes *= factor
+        node_reward = r.view(nodes, leaves // nodes).mean(dim=1)
+        adv = node_reward - node_reward.mean()
+        if scale:
+            adv = adv / (node_reward.std() + eps)
+        out[step] = adv.repeat_interleave(leaves // nodes)
+    return out
+
+
 def _clipped_surrogate(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
