@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.rewards.ocr import ocr_similarity, ocr_target
+from diffusion_rollout.rewards.ocr import ocr_similarity, target_text
 from diffusion_rollout.rewards.simple import _frames
 
 RULES = ("ocr", "number", "yes_no")
@@ -43,16 +43,6 @@ def png_base64(frame: torch.Tensor) -> str:
     buf = io.BytesIO()
     Image.fromarray(frame.permute(1, 2, 0).contiguous().numpy()).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def target_text(prompt: str, metadata: Mapping[str, Any] | None) -> str:
-    """The text an OCR-style rule compares with: the request's ``ocr_text`` (or ``text``), else the
-    prompt's quoted text."""
-    meta = metadata or {}
-    for key in ("ocr_text", "text"):
-        if isinstance(meta.get(key), str):
-            return meta[key]
-    return ocr_target(prompt)
 
 
 def score_reply(reply: str, rule: str, target: str) -> float:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 #: Prompts that each ask for a text in double quotes (the OCR task's target), for ``--prompt-set ocr``.
 OCR_PROMPTS = [
@@ -73,3 +75,13 @@ def ocr_similarity(prediction: str, target: str) -> float:
     collapsed to one space (so a reading that differs only in case or spacing scores 1)."""
     pred, tgt = _normalise(prediction), _normalise(target)
     return max(0.0, 1.0 - levenshtein(pred, tgt) / max(len(tgt), 1))
+
+
+def target_text(prompt: str, metadata: Mapping[str, Any] | None) -> str:
+    """The text an OCR-style rule compares with: the request's ``ocr_text`` (or ``text``), else the
+    prompt's quoted text."""
+    meta = metadata or {}
+    for key in ("ocr_text", "text"):
+        if isinstance(meta.get(key), str):
+            return meta[key]
+    return ocr_target(prompt)

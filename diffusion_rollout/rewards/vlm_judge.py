@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.rewards.http_reward import target_text
-from diffusion_rollout.rewards.ocr import ocr_similarity
+from diffusion_rollout.rewards.ocr import ocr_similarity, target_text
 from diffusion_rollout.rewards.simple import Reward, _frames
 
 
