@@ -58,7 +58,7 @@ EXPECTED_ALL = [
     "lora_checksum", "lora_config_dict", "lora_state_dict", "push_lora", "push_weights", "push_weights_ipc",
     "ratio_stats_by_staleness", "replay_log_prob", "replay_model_output", "replay_step", "replay_steps", "replay_stream_model_outputs",
     "safetensors_parts",
-    "stack_envs", "tis_policy_loss", "trainable_steps", "verify_lora", "verify_weights_checksum",
+    "stack_envs", "tis_policy_loss", "trainable_steps", "tree_advantages", "verify_lora", "verify_weights_checksum",
 ]  # fmt: skip
 
 
