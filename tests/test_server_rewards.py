@@ -287,3 +287,26 @@ def test_serve_exits_naming_a_reward_that_cannot_load(tmp_path, tiny_model_path)
     )  # fmt: skip
     assert proc.returncode != 0
     assert "reward 'x'" in proc.stderr and "failed to load" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_scoring_leaves_the_worker_free_for_the_next_batch(fresh_server, tmp_path):
+    # A reward held mid-call: another request is generated and answered meanwhile, so scoring is off
+    # the worker's critical path; the held request is answered once its reward returns.
+    import concurrent.futures
+
+    gate = tmp_path / "gate.py"
+    gate.write_text(
+        "import threading\nimport torch\nRELEASE = threading.Event()\nENTERED = threading.Event()\n"
+        "def held(images, prompts):\n    ENTERED.set()\n    RELEASE.wait(30)\n"
+        "    return torch.zeros(images.shape[0])\n"
+    )
+    server = fresh_server("sd3", reward=[f"held={gate}:held"])
+    module = server.engine.rewards.lanes["held"].reward.__globals__
+    body = {**BODY, "num_outputs_per_prompt": 1}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scored = pool.submit(server.generate, {**body, "rewards": ["held"]})
+        assert module["ENTERED"].wait(30)  # the first request is being scored now
+        other = server.generate({**body, "seed": 99})  # generated and answered while it waits
+        assert other[0]["generated_output"] is not None and not scored.done()
+        module["RELEASE"].set()
+        assert scored.result(30)[0]["rewards"] == {"held": 0.0}
