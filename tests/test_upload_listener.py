@@ -27,7 +27,7 @@ from diffusion_rollout.client.weights.upload import push_weights, safetensors_pa
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.app import create_app
 from diffusion_rollout.entrypoints.cli import build_parser
-from diffusion_rollout.entrypoints.upload_listener import MAX_HEADER_LINE, MAX_HEADERS, MAX_REQUEST_LINE
+from diffusion_rollout.entrypoints.upload_wire import MAX_HEADER_LINE, MAX_HEADERS, MAX_REQUEST_LINE
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 from diffusion_rollout.server.weights import get_weight_manager
 from tests.reliability_helpers import PROBE, live_server, wait_until
@@ -354,9 +354,9 @@ def test_hostile_requests_get_a_4xx_and_the_listener_keeps_serving(fresh_server)
 
 
 def test_slow_heads_and_too_many_connections_are_bounded(fresh_server, monkeypatch):
-    from diffusion_rollout.entrypoints import upload_listener
+    from diffusion_rollout.entrypoints import upload_listener, upload_wire
 
-    monkeypatch.setattr(upload_listener, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(upload_wire, "HEAD_TIMEOUT_S", 0.5)
     monkeypatch.setattr(upload_listener, "MAX_CONNECTIONS", 2)
     server = fresh_server("sd3", upload_port=0, admin_key=KEY)
     listener = listener_of(server)

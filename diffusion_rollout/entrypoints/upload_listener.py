@@ -12,7 +12,8 @@ Design decisions:
   flight) speaks just enough HTTP/1.1 for ``POST /update_weights?<query>``: a bounded request line
   and header block (``MAX_REQUEST_LINE``, ``MAX_HEADER_LINE``, ``MAX_HEADERS``), ``Content-Length``
   required (chunked bodies are a 411 naming it: they stay on the main port), keep-alive for the
-  parts that follow. Other paths are 404, other methods 405.
+  parts that follow. Other paths are 404, other methods 405. The HTTP/1.1 itself (head parsing,
+  the bounded socket reads, rendering answers) is ``upload_wire.py``; this module serves requests.
 - **Checks before the body, body straight into the buffer.** The declared length against
   ``max_upload_bytes`` (413), the admin key (401/403, the app's own ``key_error``) and the query
   (422, ``UploadQuery`` shared with the route) are answered from the head alone, and the connection
@@ -29,7 +30,7 @@ Design decisions:
 - **The server never dies because of a request.** Every failure of a connection ends that
   connection only; hostile heads get a 4xx and a close.
 - **A connection is authenticated before it takes a slot.** A new connection must send its first
-  request head within ``HEAD_TIMEOUT_S`` of being accepted (no idle grace), and it counts against
+  request head within ``upload_wire.HEAD_TIMEOUT_S`` of being accepted (no idle grace), and it counts against
   ``MAX_CONNECTIONS`` only once that head has passed the admin-key check; more authenticated
   connections than that get 503 (the client then sends the part to the main port). Connections not
   yet authenticated are at most ``MAX_UNAUTHENTICATED``: one more closes the oldest of them. So
@@ -45,16 +46,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import http
 import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -71,43 +70,24 @@ from diffusion_rollout.entrypoints.upload_part import (
     refuse_body,
     truncated_body_error,
 )
+from diffusion_rollout.entrypoints.upload_wire import (
+    Connection,
+    Head,
+    ListenerRefusal,
+    content_length,
+    parse_head,
+    render,
+    request_id,
+)
 from diffusion_rollout.errors import DiffusionRolloutError, ServiceUnavailableError, WeightUpdateError
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.server.weights.receive import Lease, unpooled
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_LINE = 8192  # bytes; a longer one is a 414
-MAX_HEADER_LINE = 8192  # bytes per header line; longer, or more than MAX_HEADERS lines: 431
-MAX_HEADERS = 64
-MAX_HEAD_BYTES = 64 * 1024  # the whole request head
 MAX_CONNECTIONS = 64  # authenticated connections served at once; one more gets 503
 MAX_UNAUTHENTICATED = 64  # connections that have not passed the key check yet; one more closes the oldest
-IDLE_TIMEOUT_S = 60.0  # an authenticated kept-alive connection with no new request is closed after this
-# Longest a request head may take: from the accept for a connection's first request (an idle socket
-# that never authenticates goes within this), from its first byte for the later ones.
-HEAD_TIMEOUT_S = 10.0
-BODY_TIMEOUT_S = 120.0  # longest pause inside a body: the sender stalled, the part is refused
-LINGER_S = 0.5  # closing after a refusal: how long to drain what the client still sends
-LINGER_BYTES = 4 << 20  # ... and at most how much
-RECV_CHUNK = 8 << 20  # most bytes asked of one recv_into
-HEAD_READ = 64 * 1024  # head reads may take the first bytes of the body too (copied once, bounded)
 METRICS_ROUTE = "upload_port:" + UPLOAD_PATH  # /metrics label: which port answered
-
-
-class ListenerRefusal(DiffusionRolloutError):
-    """A request this listener does not serve (malformed head, other path or method, no length).
-
-    Its status varies (400, 404, 405, 411, 414, 431, 503, 505), so it is set per instance; the type
-    is the one the app gives its own HTTP-level refusals (``http_error``).
-    """
-
-    error_type = "http_error"
-
-    def __init__(self, status_code: int, message: str, *, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.headers = headers or {}
 
 
 @dataclass
@@ -130,192 +110,6 @@ class ListenerStats:
         with self._lock:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
-
-
-@dataclass
-class _Head:
-    method: str
-    path: str
-    query: str
-    version: str
-    headers: list[tuple[str, str]]  # lower-case names, in order
-
-    def get(self, name: str) -> str | None:
-        return next((v for k, v in self.headers if k == name), None)
-
-    def all(self, name: str) -> list[str]:
-        return [v for k, v in self.headers if k == name]
-
-    def keep_alive(self) -> bool:
-        tokens = {t.strip().lower() for v in self.all("connection") for t in v.split(",")}
-        if self.version == "HTTP/1.0":
-            return "keep-alive" in tokens
-        return "close" not in tokens
-
-
-class _Connection:
-    """One client socket and the bytes read from it but not yet used."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.pending = bytearray()
-        self.eof = False  # the client closed its sending side
-        self.authenticated = False  # holds one of the listener's MAX_CONNECTIONS slots
-        self.accepted_at = time.monotonic()
-
-    def read_head(self) -> bytes | None:
-        """The next request head (without its blank line); None when the client closed between
-        requests, stayed idle past ``IDLE_TIMEOUT_S`` (authenticated) or sent nothing within
-        ``HEAD_TIMEOUT_S`` of the accept (not yet). Once its first byte is here, the whole head must
-        arrive within ``HEAD_TIMEOUT_S`` (a byte now and then cannot hold a thread for long)."""
-        deadline = None if self.authenticated else self.accepted_at + HEAD_TIMEOUT_S
-        while True:
-            # Blank lines before a request line are allowed (RFC 9112 2.2).
-            while self.pending.startswith(b"\r\n"):
-                del self.pending[:2]
-            end = self.pending.find(b"\r\n\r\n")
-            if end >= 0:
-                head = bytes(self.pending[:end])
-                del self.pending[: end + 4]
-                return head
-            line_end = self.pending.find(b"\r\n")
-            if (line_end < 0 and len(self.pending) > MAX_REQUEST_LINE) or line_end > MAX_REQUEST_LINE:
-                raise ListenerRefusal(414, f"the request line is longer than {MAX_REQUEST_LINE} bytes")
-            if len(self.pending) > MAX_HEAD_BYTES:
-                raise ListenerRefusal(431, f"the request head is longer than {MAX_HEAD_BYTES} bytes")
-            if self.pending and deadline is None:
-                deadline = time.monotonic() + HEAD_TIMEOUT_S
-            wait = IDLE_TIMEOUT_S if deadline is None else deadline - time.monotonic()
-            try:
-                if wait <= 0:
-                    raise TimeoutError
-                self.sock.settimeout(wait)
-                chunk = self.sock.recv(HEAD_READ)
-            except TimeoutError:
-                if not self.pending:
-                    return None  # an idle keep-alive connection: closed quietly
-                raise ListenerRefusal(
-                    408, f"the request head did not arrive within {HEAD_TIMEOUT_S:g} s"
-                ) from None
-            if not chunk:
-                self.eof = True
-                if not self.pending:
-                    return None
-                raise ListenerRefusal(400, "the connection closed in the middle of the request head")
-            self.pending += chunk
-
-    def read_body(self, view: memoryview) -> int:
-        """Fill ``view``; returns how many bytes arrived (fewer: the body ended early)."""
-        size = len(view)
-        pos = min(size, len(self.pending))
-        if pos:  # what the head read took of the body: at most HEAD_READ bytes, copied once
-            view[:pos] = self.pending[:pos]
-            del self.pending[:pos]
-        self.sock.settimeout(BODY_TIMEOUT_S)
-        try:
-            while pos < size:
-                n = self.sock.recv_into(view[pos:], min(size - pos, RECV_CHUNK))
-                if n == 0:
-                    self.eof = True
-                    break
-                pos += n
-        except OSError:  # reset, timed out, or shut down by stop(): the body is cut short
-            pass
-        return pos
-
-    def send(self, data: bytes) -> None:
-        self.sock.settimeout(HEAD_TIMEOUT_S)
-        self.sock.sendall(data)
-
-    def close(self) -> None:
-        """Close after the last answer. Closing with unread bytes (a refused body still arriving)
-        makes the kernel send a reset, which can destroy that answer before the client reads it, so
-        the sending side is shut first and what still arrives is drained, briefly and boundedly."""
-        with contextlib.suppress(OSError):
-            if not self.eof:
-                self.sock.shutdown(socket.SHUT_WR)
-                self.sock.settimeout(LINGER_S)
-                drained = 0
-                while drained < LINGER_BYTES:
-                    chunk = self.sock.recv(HEAD_READ)
-                    if not chunk:
-                        break
-                    drained += len(chunk)
-        self.sock.close()
-
-
-def _parse_head(raw: bytes) -> _Head:
-    lines = raw.split(b"\r\n")
-    request_line = lines[0]
-    if len(request_line) > MAX_REQUEST_LINE:
-        raise ListenerRefusal(414, f"the request line is longer than {MAX_REQUEST_LINE} bytes")
-    if len(raw) > MAX_HEAD_BYTES:
-        raise ListenerRefusal(431, f"the request head is longer than {MAX_HEAD_BYTES} bytes")
-    parts = request_line.split(b" ")
-    if len(parts) != 3 or not all(parts):
-        raise ListenerRefusal(400, "malformed request line: expected 'METHOD /path HTTP/1.1'")
-    try:
-        method, target, version = (p.decode("ascii") for p in parts)
-    except UnicodeDecodeError:
-        raise ListenerRefusal(400, "malformed request line: not ASCII") from None
-    if not method.isalpha() or not method.isupper():
-        raise ListenerRefusal(400, f"malformed request line: invalid method {method[:20]!r}")
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise ListenerRefusal(505, f"HTTP version {version[:20]!r} is not supported; use HTTP/1.1")
-    if not target.startswith("/"):
-        raise ListenerRefusal(
-            400, "malformed request line: the target must be a path ('/update_weights?...')"
-        )
-    headers = []
-    for line in lines[1:]:
-        if len(line) > MAX_HEADER_LINE:
-            raise ListenerRefusal(431, f"a header line is longer than {MAX_HEADER_LINE} bytes")
-        if len(headers) >= MAX_HEADERS:
-            raise ListenerRefusal(431, f"more than {MAX_HEADERS} header lines")
-        name, sep, value = line.partition(b":")
-        # No folded lines, no whitespace in names, no stray CR/LF/NUL anywhere (request smuggling).
-        if not sep or not name or name != name.strip() or any(c in line for c in b"\r\n\0"):
-            raise ListenerRefusal(400, f"malformed header line {line[:40].decode('latin-1')!r}")
-        headers.append((name.decode("latin-1").lower(), value.decode("latin-1").strip()))
-    split = urlsplit(target)
-    return _Head(method, unquote(split.path), split.query, version, headers)
-
-
-def _content_length(head: _Head) -> int:
-    if head.all("transfer-encoding"):
-        raise ListenerRefusal(
-            411,
-            "Transfer-Encoding (chunked) bodies are not read on the upload port: send a Content-Length "
-            "(or use the main port)",
-        )
-    values = set(head.all("content-length"))
-    if not values:
-        raise ListenerRefusal(411, "Content-Length is required on the upload port")
-    if len(values) > 1:
-        raise ListenerRefusal(400, "conflicting Content-Length headers")
-    [value] = values
-    if not value.isdigit() or len(value) > 19:
-        raise ListenerRefusal(400, f"invalid Content-Length {value[:30]!r}")
-    return int(value)
-
-
-def _request_id(head: _Head | None) -> str:
-    rid = head.get("x-request-id") if head is not None else None
-    # Echoed in a header and logged: only a short printable token is taken from the client.
-    if rid and len(rid) <= 128 and all(33 <= ord(c) <= 126 for c in rid):
-        return rid
-    return uuid.uuid4().hex
-
-
-def _render(response: JSONResponse, rid: str, keep_alive: bool) -> bytes:
-    try:
-        phrase = http.HTTPStatus(response.status_code).phrase
-    except ValueError:
-        phrase = "Unknown"
-    lines = [f"HTTP/1.1 {response.status_code} {phrase}"]
-    lines += [f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in response.raw_headers]
-    lines += [f"x-request-id: {rid}", f"connection: {'keep-alive' if keep_alive else 'close'}"]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body
 
 
 class UploadListener:
@@ -457,7 +251,7 @@ class UploadListener:
 
     # ------------------------------------------------------------------ one connection
     def _serve(self, sock: socket.socket) -> None:
-        conn = _Connection(sock)
+        conn = Connection(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # answers are one small write
             while not self._stopping and self._one_request(conn):
@@ -474,18 +268,18 @@ class UploadListener:
                 if conn.authenticated:
                     self._authenticated -= 1
 
-    def _one_request(self, conn: _Connection) -> bool:
+    def _one_request(self, conn: Connection) -> bool:
         """Read and answer one request; whether the connection may carry another."""
         head = None
         try:
             raw = conn.read_head()
             if raw is None:
                 return False
-            head = _parse_head(raw)
+            head = parse_head(raw)
         except ListenerRefusal as refusal:
-            conn.send(self._answer(refusal, _request_id(None), None, keep_alive=False))
+            conn.send(self._answer(refusal, request_id(None), None, keep_alive=False))
             return False
-        rid = _request_id(head)
+        rid = request_id(head)
         token = request_id_var.set(rid)  # log lines of this request (and of the coroutines it runs)
         try:
             response, body_read = self._handle(head, conn)
@@ -500,7 +294,7 @@ class UploadListener:
         conn.send(self._answer(response, rid, head, keep_alive=keep_alive))
         return keep_alive
 
-    def _handle(self, head: _Head, conn: _Connection) -> tuple[JSONResponse | BaseException, bool]:
+    def _handle(self, head: Head, conn: Connection) -> tuple[JSONResponse | BaseException, bool]:
         """The answer to one request (a response, or the exception to answer), and whether its body
         was read whole (only then is the connection still in step with the client)."""
         if head.path != UPLOAD_PATH:
@@ -516,7 +310,7 @@ class UploadListener:
         self._take_slot(conn)
         if head.method != "POST":
             raise ListenerRefusal(405, "Method Not Allowed", headers={"Allow": "POST"})
-        length = _content_length(head)
+        length = content_length(head)
         query = UploadQuery.from_pairs(parse_qsl(head.query, keep_blank_values=True))
         if self.stage_only and query.final:
             raise WeightUpdateError(
@@ -545,7 +339,7 @@ class UploadListener:
             self.stats.add(apply_s=time.perf_counter() - t0)
         return JSONResponse(jsonable_encoder(result)), True
 
-    def _take_slot(self, conn: _Connection) -> None:
+    def _take_slot(self, conn: Connection) -> None:
         """An authenticated connection's slot (kept until it closes), or 503 when all are taken."""
         if conn.authenticated:
             return
@@ -561,7 +355,7 @@ class UploadListener:
             self._authenticated += 1
             conn.authenticated = True
 
-    def _receive(self, conn: _Connection, pool, length: int) -> tuple[Lease | None, int]:
+    def _receive(self, conn: Connection, pool, length: int) -> tuple[Lease | None, int]:
         """The body in a pooled buffer, or ``(None, bytes received)`` when it ended early."""
         if length == 0:
             return unpooled(b""), 0
@@ -601,7 +395,7 @@ class UploadListener:
 
     # ------------------------------------------------------------------ answers
     def _answer(
-        self, outcome: JSONResponse | BaseException, rid: str, head: _Head | None, *, keep_alive: bool
+        self, outcome: JSONResponse | BaseException, rid: str, head: Head | None, *, keep_alive: bool
     ) -> bytes:
         if isinstance(outcome, JSONResponse):
             response = outcome
@@ -614,10 +408,10 @@ class UploadListener:
         self.stats.add(requests=1, refused=int(status >= 400))
         route = METRICS_ROUTE if head is not None and head.path == UPLOAD_PATH else "upload_port:unmatched"
         self.engine.metrics.http_response(head.method if head else "-", route, status)
-        return _render(response, rid, keep_alive)
+        return render(response, rid, keep_alive)
 
     @staticmethod
-    def _log_failure(exc: BaseException, head: _Head | None) -> None:
+    def _log_failure(exc: BaseException, head: Head | None) -> None:
         where = f"{head.method} {head.path}" if head is not None else "a request"
         if isinstance(exc, DiffusionRolloutError):
             if exc.status_code >= 500:
