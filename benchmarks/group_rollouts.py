@@ -1,4 +1,4 @@
-"""Group rollouts that share work (issue #60): one Flow-GRPO group's seconds with each option, side by side.
+"""Group rollouts that share work: one Flow-GRPO group's seconds with each option, side by side.
 
 One CLI server (``serve`` on GPU 0, or on the CPU with ``--cpu``), a saved real architecture, one
 group request at a time, the options interleaved over ``--reps`` rounds (the same seeds in every

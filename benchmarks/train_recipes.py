@@ -63,7 +63,7 @@ _PEER_QWEN = ["--steps", "10", "--size", "512", "--group-size", "16", "--lora-ra
               "--reward", f"vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32"]  # fmt: skip
 
 
-# Issue #59's placement rows: Flow-GRPO on SD3.5-medium, 4 prompts x 16 at 512², 10 steps, CFG 4.5, the
+# Where the reward is scored: Flow-GRPO on SD3.5-medium, 4 prompts x 16 at 512², 10 steps, CFG 4.5, the
 # trainer and the server colocated on one GPU, the reward scored in the trainer or on the server. The
 # "free" reward (brightness, scored on the server) is the iteration with nothing to score; the scorers
 # are random-weight architectures built beside the model: CLIP ViT-H/14 (PickScore's) and Qwen3-VL-8B
@@ -227,7 +227,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "flow_grpo",
         [*_PEER_QWEN, "--prompts", "32", *_COLOCATED, "--release-memory"],
     ),
-    # Issue #59 on the peer's workload: the judge scored by each replica (its weights in pinned host
+    # The reward on the server in the peer's workload: the judge scored by each replica (its weights in pinned host
     # memory between calls), the trainer ranks receiving values and no pixels. Not run on a GPU yet.
     "peer-qwen-image-lora-server-reward": (
         "qwen-image",

@@ -396,7 +396,7 @@ def screened_groups(
     client: RolloutClient, jobs: list[dict[str, Any]], shared: dict[str, Any], args: argparse.Namespace,
     reward_fn: Any, phases: Any,
 ) -> list[list[Any]]:  # fmt: skip
-    """Screen then regenerate (issue #60, Sol-RL): ``--screen`` candidates per group made cheaply
+    """Screen then regenerate (Sol-RL's idea): ``--screen`` candidates per group made cheaply
     (``--screen-cache``, no trajectory), scored, and the chosen ``--group-size`` regenerated exactly
     (``client.regenerate.regenerate_body``: the same x_T and step noise, exact numbers)."""
     from diffusion_rollout.client.regenerate import regenerate_body

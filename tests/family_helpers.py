@@ -6,6 +6,7 @@ Each helper asserts exactly what the family tests asserted inline; a family pass
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -196,3 +197,22 @@ def assert_400_naming(srv, request: dict, needle: str, *, then_healthy: bool = F
 def assert_model_info_names(srv, family: str, pipeline_class: str) -> None:
     info = srv.client.get("/model_info").json()
     assert info["family"] == family and info["pipeline_class"] == pipeline_class
+
+
+@contextlib.contextmanager
+def transformer_rows(srv):
+    """The batch size of every call of ``srv``'s transformer made inside the block, in order."""
+    transformer = srv.engine.adapter.transformers()["transformer"]
+    rows: list[int] = []
+    forward = transformer.forward
+
+    def counting(*args, **kwargs):
+        rows.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0])
+        return forward(*args, **kwargs)
+
+    transformer.forward = counting  # an instance attribute: what nn.Module.__call__ runs
+    try:
+        yield rows
+    finally:
+        del transformer.forward
+

@@ -322,7 +322,7 @@ def test_train_recipes_builds_the_judge_for_the_peer_run(tmp_path):
 
 @pytest.mark.slow
 def test_train_recipes_scores_on_the_server_with_a_clip_built_beside_the_model(tmp_path):
-    """Issue #59's placement run at CPU size: a tiny CLIP folder built under ``--work`` and served by
+    """The reward-placement run at CPU size: a tiny CLIP folder built under ``--work`` and served by
     ``serve --reward pickscore=clip:...``, the recipe asking for it by name, no pixels travelling."""
     from benchmarks import train_recipes
 

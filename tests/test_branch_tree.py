@@ -1,4 +1,4 @@
-"""Branching trees (issue #60 item 2, ``rollout_branch``; server/branch_tree.py): one request grows G
+"""Branching trees (``rollout_branch``; server/branch_tree.py): one request grows G
 leaves from one x_T, each node's steps computed once; the leaves share exactly their common
 ancestors' latents, the transformer sees one row per node, and a trainer's replay of the tree
 reproduces the server's model outputs bit for bit (ratio exactly 1)."""
@@ -76,20 +76,11 @@ def test_leaves_share_exactly_their_ancestors(served, family, extra):
 
 
 def test_the_transformer_sees_one_row_per_node(served):
+    from tests.family_helpers import transformer_rows
+
     srv = served("sd3")
-    transformer = srv.engine.adapter.transformers()["transformer"]
-    rows: list[int] = []
-    forward = transformer.forward
-
-    def counting(*args, **kwargs):
-        rows.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0])
-        return forward(*args, **kwargs)
-
-    transformer.forward = counting  # an instance attribute: what nn.Module.__call__ runs
-    try:
+    with transformer_rows(srv) as rows:
         post(srv, {**BASE, "guidance_scale": 4.0})
-    finally:
-        del transformer.forward
     # CFG doubles each: steps 0-1 one node, steps 2-3 two nodes, step 4 four leaves (not 5 x 8 rows).
     assert rows == [2, 2, 4, 4, 8]
 

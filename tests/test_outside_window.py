@@ -1,4 +1,4 @@
-"""Cheaper ODE steps outside the SDE window (issue #60, item 3; scheduler_mixins/outside_window.py):
+"""Cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py):
 the kept schedule, the window's sigmas and log-probs unchanged in meaning, DPM-Solver++(2M) against
 diffusers' own implementation, the recipe's first-step ratio exactly 1, and what the options refuse."""
 

@@ -111,15 +111,9 @@ def test_shared_prefix_group_is_prefix_at_batch_1_then_branch_at_batch_g(served,
 
 def test_the_prefix_runs_one_row_per_guidance_branch(served):
     """The saving itself: the transformer sees 2 rows (CFG) at the prefix steps, 2G after them."""
+    from tests.family_helpers import transformer_rows
+
     srv = served("sd3")
-    transformer = srv.engine.adapter.transformers()["transformer"]
-    rows: list[int] = []
-    forward = transformer.forward
-
-    def counting(*args, **kwargs):
-        rows.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0])
-        return forward(*args, **kwargs)
-
     body = {
         **BASE,
         "guidance_scale": 4.0,
@@ -127,11 +121,8 @@ def test_the_prefix_runs_one_row_per_guidance_branch(served):
         "num_outputs_per_prompt": 3,
         "rollout_share_prefix": True,
     }
-    transformer.forward = counting  # an instance attribute: what nn.Module.__call__ runs
-    try:
+    with transformer_rows(srv) as rows:
         post(srv, body)
-    finally:
-        del transformer.forward
     assert rows == [2] * K + [6] * (T - K)
 
 

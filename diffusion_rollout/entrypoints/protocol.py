@@ -135,9 +135,9 @@ class GenerateRequest(BaseModel):
     allow_inexact: bool = False
     # Issue #60: the group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
     rollout_share_prefix: bool = False
-    # Issue #60: cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
+    # Cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
     rollout_ode_solver: Literal["euler", "dpm2m"] = "euler"
-    # Issue #60: a tree of rollouts grown from one x_T (server/branch_tree.py).
+    # A tree of rollouts grown from one x_T (server/branch_tree.py).
     rollout_branch: Annotated[list[BranchPoint], Field(min_length=1, max_length=8)] | None = None
     rollout_outside_window_stride: int = Field(1, ge=1, le=64)
     lean_response: bool = False

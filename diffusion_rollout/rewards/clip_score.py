@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.rewards.simple import Reward, _frames
+from diffusion_rollout.rewards.simple import Reward, first_frames, model_placement
 
 
 def _embedding(out: Any) -> torch.Tensor:
@@ -45,13 +45,7 @@ class ClipScore:
             raise ValueError(f"clip: {model!r} is not a transformers CLIP folder (no config.json)")
         if batch_size < 1:
             raise ValueError(f"clip: batch_size must be >= 1, got {batch_size}")
-        if device is None:
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = getattr(torch, str(dtype))
+        self.device, self.dtype = model_placement(device, dtype)
         self.batch_size = int(batch_size)
         self.model = CLIPModel.from_pretrained(str(path), dtype=self.dtype).to(self.device).eval()
         self.processor = CLIPImageProcessor.from_pretrained(str(path))
@@ -62,9 +56,7 @@ class ClipScore:
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         from PIL import Image
 
-        frames = _frames(images)[:, 0]
-        if len(prompts) != frames.shape[0]:
-            raise ValueError(f"clip: {frames.shape[0]} images but {len(prompts)} prompts")
+        frames = first_frames(images, prompts, "clip")
         scale = self.model.logit_scale.exp().float()
         out = []
         for lo in range(0, frames.shape[0], self.batch_size):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.rewards.ocr import ocr_similarity, target_text
-from diffusion_rollout.rewards.simple import _frames
+from diffusion_rollout.rewards.simple import first_frames
 
 RULES = ("ocr", "number", "yes_no")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -89,10 +89,8 @@ class HttpReward:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> torch.Tensor:
-        frames = _frames(images)[:, 0]
+        frames = first_frames(images, prompts, "http reward")
         n = frames.shape[0]
-        if len(prompts) != n:
-            raise ValueError(f"http reward: {n} images but {len(prompts)} prompts")
         meta = list(metadata) if metadata is not None else [{}] * n
         pngs = [png_base64(f) for f in frames]
         if self.api == "json":

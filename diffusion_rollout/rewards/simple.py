@@ -64,3 +64,24 @@ def brightness(target: float = 0.8) -> Reward:
         return -((mean - float(target)) ** 2)
 
     return reward
+
+
+def model_placement(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """Where a reward model runs: ``device`` (default: this process's CUDA device, under torchrun the
+    rank's own, else the CPU) in ``dtype`` (default: bfloat16 on CUDA, float32 on a CPU)."""
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    where = torch.device(device)
+    if dtype is None:
+        return where, torch.bfloat16 if where.type == "cuda" else torch.float32
+    return where, getattr(torch, str(dtype))
+
+
+def first_frames(images: torch.Tensor, prompts: Sequence[str], who: str) -> torch.Tensor:
+    """uint8 ``[N, 3, H, W]``: each image, or a video's first frame (what a model reward scores),
+    checked against one prompt per sample."""
+    frames = _frames(images)[:, 0]
+    if len(prompts) != frames.shape[0]:
+        raise ValueError(f"{who}: {frames.shape[0]} images but {len(prompts)} prompts")
+    return frames
+

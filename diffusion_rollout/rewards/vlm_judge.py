@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.rewards.ocr import ocr_similarity, target_text
-from diffusion_rollout.rewards.simple import Reward, _frames
+from diffusion_rollout.rewards.simple import Reward, first_frames, model_placement
 
 
 class VlmOcrJudge:
@@ -61,14 +61,7 @@ class VlmOcrJudge:
         path = Path(str(model))
         if not (path / "config.json").is_file():
             raise ValueError(f"vlm_ocr_judge: model={model!r} is not a transformers folder (no config.json)")
-        if device is None:
-            # Under torchrun each rank has set its own CUDA device; the judge runs beside it.
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = getattr(torch, str(dtype))
+        self.device, self.dtype = model_placement(device, dtype)
         self.max_new_tokens = int(max_new_tokens)
         self.batch_size = int(batch_size)
         self.fixed_budget = bool(int(fixed_budget))
@@ -159,9 +152,7 @@ class VlmOcrJudge:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> torch.Tensor:
-        frames = _frames(images)[:, 0]  # a video is judged on its first frame
-        if len(prompts) != frames.shape[0]:
-            raise ValueError(f"vlm judge: {frames.shape[0]} images but {len(prompts)} prompts")
+        frames = first_frames(images, prompts, "vlm judge")
         meta = list(metadata) if metadata is not None else [{}] * len(prompts)
         # A request's per-prompt text (reward_metadata ocr_text) wins over the prompt's quotes.
         targets = [target_text(p, m) for p, m in zip(prompts, meta, strict=True)]

@@ -1,4 +1,4 @@
-"""Fewer, higher-order ODE steps outside the SDE window (MixGRPO-Flash's idea; issue #60, item 3).
+"""Fewer, higher-order ODE steps outside the SDE window (MixGRPO-Flash's idea).
 
 A Flow-GRPO rollout trains only its window's stochastic steps; the deterministic steps before and
 after only carry the latent there and on to the image. Two opt-in request options make them cheaper:

@@ -1,4 +1,4 @@
-"""Branching trees (issue #60, BranchGRPO; ``rollout_branch``): one request, a tree of rollouts.
+"""Branching trees (BranchGRPO's rollout; ``rollout_branch``): one request, a tree of rollouts.
 
 ``rollout_branch: [{"step": s1, "factor": f1}, {"step": s2, "factor": f2}, ...]`` asks for
 ``G = f1 * f2 * ...`` leaves (``num_outputs_per_prompt``) grown from one x_T: all rows are one node
