@@ -282,6 +282,10 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
             "--release-memory",
         ],
     ),
+    # Shared ODE prefixes (rollout_share_prefix) on and off, the same seeds: the reward curves side by
+    # side (two runs may share one GPU: their curves count, their seconds do not).
+    "sd35-prefix-on": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "20", "--share-prefix"]),
+    "sd35-prefix-off": ("sd3.5-medium", "flow_grpo", [*_SD35, *_CFG, "--iterations", "20"]),
     "reward-free-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, "--reward", "brightness", *_ON_SERVER]),
     "reward-clip-trainer": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_CLIP]),
     "reward-clip-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_CLIP, *_ON_SERVER]),

@@ -332,7 +332,10 @@ class RecipeReward:
         self.on_server = args.reward_on == "server"
         self.keep_pixels = bool(getattr(args, "log_to", None))
         if not self.on_server:
+            # The GPU memory the reward model holds in this process, for the placement comparison.
+            before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
             self.fn = load_reward(spec)
+            self.resident_bytes = None if before is None else torch.cuda.memory_allocated() - before
             return
         if client is None:
             raise SystemExit("--reward-on server needs a rollout server (not --layout in-process)")
@@ -343,10 +346,11 @@ class RecipeReward:
                 f"{self.name!r} (it serves {list(served) or 'none'}); start it with --reward {self.name}=SPEC"
             )
 
-    def server_record(self, client: Any) -> dict[str, Any] | None:
-        """The server's account of the reward (calls, seconds, device, memory held), for the run record."""
+    def record(self, client: Any) -> dict[str, Any] | None:
+        """The server's account of the reward (calls, seconds, device, memory held), for the run record;
+        for a reward scored here, the memory it holds in this process."""
         if not self.on_server:
-            return None
+            return {"name": self.name, "where": "trainer", "resident_bytes": self.resident_bytes}
         rewards = client.server_info(admin=client.admin_key is not None).get("rewards")
         return rewards.get(self.name) if isinstance(rewards, dict) else None
 

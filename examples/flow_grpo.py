@@ -669,8 +669,8 @@ def run(
             if ranks.is_main:
                 if full is not None:
                     run_record["full_sync"] = full.record()
-                if reward_fn.on_server:
-                    run_record["server_reward"] = reward_fn.server_record(client)
+                where = "server_reward" if reward_fn.on_server else "trainer_reward"
+                run_record[where] = reward_fn.record(client)
                 run_record["summary"] = summarize(history, "first_ratio_max_dev")
                 run_record.update(recovery.record())
                 write_run(out_path, run_record)

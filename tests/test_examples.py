@@ -164,6 +164,9 @@ def test_flow_grpo_reward_on_server_trains_on_the_same_values_without_the_pixels
         images = 2 * 4 * 3 * 32 * 32
         assert images <= t["answer_bytes"] - s["answer_bytes"] < images + 8 * 200
     assert server["final_adapter_checksum"] == trainer["final_adapter_checksum"]
+    # Each run names where it scored; a CPU reward holds no GPU memory.
+    assert trainer["trainer_reward"] == {"name": "mine", "where": "trainer", "resident_bytes": None}
+    assert server["server_reward"]["calls"] >= 1 and "trainer_reward" not in server
 
 
 def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, fresh_server):
