@@ -18,6 +18,8 @@ variant, so their images differ only by what the option changes):
 
     python -m benchmarks.group_rollouts --model sd3.5-medium --group 16 --size 512 --steps 10 --out $OUT
     python -m benchmarks.group_rollouts --cpu --out DIR          # the CPU dry run (tiny SD3)
+    python -m benchmarks.group_rollouts --model qwen-image --window-start 2 --guidance-scale 1 \
+        --true-cfg-scale 4 --negative-prompt " " --max-sequence-length 256 --out $OUT   # verl-omni's settings
 
 Each variant's seconds are the whole request as a trainer waits for it (trajectory, env and
 log-probs, uint8 images, decoded). The JSON (``group_rollouts.json``) is written after every round.
@@ -66,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="num_inference_steps (default 10; CPU 6)")
     p.add_argument("--window-start", type=int, default=None, help="the window's first step (default T/2)")
     p.add_argument("--guidance-scale", type=float, default=4.5)
+    # Qwen-Image's true CFG at verl-omni's settings: --true-cfg-scale 4 --negative-prompt " "
+    p.add_argument("--true-cfg-scale", type=float, default=None)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None)
     p.add_argument("--reps", type=int, default=None, help="rounds of every variant (default 5; CPU 1)")
     p.add_argument("--screen", type=int, default=0, help="K candidates screened per kept group (0: off)")
     p.add_argument("--screen-args", default="--speed fast", help="the screening server's serve options")
@@ -101,6 +107,9 @@ def group_body(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "rollout_sde_step_indices": [k, k + 1], "rollout_return_dit_trajectory": True,
         "rollout_return_denoising_env": True, "rollout_debug_mode": False, "output_dtype": "uint8",
         "generator_device": "cpu" if args.cpu else "cuda", "lean_response": True,
+        # Sent only when set: SD3 takes no such fields.
+        **{k: v for k, v in (("true_cfg_scale", args.true_cfg_scale), ("negative_prompt", args.negative_prompt),
+                             ("max_sequence_length", args.max_sequence_length)) if v is not None},
     }  # fmt: skip
 
 

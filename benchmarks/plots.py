@@ -283,6 +283,13 @@ def reward_curves(out: Path) -> list[Path]:
             {"synchronous": run("sd35-sync.json"), "--async-depth 1": run("sd35-async1.json")},
         ),
     ]
+    h200 = RESULTS / "h200" / "training"
+    figures.append((
+        "reward_share_prefix.png",
+        "SD3.5-medium Flow-GRPO 4 x 8, JPEG, same seeds, one H200: shared prefixes on vs off",
+        {"rollout_share_prefix on": json.loads((h200 / "sd35-prefix-on.json").read_text()),
+         "off": json.loads((h200 / "sd35-prefix-off.json").read_text())},
+    ))  # fmt: skip
     paths = [async_timeline(out, run("sd35-sync.json"), run("sd35-async1.json"))]
     for name, title, runs in figures:
         plot_reward_curves(runs, str(out / name), title=title)

@@ -74,6 +74,7 @@ _CLIP = ["--reward", "pickscore=clip:{work}/models/clip-large"]
 _VLM = ["--prompt-set", "ocr",
         "--reward", f"ocr=vlm_ocr_judge?model={{work}}/models/{JUDGE}&max_new_tokens=32&offload=0"]  # fmt: skip
 _ON_SERVER = ["--reward-on", "server"]
+_JUDGE_GPU1 = ["--server-gpus", "0,1", "--replicas", "1", "--trainer-gpu", "0", "--server-args=--reward-gpus 1"]  # fmt: skip
 
 
 def _without_cfg(args: list[str]) -> list[str]:
@@ -291,6 +292,13 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "reward-clip-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_CLIP, *_ON_SERVER]),
     "reward-vlm-trainer": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_VLM]),
     "reward-vlm-server": ("sd3.5-medium", "flow_grpo", [*_REWARD_SD35, *_VLM, *_ON_SERVER]),
+    # The judge on a GPU of its own (2 GPUs): the server sees both, rolls out on the first
+    # (--replicas 1) and scores on the second; the trainer stays on the first.
+    "reward-vlm-server-gpu1": (
+        "sd3.5-medium",
+        "flow_grpo",
+        [*_REWARD_SD35, *_VLM, *_ON_SERVER, *_JUDGE_GPU1],
+    ),
     # The placement rows at CPU size (tiny SD3, tiny CLIP), run by the suite's smoke test.
     "tiny-reward-server": (
         "tiny-sd3",

@@ -626,3 +626,19 @@ def test_group_rollouts_dry_run_times_every_variant(tmp_path):
     assert 0 < rows["share_prefix"]["formula_vs_plain"] < 1
     [screen] = doc["screen"]
     assert screen["seconds_per_kept"] > 0
+
+
+def test_group_rollouts_dry_run_on_qwen_image_with_true_cfg(tmp_path):
+    """The Qwen-Image row's command (verl-omni's true CFG with a negative prompt) at CPU size."""
+    from benchmarks import group_rollouts
+
+    out = tmp_path / "out"
+    argv = ["--cpu", "--model", "tiny-qwenimage", "--guidance-scale", "1", "--true-cfg-scale", "4",
+            "--negative-prompt", " ", "--max-sequence-length", "32", "--out", str(out), "--work", str(tmp_path / "w")]  # fmt: skip
+    assert group_rollouts.main(argv) == 0
+    doc = json.loads((out / "group_rollouts.json").read_text())
+    assert doc["settings"]["true_cfg_scale"] == 4 and doc["settings"]["model"] == "tiny-qwenimage"
+    rows = {r["variant"]: r for r in doc["results"]}
+    assert set(rows) == set(group_rollouts.VARIANTS)
+    assert rows["share_prefix"]["steps_run"] == rows["plain"]["steps_run"] == 6
+    assert rows["stride2"]["steps_run"] < 6
