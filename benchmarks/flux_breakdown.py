@@ -112,7 +112,8 @@ def fp8_rows(
     transformer keeps it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from diffusion_rollout.server.fast_tier import quantize_fp8, unsupported_reason
+    from diffusion_rollout.fast_tier_checks import unsupported_reason
+    from diffusion_rollout.server.fast_tier import quantize_fp8
 
     reason = unsupported_reason(quantize="fp8", attention_backend=None, device=device)
     if reason:
@@ -139,7 +140,8 @@ def fa4_rows(
 ) -> list[dict]:
     """``label`` with FlashAttention-4 (the server's ``--attention-backend fa4``); compiled blocks
     recompile for it (the backend is read inside the traced code). The transformer keeps FA4."""
-    from diffusion_rollout.server.fast_tier import register_fa4, unsupported_reason
+    from diffusion_rollout.fast_tier_checks import unsupported_reason
+    from diffusion_rollout.server.fast_tier import register_fa4
 
     reason = unsupported_reason(quantize=None, attention_backend="fa4", device=device)
     if reason:

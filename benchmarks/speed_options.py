@@ -861,7 +861,7 @@ def _compiled(model: BenchModel) -> Iterator[None]:
 
 def _require_fp8(model: BenchModel) -> None:
     """RuntimeError naming why ``--quantize fp8`` cannot run here (before any stock timing)."""
-    from diffusion_rollout.server.fast_tier import unsupported_reason
+    from diffusion_rollout.fast_tier_checks import unsupported_reason
 
     reason = unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
     if reason:

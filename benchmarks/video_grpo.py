@@ -65,7 +65,7 @@ DEFAULT = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "ltx-2", "hunyuanvideo-1.5-480p")
 
 def fast_tier_gap(model) -> str | None:
     """Why ``--quantize fp8`` cannot run on ``model``'s device, or None."""
-    from diffusion_rollout.server.fast_tier import unsupported_reason
+    from diffusion_rollout.fast_tier_checks import unsupported_reason
 
     return unsupported_reason(quantize="fp8", attention_backend=None, device=model.device)
 

@@ -351,7 +351,7 @@ class ServerConfig(BaseModel):
     def _warmup_profile_folder(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        from diffusion_rollout.server.own_files import make_private_dirs
+        from diffusion_rollout.own_files import make_private_dirs
 
         folder = Path(value).expanduser()
         try:
@@ -376,7 +376,7 @@ class ServerConfig(BaseModel):
         device = self.resolved_device()
         fp8_reason = None
         if self.speed == "fast" and "quantize" not in self.model_fields_set:
-            from diffusion_rollout.server.fast_tier import unsupported_reason
+            from diffusion_rollout.fast_tier_checks import unsupported_reason
 
             fp8_reason = unsupported_reason(
                 quantize="fp8", attention_backend=None, device=device, check_hardware=self.replicas is None
@@ -498,7 +498,7 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{names[0]} cannot be combined with context_parallel={self.context_parallel}")
         if self.quantize is not None and self.cuda_graphs:
             raise ValueError(f"quantize={self.quantize} cannot be combined with cuda_graphs (not tried yet)")
-        from diffusion_rollout.server.fast_tier import unsupported_reason
+        from diffusion_rollout.fast_tier_checks import unsupported_reason
 
         # A Ray front may see no GPU: then only the device name is checked here, each replica's
         # loader checks the GPU and the packages.

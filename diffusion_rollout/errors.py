@@ -160,6 +160,6 @@ class ReplicasDivergedError(WeightApplyError):
 
 class UntrustedFileError(DiffusionRolloutError):
     """A file or folder the server would load code from, or write into, is not the server's own
-    (another owner, writable by others, a symbolic link): refused, never read (server/own_files.py)."""
+    (another owner, writable by others, a symbolic link): refused, never read (own_files.py)."""
 
     error_type = "untrusted_file"

@@ -61,7 +61,7 @@ def choose(
 ) -> SpeedChoice:
     """The options ``preset`` adds on ``device``, given the options the user set (name -> value).
 
-    ``fp8_unavailable``: why FP8 cannot run here (``fast_tier.unsupported_reason``), or None."""
+    ``fp8_unavailable``: why FP8 cannot run here (``fast_tier_checks.unsupported_reason``), or None."""
     cuda = device.startswith("cuda")
     if preset == "fast":
         wanted: dict[str, Any] = {"compile": True}

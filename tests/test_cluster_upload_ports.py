@@ -29,6 +29,7 @@ def cluster(tiny_model_path):
     from benchmarks.common import LoopbackServer
     from diffusion_rollout.cluster import ClusterEngine
     from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.entrypoints.upload_listener import UploadListener
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
@@ -38,7 +39,7 @@ def cluster(tiny_model_path):
             model=str(tiny_model_path("sd3")), device="cpu", dtype="float32", replicas=2,
             gpus_per_replica=0, upload_port=0,
         )  # fmt: skip
-        engine = ClusterEngine(config)
+        engine = ClusterEngine(config, upload_listener=UploadListener)
         engine.start()
         front = LoopbackServer(engine, config)  # the front on a real port, as the replicas' are
         with RolloutClient(front.url, timeout=60.0) as client:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from diffusion_rollout import fast_tier_checks
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.server import fast_tier
 from diffusion_rollout.server.speed import SpeedOptions
@@ -86,25 +87,25 @@ def _fake_gpu(monkeypatch, capability, name="Fake GPU"):
 
 def test_gpu_and_package_checks_name_what_is_missing(monkeypatch):
     _fake_gpu(monkeypatch, (8, 0), "NVIDIA A100")
-    reason = fast_tier.unsupported_reason(quantize="fp8", attention_backend=None, device="cuda")
+    reason = fast_tier_checks.unsupported_reason(quantize="fp8", attention_backend=None, device="cuda")
     assert reason == "quantize=fp8 needs a GPU of compute capability >= 8.9; cuda is NVIDIA A100 (8.0)"
     _fake_gpu(monkeypatch, (8, 9), "NVIDIA L40S")
-    reason = fast_tier.unsupported_reason(quantize=None, attention_backend="fa4", device="cuda:0")
+    reason = fast_tier_checks.unsupported_reason(quantize=None, attention_backend="fa4", device="cuda:0")
     assert (
         reason
         == "attention_backend=fa4 needs a GPU of compute capability >= 9.0; cuda:0 is NVIDIA L40S (8.9)"
     )
     _fake_gpu(monkeypatch, (9, 0), "NVIDIA H100")
-    monkeypatch.setattr(fast_tier.importlib.util, "find_spec", lambda name: None)
-    assert fast_tier.unsupported_reason(quantize="fp8", attention_backend=None, device="cuda") == (
-        "quantize=fp8 needs the torchao package, which is not installed: " + fast_tier.FP8_INSTALL
+    monkeypatch.setattr(fast_tier_checks.importlib.util, "find_spec", lambda name: None)
+    assert fast_tier_checks.unsupported_reason(quantize="fp8", attention_backend=None, device="cuda") == (
+        "quantize=fp8 needs the torchao package, which is not installed: " + fast_tier_checks.FP8_INSTALL
     )
-    assert fast_tier.unsupported_reason(quantize=None, attention_backend="fa4", device="cuda") == (
+    assert fast_tier_checks.unsupported_reason(quantize=None, attention_backend="fa4", device="cuda") == (
         "attention_backend=fa4 needs the flash_attn.cute package, which is not installed: pip install flash-attn-4"
     )
-    monkeypatch.setattr(fast_tier.importlib.util, "find_spec", lambda name: object())
-    assert fast_tier.unsupported_reason(quantize="fp8", attention_backend="fa4", device="cuda") is None
-    assert fast_tier.unsupported_reason(quantize=None, attention_backend="flash", device="cpu") is None
+    monkeypatch.setattr(fast_tier_checks.importlib.util, "find_spec", lambda name: object())
+    assert fast_tier_checks.unsupported_reason(quantize="fp8", attention_backend="fa4", device="cuda") is None
+    assert fast_tier_checks.unsupported_reason(quantize=None, attention_backend="flash", device="cpu") is None
 
 
 def test_fp8_config_leaves_inductors_settings_alone(monkeypatch):

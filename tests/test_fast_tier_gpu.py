@@ -24,6 +24,7 @@ import importlib.util
 import pytest
 import torch
 
+from diffusion_rollout import fast_tier_checks
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
 from diffusion_rollout.server import fast_tier
 from diffusion_rollout.server.precompiled_blocks import rel_diff
@@ -64,7 +65,7 @@ def all_linears_fp8(monkeypatch):
 
 
 def test_fp8_server_is_inexact_and_finite(fresh_server, all_linears_fp8):
-    _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+    _need(fast_tier_checks.FP8_MIN_CAPABILITY, "torchao")
     server = fresh_server("sd3", device="cuda", dtype="bfloat16", quantize="fp8", compile=True)
     speed = server.client.get("/server_info").json()["speed"]
     assert speed["exact"] is False and "quantize=fp8" in speed["inexact_options"]
@@ -83,7 +84,7 @@ def test_fp8_server_is_inexact_and_finite(fresh_server, all_linears_fp8):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fa4_server_is_inexact_finite_and_close_to_native(fresh_server, compile):
-    _need(fast_tier.FA4_MIN_CAPABILITY, "flash_attn.cute")
+    _need(fast_tier_checks.FA4_MIN_CAPABILITY, "flash_attn.cute")
     # FLUX: its processors go through diffusers' dispatcher (SD3's call SDPA themselves and refuse it).
     body = _body("flux", rollout=False, return_generated_output=False)
     native = fresh_server("flux", device="cuda", dtype="bfloat16").generate(body)
@@ -100,7 +101,7 @@ def test_fa4_server_is_inexact_finite_and_close_to_native(fresh_server, compile)
 
 
 def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_linears_fp8):
-    _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+    _need(fast_tier_checks.FP8_MIN_CAPABILITY, "torchao")
     from diffusers import AutoModel
 
     from diffusion_rollout.client import RolloutClient, push_weights
@@ -130,7 +131,7 @@ def test_a_restart_runs_precompiled_blocks_matching_the_traced_ones(
     with FP8 on an H100), the rollouts match within a relative L2 of 5e-2, else bit for bit."""
     config = dict(device="cuda", dtype="bfloat16", compile=True, compile_cache=str(tmp_path))
     if quantize:
-        _need(fast_tier.FP8_MIN_CAPABILITY, "torchao")
+        _need(fast_tier_checks.FP8_MIN_CAPABILITY, "torchao")
         request.getfixturevalue("all_linears_fp8")
         config["quantize"] = quantize
     first = fresh_server("sd3", **config)

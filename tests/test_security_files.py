@@ -1,4 +1,4 @@
-"""What the server trusts on disk (``server/own_files.py``): a compile cache that is not the server's
+"""What the server trusts on disk (``own_files.py``): a compile cache that is not the server's
 own is refused whole and nothing in it runs; writes never follow a planted link.
 
 "Another user" is uid 65534 (``nobody``), given with ``os.chown``: the suite runs as root in CI, and a
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from diffusion_rollout.errors import UntrustedFileError
+from diffusion_rollout.own_files import append_private, read_own, write_private
 from diffusion_rollout.server.compile_cache import INDUCTOR_ENV, CompileCache
-from diffusion_rollout.server.own_files import append_private, read_own, write_private
 from diffusion_rollout.server.precompiled_blocks import FOLDER, PrecompiledBlocks, structure_digest
 
 NOBODY = 65534

@@ -110,10 +110,19 @@ class ClusterEngine:
     """Replicas of ``Engine`` as Ray actors behind one front; see the module docstring."""
 
     def __init__(
-        self, config: ServerConfig, *, pipeline_factory: Any = None, actors: list[Any] | None = None
+        self,
+        config: ServerConfig,
+        *,
+        pipeline_factory: Any = None,
+        actors: list[Any] | None = None,
+        upload_listener: Any = None,
     ) -> None:
         """``pipeline_factory``: a picklable callable each replica calls to build its pipeline
         (instead of loading ``config.model``); see ``ReplicaServer``.
+
+        ``upload_listener``: the class each replica opens its upload port with when
+        ``config.upload_port`` is set (``entrypoints.upload_listener.UploadListener``; the HTTP app
+        passes it).
 
         ``actors``: replica actors the caller created and placed itself (a trainer on Ray puts them
         in its own placement groups, next to its training ranks: ``replica_actor_class(...)
@@ -125,6 +134,7 @@ class ClusterEngine:
             raise ValueError(f"config.replicas is {config.replicas} but {len(actors)} actors were given")
         self.config = config
         self.pipeline_factory = pipeline_factory
+        self.upload_listener = upload_listener
         self._adopted = list(actors) if actors is not None else None
         self.status = "loading"
         self.metrics = Metrics()
@@ -201,7 +211,10 @@ class ClusterEngine:
                 self._check_resources(ray, n, gpus)
                 options = self._placement_options(ray, n, gpus)
                 actors = [
-                    actor_cls.options(**options[i]).remote(rcfg, i, self.pipeline_factory) for i in range(n)
+                    actor_cls.options(**options[i]).remote(
+                        rcfg, i, self.pipeline_factory, self.upload_listener
+                    )
+                    for i in range(n)
                 ]
             infos = ray.get([a.start.remote() for a in actors])
         except BaseException:

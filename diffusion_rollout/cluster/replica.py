@@ -119,13 +119,20 @@ class ReplicaServer:
     """The body of a replica actor: one engine, its weight manager, two-phase full updates."""
 
     def __init__(
-        self, config: ServerConfig, replica_id: int, pipeline_factory: Callable[[], Any] | None = None
+        self,
+        config: ServerConfig,
+        replica_id: int,
+        pipeline_factory: Callable[[], Any] | None = None,
+        upload_listener: Callable[..., Any] | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.config = config
         # Builds the pipeline in this process instead of loading config.model (benchmarks with
         # random-weight architectures, trainers that hold a pipeline object); must be picklable.
         self.pipeline_factory = pipeline_factory
+        # What opens this replica's upload port (config.upload_port): the HTTP layer hands its
+        # listener class down (Ray pickles it by name), so the cluster imports nothing above it.
+        self.upload_listener_class = upload_listener
         self.engine = Engine(config)
         self.manager = get_weight_manager(self.engine)
         self.transactions = FullUpdateTransactions(self.manager)
@@ -162,9 +169,13 @@ class ReplicaServer:
         commits. Trainers find the ports in the front's ``/model_info`` (``replica_upload_urls``)."""
         if self.config.upload_port is None or self.upload_listener is not None:
             return
-        from diffusion_rollout.entrypoints.upload_listener import UploadListener
-
-        listener = UploadListener(
+        if self.upload_listener_class is None:
+            raise ValueError(
+                "upload_port is set but this replica was given no upload listener: pass "
+                "upload_listener=UploadListener (diffusion_rollout.entrypoints.upload_listener) to "
+                "ClusterEngine, or as the replica actor's fourth argument"
+            )
+        listener = self.upload_listener_class(
             self.config, self.engine, asyncio.get_running_loop(), 0, stage_only=True, host=self.config.host
         )
         listener.start()

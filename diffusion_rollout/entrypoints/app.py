@@ -48,7 +48,7 @@ def make_engine(config: ServerConfig) -> RolloutEngine:
     # Imported only here: the single-process server never imports Ray.
     from diffusion_rollout.cluster import ClusterEngine
 
-    return ClusterEngine(config)
+    return ClusterEngine(config, upload_listener=UploadListener)
 
 
 def load_failure_reason(exc: BaseException) -> str:

@@ -105,7 +105,7 @@ def untrusted_pycache_prefix() -> str | None:
     prefix = sys.pycache_prefix
     if not prefix or not os.path.isdir(prefix):
         return None  # unset, or the first import makes it (with the umask's mode)
-    from diffusion_rollout.server.own_files import why_not_own_folder
+    from diffusion_rollout.own_files import why_not_own_folder
 
     why = why_not_own_folder(prefix)
     return (

@@ -16,7 +16,7 @@ Design decisions:
   that can be carried to a fresh machine of the same kind (copy the key folder).
 - ``<key>/warmup.json`` keeps the last warm-up's seconds: the estimate ``/health`` shows while the
   next one runs.
-- **Only the server's own cache is used** (``server/own_files.py``): the key folder, every entry
+- **Only the server's own cache is used** (``own_files.py``): the key folder, every entry
   under it (``inductor/`` included) and the folders above it must belong to the server's user and be
   writable by no one else, with no symbolic link inside. Loading the cache runs what is in it (torch
   unpickles the artifacts and blocks, and inductor imports the ``.py`` and ``.so`` files it finds), so
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import UntrustedFileError
-from diffusion_rollout.server.own_files import (
+from diffusion_rollout.own_files import (
     make_private_dirs,
     read_own,
     why_not_own_or_makeable,

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from diffusion_rollout.fast_tier_checks import FP8, is_fa4, unsupported_reason
 from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
 from diffusion_rollout.server import fast_tier
 from diffusion_rollout.server.speed import SpeedOptions
@@ -205,17 +206,17 @@ def apply_speed_options(
 ) -> SpeedOptions:
     """Attention backend, FP8, regional compile and CUDA graphs on every denoiser (all opt-in; see the
     module doc)."""
-    fast = quantize is not None or fast_tier.is_fa4(attention_backend)
+    fast = quantize is not None or is_fa4(attention_backend)
     where = device
     if where is None and (fast or cuda_graphs):
         where = str(next(iter(denoisers(pipe).values())).device)
     if fast:
-        reason = fast_tier.unsupported_reason(
+        reason = unsupported_reason(
             quantize=quantize, attention_backend=attention_backend, device=where
         )
         if reason:
             raise ValueError(reason)
-        if fast_tier.is_fa4(attention_backend):
+        if is_fa4(attention_backend):
             fast_tier.register_fa4()
     quantized: dict[str, Any] = {}
     compile_stats = CompileStats() if compile else None
@@ -231,7 +232,7 @@ def apply_speed_options(
             _require_dispatched_attention(name, model, attention_backend)
             model.set_attention_backend(attention_backend)
             logger.info("%s: attention backend %s", name, attention_backend)
-        if quantize == fast_tier.FP8:
+        if quantize == FP8:
             quantized[name] = fast_tier.quantize_fp8(model, name)
         if compile:
             blocks = repeated_blocks(model)

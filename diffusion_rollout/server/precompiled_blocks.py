@@ -58,7 +58,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from diffusion_rollout.errors import UntrustedFileError
-from diffusion_rollout.server.own_files import (
+from diffusion_rollout.own_files import (
     make_private_dirs,
     private_temp_name,
     read_own,

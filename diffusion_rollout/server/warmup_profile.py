@@ -20,7 +20,7 @@ Design decisions:
   warm-up goes on. Unset, none of this exists: no thread, no hook, no file, no report key.
 - **Never through a link.** The folder may be shared (``/tmp``): files are written to a fresh file
   renamed into place, and the stacks file is appended only when it is a regular file of the server's
-  own with one link (``server/own_files.py``); a planted link is replaced or refused, never written
+  own with one link (``own_files.py``); a planted link is replaced or refused, never written
   through.
 """
 
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from diffusion_rollout.errors import UntrustedFileError
-from diffusion_rollout.server.own_files import append_private, make_private_dirs, write_private
+from diffusion_rollout.own_files import append_private, make_private_dirs, write_private
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,150 @@
+"""The package's layers, bottom first, and the rule that keeps them: a module never imports one of a
+layer above its own. Every import counts, at the top of a file or inside a function.
+
+1. **protocol and step math**: what server and client share, the wire format, checksums, weight
+   versions, the group-sharing rows, the exception hierarchy, and the scheduler mixins' step math;
+2. **support**: file safety, hardware checks, speed presets, logging, rewards, the tiny models;
+3. **config**: the typed server configuration;
+4. **server**: one engine in one process (pipelines, batching, speed, weights);
+5. **cluster**: replicas of the engine on Ray;
+6. **entrypoints**: HTTP, the upload port, the CLI.
+
+The client (``diffusion_rollout.client``) imports only layer 1, and the rest of the package never
+imports the client. A new top-level module must be placed in a layer here, on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "protocol and step math",
+        {
+            "errors", "wire", "lean", "checksums", "answer_segments", "msgpack_views", "safetensors_layout",
+            "weight_transport", "weight_versions", "row_sharing", "noise_recipes", "scheduler_mixins",
+        },
+    ),
+    ("support", {"logging_utils", "own_files", "fast_tier_checks", "speed_presets", "rewards", "models"}),
+    ("config", {"config"}),
+    ("server", {"server"}),
+    ("cluster", {"cluster"}),
+    ("entrypoints", {"entrypoints"}),
+]  # fmt: skip
+CLIENT = "client"
+
+
+def _unit(module: str, package: str) -> str | None:
+    """The top-level unit (``server``, ``wire``, ...) a dotted module name belongs to, or None."""
+    parts = module.split(".")
+    if parts[0] != package:
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path, root: Path, package: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of ``package`` in one file, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    containing = list(path.relative_to(root).parent.parts)  # the package the file is in
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = containing[: len(containing) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+    return [(line, m) for line, m in found if _unit(m, package) is not None]
+
+
+def violations(root: Path, package: str = "diffusion_rollout") -> list[str]:
+    """Every import that breaks the layering of ``root/package``, one line each."""
+    level = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
+    names = {i: name for i, (name, _) in enumerate(LAYERS)}
+    pkg = root / package
+    out = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(root)
+        unit = rel.parts[1].removesuffix(".py") if len(rel.parts) > 1 else ""
+        if unit in ("", "__init__", "__main__"):
+            continue
+        if unit != CLIENT and unit not in level:
+            out.append(f"{rel}: the unit {unit!r} is in no layer (place it in tests/test_layers.py LAYERS)")
+            continue
+        for line, module in _imports(path, root, package):
+            target = _unit(module, package)
+            if target in ("", unit):
+                continue
+            where = f"{rel}:{line} imports {module}"
+            if unit == CLIENT:
+                if level.get(target) != 0:
+                    out.append(f"{where}: the client imports only the protocol and step math layer")
+            elif target == CLIENT:
+                out.append(f"{where}: the package never imports the client")
+            elif target not in level:
+                out.append(f"{where}: {target!r} is in no layer")
+            elif level[target] > level[unit]:
+                out.append(
+                    f"{where}: {names[level[unit]]} imports from {names[level[target]]}, a layer above"
+                )
+    return out
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    assert violations(ROOT) == []
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / "diffusion_rollout" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # The server reaching up into the HTTP layer, inside a function (lazy imports count).
+        (
+            {"server/engine.py": "def f():\n    from diffusion_rollout.entrypoints.app import create_app\n"},
+            "server/engine.py:2 imports diffusion_rollout.entrypoints.app: server imports from entrypoints",
+        ),
+        # A relative import resolves to the same module.
+        (
+            {"cluster/replica.py": "from ..entrypoints import upload_listener\n"},
+            "cluster/replica.py:1 imports diffusion_rollout.entrypoints: cluster imports from entrypoints",
+        ),
+        ({"config.py": "import diffusion_rollout.server.fast_tier\n"}, "config imports from server"),
+        (
+            {"client/sync.py": "from diffusion_rollout.config import ServerConfig\n"},
+            "the client imports only",
+        ),
+        ({"server/x.py": "from diffusion_rollout.client import RolloutClient\n"}, "never imports the client"),
+        ({"newthing.py": "x = 1\n"}, "'newthing' is in no layer"),
+    ],
+)
+def test_an_upward_import_is_reported(tmp_path, files, expected):
+    root = _package(tmp_path, {"__init__.py": "", "server/__init__.py": "", **files})
+    found = violations(root)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_downward_and_same_layer_imports_pass(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "entrypoints/app.py": "from diffusion_rollout.cluster import ClusterEngine\nfrom . import cli\n",
+        "cluster/engine.py": "from diffusion_rollout.server.engine import Engine\n",
+        "server/engine.py": "from diffusion_rollout.config import ServerConfig\nfrom diffusion_rollout import wire\n",
+        "client/sync.py": "from diffusion_rollout.scheduler_mixins import step\nfrom diffusion_rollout.errors import E\n",
+        "wire.py": "from diffusion_rollout.safetensors_layout import layout\n",
+    })  # fmt: skip
+    assert violations(root) == []
