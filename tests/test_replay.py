@@ -100,7 +100,7 @@ def test_replay_reproduces_server_log_probs_bit_for_bit(served, tiny_model_path,
     ],
 )
 def test_replay_log_prob_from_server_model_outputs_is_exact(served, kind, form, sde_steps):
-    """math.md exactness target 2: given the server's model outputs, the same bits, every kind and form."""
+    """docs/math.md exactness target 2: given the server's model outputs, the same bits, every kind and form."""
     server = served("sd3")
     outs = rollout(
         server,

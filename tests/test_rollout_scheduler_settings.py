@@ -1,4 +1,4 @@
-"""RolloutSettings: step selection and the request errors of math.md, each naming its HTTP field."""
+"""RolloutSettings: step selection and the request errors of docs/math.md, each naming its HTTP field."""
 
 from __future__ import annotations
 

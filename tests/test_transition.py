@@ -1,7 +1,7 @@
-"""The transition function against plainly written references of math.md, and diffusers' ODE step.
+"""The transition function against plainly written references of docs/math.md, and diffusers' ODE step.
 
 The references below are written independently of the implementation, in float64 from the same
-float32/bf16 inputs. The implementation computes in float32 (as math.md requires), so they agree up
+float32/bf16 inputs. The implementation computes in float32 (as docs/math.md requires), so they agree up
 to float32 rounding, and the tolerances are sized for that (a few float32 ulps of the quantities
 compared); everything the spec calls bit-identical is checked with ``torch.equal``.
 """
@@ -45,7 +45,7 @@ def random_case(seed: int, dtype: torch.dtype) -> dict:
 
 
 def reference_mean_std(kind, x, v, s, s_next, eta, sigma_max):
-    """math.md's table, in float64 with Python scalars."""
+    """docs/math.md's table, in float64 with Python scalars."""
     x, v = x.double(), v.double()
     dt = s_next - s
     if kind == "cps":

@@ -28,7 +28,7 @@ Design decisions:
   tokens); text and embeddings together are refused, as diffusers refuses them.
 - **The same step math.** The stochastic steps are ``sde`` with ``noise_level`` as
   ``rollout_noise_level`` and the ``gaussian`` log-prob form, which is flow_grpo's
-  ``sde_step_with_logprob`` (math.md), scored on the stored next latent: what flow_grpo's trainer
+  ``sde_step_with_logprob`` (docs/math.md), scored on the stored next latent: what flow_grpo's trainer
   recomputes from ``latents[:, j + 1]``. ``noise_level=0`` or ``deterministic=True`` (flow_grpo's
   evaluation calls) run every step as ODE with log-probs exactly 0 (flow_grpo's own would not be
   finite, or not be used). ``sigmas`` mean what they mean to diffusers: the scheduler's shift is

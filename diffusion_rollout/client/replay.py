@@ -273,7 +273,7 @@ def replay_log_prob(
 ) -> TransitionResult:
     """Score the recorded transition of ``step`` with the shared transition function.
 
-    ``sigmas`` is ``dit_trajectory.sigmas`` ([T+1]); ``sigma_max`` follows math.md (its second
+    ``sigmas`` is ``dit_trajectory.sigmas`` ([T+1]); ``sigma_max`` follows docs/math.md (its second
     entry), so the value is the server's bit for bit given the same model output.
     """
     sigmas = sigmas.to(torch.float32)

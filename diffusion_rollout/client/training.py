@@ -21,7 +21,7 @@ Design decisions:
 - **The step math comes from the rollout.** The kind, noise level and log-prob form are the ones
   the request used (:class:`~diffusion_rollout.client.results.ReplaySettings`, attached by the
   client); a step outside ``sde_step_indices`` is an ``ode`` step. The schedule is the response's
-  ``sigmas``, never rebuilt from timesteps (math.md).
+  ``sigmas``, never rebuilt from timesteps (docs/math.md).
 - **Lazy, one step at a time.** :func:`replay_steps` yields step by step so a trainer can call
   ``backward()`` per step and keep one step's graph in memory (Flow-GRPO's timestep accumulation).
 - The loss helpers (:func:`group_advantages`, :func:`clipped_policy_loss`, :func:`gaussian_kl`)

@@ -107,7 +107,7 @@ class RolloutSettings:
         """The kind loop step ``index`` (of ``num_steps``) runs: ``kind`` if it is stochastic, else
         ``"ode"``. cps's last step is deterministic: its noise std ``s' * sin(eta * pi / 2)`` is 0
         there (``s' = 0``), so it runs and is scored as an ODE step (log-prob 0 in every form, left
-        out of ``sde_step_indices``) instead of giving a non-finite gaussian log-prob (math.md)."""
+        out of ``sde_step_indices``) instead of giving a non-finite gaussian log-prob (docs/math.md)."""
         if self.sde_step_indices is not None and index not in self.sde_step_indices:
             return "ode"
         if self.kind == "cps" and index == num_steps - 1:
@@ -125,7 +125,7 @@ class RolloutSettings:
         return sorted(self.return_step_indices)
 
     def validate(self, num_steps: int, sigmas: Sequence[float] | None = None) -> None:
-        """Reject what math.md forbids for a schedule of ``num_steps`` loop steps.
+        """Reject what docs/math.md forbids for a schedule of ``num_steps`` loop steps.
 
         Raises ``RequestError`` whose ``field`` is the HTTP field to fix. ``sigmas`` (a custom schedule,
         without the terminal 0) is validated too when given. With ``record=False`` only the schedule

@@ -20,7 +20,7 @@ Design decisions:
   generators (``denoise_seeds``) are made once per sample and loop step and shared by the streams in
   the same order, so the audio ``eps`` continues the video's draw instead of repeating it.
 - **Joint log-prob.** A joint step's density is the product of the streams' densities; with
-  math.md's mean-over-elements rule its per-sample value is the mean over *all* elements of all
+  docs/math.md's mean-over-elements rule its per-sample value is the mean over *all* elements of all
   streams, which :func:`joint_log_prob` computes from the per-stream means as
   ``sum_k(lp_k * n_k) / sum_k(n_k)`` in float32, in stream order (``n_k`` the elements per sample of
   stream ``k``). A trainer replays each stream's step with ``transition`` and combines them with the

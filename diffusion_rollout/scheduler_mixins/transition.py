@@ -2,7 +2,7 @@
 
 The server's scheduler and the client's replay helpers both call :func:`transition`, so the
 log-probs a trainer recomputes cannot drift from the ones the server emitted. The formulas are those
-of ``spec/math.md``; the names below follow it (``x`` the latent entering the step, ``v`` the model
+of ``docs/math.md``; the names below follow it (``x`` the latent entering the step, ``v`` the model
 output after guidance, ``s``/``s'`` the sigmas of this and the next step, ``dt = s' - s < 0``).
 
 Design decisions:
@@ -114,7 +114,7 @@ def _log_prob(stored_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, 
 def _flow_sde_mean(
     x: torch.Tensor, v: torch.Tensor, s: torch.Tensor, dt: torch.Tensor, g: torch.Tensor
 ) -> torch.Tensor:
-    # math.md's expression as written; x and v are float32 here.
+    # docs/math.md's expression as written; x and v are float32 here.
     return x * (1 + g**2 * dt / (2 * s)) + v * (1 + g**2 * (1 - s) / (2 * s)) * dt
 
 

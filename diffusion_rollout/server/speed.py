@@ -3,7 +3,7 @@
 ``exact`` is true when no option that changes numerics was active for the output: the denoiser ran
 its eager kernels (CUDA-graph replay counts as eager: the same kernels, proven bit-identical on the
 GPU) with the default attention dispatch. Then the ODE path is bit-identical to the stock eager
-pipeline and an eager replay of the same batch reproduces the log-probs bit for bit (math.md).
+pipeline and an eager replay of the same batch reproduces the log-probs bit for bit (docs/math.md).
 
 Server-wide options (``ServerConfig``), applied by the loader:
 

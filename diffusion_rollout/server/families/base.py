@@ -146,7 +146,7 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def guidance_info(self, settings: CallSettings) -> dict[str, Any]:
-        """How a replayer combines the branches (math.md: denoising_env.guidance)."""
+        """How a replayer combines the branches (docs/math.md: denoising_env.guidance)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- prompts
