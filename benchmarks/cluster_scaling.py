@@ -147,7 +147,7 @@ def _broadcast(
         torch.cuda.set_device(free[0])
     on_device = {name: t.to(trainer_device) for name, t in tensors.items()}
     gb = sum(t.numel() * t.element_size() for t in on_device.values()) / 1e9
-    from benchmarks.common import free_port
+    from diffusion_rollout.testing import free_port
 
     with RolloutClient(srv.url, timeout=1200.0) as client, WeightBroadcaster(
         client, master_address="127.0.0.1", master_port=free_port(), backend=backend, timeout_s=600,

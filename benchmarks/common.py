@@ -24,8 +24,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from diffusion_rollout.testing import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _VERSIONED = (
@@ -264,55 +264,8 @@ def resolve_device(device: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# A real server on loopback
+# A real server on loopback (free ports, CLI servers: diffusion_rollout.testing)
 # ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_cli_server(
-    cmd: Sequence[str], log: Path, url: str, timeout_s: float, *, new_session: bool = False
-) -> subprocess.Popen:
-    """Start ``serve`` (``cmd``, its output into ``log``) and wait until ``url``'s ``/model_info`` says
-    ready; a server that exits or is not ready in ``timeout_s`` ends the benchmark with its log."""
-    import httpx
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.Popen(
-        list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=new_session
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/model_info", timeout=2).json().get("status") == "ready":
-                return proc
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    if new_session:
-        stop_session(proc)
-    else:
-        proc.kill()
-    raise SystemExit(f"server did not become ready in {timeout_s:.0f} s")
-
-
-def stop_session(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
-    """Stop a process started with ``start_new_session=True`` and everything it started (a CLI
-    server's replicas, a recipe's server): ``sig`` to its process group, SIGKILL after ``timeout_s``."""
-    if proc.poll() is not None:
-        return proc.returncode
-    os.killpg(proc.pid, sig)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
-
-
 class LoopbackServer:
     """The app for ``engine`` served by uvicorn on 127.0.0.1 in a daemon thread, plus a client."""
 

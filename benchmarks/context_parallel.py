@@ -290,7 +290,7 @@ def _run_model(opts: dict[str, Any], gpus: int) -> list[dict[str, Any]]:
     """The k ranks for one model; rank 0's rows."""
     import torch.multiprocessing as mp
 
-    from benchmarks.common import free_port
+    from diffusion_rollout.testing import free_port
 
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(gpus, free_port(), opts, results), nprocs=gpus, start_method="spawn")

@@ -568,7 +568,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], results: Any
 def run(opts: dict[str, Any], gpus: int) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    from benchmarks.common import free_port
+    from diffusion_rollout.testing import free_port
 
     results = mp.get_context("spawn").Queue()
     ctx = mp.start_processes(_worker, args=(gpus, free_port(), opts, results), nprocs=gpus,

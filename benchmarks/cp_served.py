@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import free_port, stop_session
 from benchmarks.cp_tradeoff import Layout, check_layout, request_body, serve_command, timed_request
 from benchmarks.train_recipes import model_folder
+from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARED = ("generated_output", "rollout_log_probs", "dit_trajectory")  # what a trainer consumes

@@ -70,8 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
-from benchmarks.common import free_port, stop_session
 from benchmarks.train_recipes import model_folder
+from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_COUNTS = (2, 4)

@@ -59,13 +59,12 @@ from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
 from benchmarks.common import (
     RemoteClients,
     document,
-    free_port,
     log,
     print_table,
-    stop_session,
     write_json,
 )
 from benchmarks.train_recipes import model_folder
+from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("fast_cold", "fast_warm", "defaults", "stock")

@@ -48,8 +48,9 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from benchmarks.common import document, free_port, start_cli_server, write_json
+from benchmarks.common import document, write_json
 from diffusion_rollout import wire
+from diffusion_rollout.testing import free_port, start_cli_server
 
 API_KEY = "load-api-key"
 ADMIN_KEY = "load-admin-key"

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, free_port, log, write_json
+from benchmarks.common import document, log, write_json
+from diffusion_rollout.testing import free_port
 
 
 def meta(t: torch.Tensor) -> dict[str, Any]:

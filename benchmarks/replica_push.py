@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import free_port, stop_session
+from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 

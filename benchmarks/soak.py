@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, free_port, print_table, start_cli_server, stop_session, write_json
+from benchmarks.common import document, print_table, write_json
+from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 GPU_MODEL = "sd3.5-medium"
 LORA_RANK = 8

@@ -106,7 +106,7 @@ from benchmarks.common import (
 from benchmarks.model_builders import BenchModel, build
 from benchmarks.ode_regression import compare, stock_reference
 from benchmarks.rollout_overhead import stock_runner
-from diffusion_rollout.server.fast_tier import is_fa4
+from diffusion_rollout.fast_tier_checks import is_fa4
 
 THROUGHPUT_COLUMNS = [
     ("model", "model", ""),

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import stop_session
+from diffusion_rollout.testing import stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 

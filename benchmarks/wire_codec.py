@@ -48,7 +48,6 @@ from benchmarks.common import (
     REPO_ROOT,
     base_parser,
     document,
-    free_port,
     log,
     median,
     post_rollout,
@@ -58,6 +57,7 @@ from benchmarks.common import (
 )
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client.receive import decode_answer
+from diffusion_rollout.testing import free_port
 
 SHAPES = {  # SD3.5-medium, 512x512, 10 steps, groups of 16
     "outputs": 16,

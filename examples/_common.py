@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import torch
 from _ranks import Ranks
 
 from diffusion_rollout.client import RolloutOutput
+from diffusion_rollout.testing import free_port
 
 logger = logging.getLogger("examples")
 
@@ -290,12 +290,6 @@ def trainer_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype
 
 
 # ---------------------------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
     url: str | None

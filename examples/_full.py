@@ -40,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import free_port, load_trainer_transformer
+from _common import load_trainer_transformer
 from _ranks import Ranks
 
 from diffusion_rollout.client import RolloutClient, WeightBroadcaster, push_weights
+from diffusion_rollout.testing import free_port
 
 logger = logging.getLogger("examples.full")
 

@@ -153,7 +153,6 @@ class EngineSampler:
     def __init__(
         self, model_path: Path, transformer: torch.nn.Module, device: torch.device, max_batch_size: int
     ) -> None:
-        from _common import free_port
         from diffusers import DiffusionPipeline
 
         from diffusion_rollout.client import RolloutClient
@@ -162,6 +161,7 @@ class EngineSampler:
         from diffusion_rollout.entrypoints.http_server import make_server
         from diffusion_rollout.server.engine import Engine
         from diffusion_rollout.server.loader import prepare_pipeline
+        from diffusion_rollout.testing import free_port
 
         dtype = next(transformer.parameters()).dtype
         pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 from diffusion_rollout.entrypoints.http_server import DrainingServer, make_server
+from diffusion_rollout.testing import free_port
 
 BASE = {"prompt": "a red cat", "width": 32, "height": 32, "num_inference_steps": 4, "max_sequence_length": 16}
 
 
 def body(**kw) -> dict:
     return {**BASE, "seed": 7, **kw}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -16,17 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from diffusion_rollout.testing import free_port
 
 
 @pytest.fixture(scope="module")
 def served_demo(tmp_path_factory):
     """Start ``diffusion-rollout serve`` (no --model) on a free loopback port; stop it after."""
-    port = _free_port()
+    port = free_port()
     cache = tmp_path_factory.mktemp("demo-cache")
     env = dict(os.environ, DIFFUSION_ROLLOUT_CACHE=str(cache), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
@@ -130,7 +126,7 @@ def _serve_until_exit(
 ) -> tuple[int, str, float]:
     """Run ``diffusion-rollout serve ARGS`` on a free port; return (exit code, stderr, seconds)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--port", str(_free_port())]
+    cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--port", str(free_port())]
     t0 = time.monotonic()
     done = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stderr, time.monotonic() - t0
@@ -248,7 +244,7 @@ def test_sglang_fixture_style_launch_gets_its_first_requests_answered(tiny_model
     and then generates. Here both moments come before the model has loaded; the requests sent then
     are held until it serves and answered, not refused with 503."""
     model = str(tiny_model_path("sd3"))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", model]
     proc = subprocess.Popen(

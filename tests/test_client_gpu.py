@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 
@@ -23,20 +22,15 @@ from diffusion_rollout.client import (
     replay_steps,
     verify_weights_checksum,
 )
+from diffusion_rollout.testing import free_port
 from tests.test_client_weights import perturbed, trainer_transformer
 
 pytestmark = pytest.mark.gpu
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def server_process(model_path, device: str):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DIFFUSION_ROLLOUT_ADMIN_KEY": "gpu-key"}
     cmd = [
         sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", str(model_path),
@@ -77,7 +71,7 @@ def test_nccl_broadcast_to_a_server_on_another_gpu(tiny_model_path):
     with server_process(path, "cuda:1") as client:
         master = {n: t.to("cuda:0") for n, t in perturbed(trainer_transformer(path), 4).items()}
         with WeightBroadcaster(
-            client, master_address="127.0.0.1", master_port=_free_port(), backend="nccl", device="cuda:0"
+            client, master_address="127.0.0.1", master_port=free_port(), backend="nccl", device="cuda:0"
         ) as broadcaster:
             res = broadcaster.broadcast(master, dtype=torch.bfloat16, weight_version="nccl-1")
             assert res.weight_version == "nccl-1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from diffusion_rollout.client import (
     verify_weights_checksum,
 )
 from diffusion_rollout.client.exceptions import ServerWeightUpdateError
+from diffusion_rollout.testing import free_port
 
 ODE = {
     "seed": 3,
@@ -215,12 +215,6 @@ def test_lora_state_dict_normalizes_peft_names():
         lora_state_dict({})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 TRAINER = textwrap.dedent(
     """
     import sys
@@ -245,7 +239,7 @@ def test_weight_broadcaster_over_gloo(fresh_server, tmp_path):
     server = fresh_server("sd3", admin_key="k")
     master = perturbed(server.engine.pipe.transformer, 9)
     save_file({n: t.contiguous() for n, t in master.items()}, str(tmp_path / "w.safetensors"))
-    http_port, group_port = _free_port(), _free_port()
+    http_port, group_port = free_port(), free_port()
     config = server.config.model_copy(update={"port": http_port, "log_level": "warning"})
     uv = make_server(server.app, config)
     thread = threading.Thread(target=uv.run, daemon=True)

@@ -25,6 +25,7 @@ from safetensors.torch import save
 
 from diffusion_rollout import wire
 from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.testing import free_port
 from tests.test_lora import adapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -537,12 +538,6 @@ def test_min_weight_version_routes_to_the_replicas_holding_it(cluster):
     assert assert_versions_agree(client) == "both-2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_gloo_update_group_reaches_both_replicas(cluster, served):
     """The project's WeightBroadcaster as trainer rank 0 (this process); each replica joins."""
     from diffusion_rollout.client import RolloutClient, WeightBroadcaster
@@ -559,7 +554,7 @@ def test_gloo_update_group_reaches_both_replicas(cluster, served):
     def trainer() -> None:
         try:
             with WeightBroadcaster(
-                rc, master_address="127.0.0.1", master_port=_free_port(), backend="gloo", timeout_s=60
+                rc, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=60
             ) as b:
                 assert b.world_size == 3 and b.rank_offsets == [1]
                 result["out"] = b.broadcast(new, weight_version="bcast")
@@ -789,7 +784,7 @@ def test_replica_killed_under_load_is_restarted_and_resynced(cluster, served):
     group = WeightBroadcaster(
         RolloutClient("http://testserver", http_client=client),
         master_address="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
         backend="gloo",
         timeout_s=60,
     ).init()

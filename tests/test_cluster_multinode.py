@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 from tests.test_cluster import BODY, assert_same_output, generate, replicas, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

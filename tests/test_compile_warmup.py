@@ -29,7 +29,7 @@ import pytest
 
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.speed_presets import choose
-from tests.test_cli_serve import _free_port
+from diffusion_rollout.testing import free_port
 
 START_TIMEOUT_S = 300
 
@@ -39,7 +39,7 @@ class ServeProcess:
 
     def __init__(self, model: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.model = model
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [

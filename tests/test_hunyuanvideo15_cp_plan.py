@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 
 WORLD = 2
 # 2 latent frames x 4 x 4 = 32 video tokens; 12 Qwen tokens, 6 ByT5 tokens, 5 image tokens; CFG-like batch 2.

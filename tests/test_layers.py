@@ -3,7 +3,8 @@ layer above its own. Every import counts, at the top of a file or inside a funct
 
 1. **protocol and step math**: what server and client share, the wire format, checksums, weight
    versions, the group-sharing rows, the exception hierarchy, and the scheduler mixins' step math;
-2. **support**: file safety, hardware checks, speed presets, logging, rewards, the tiny models;
+2. **support**: file safety, hardware checks, speed presets, logging, rewards, the tiny models, the
+   test harness (free ports, CLI servers started and stopped);
 3. **config**: the typed server configuration;
 4. **server**: one engine in one process (pipelines, batching, speed, weights);
 5. **cluster**: replicas of the engine on Ray;
@@ -30,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "weight_transport", "weight_versions", "row_sharing", "noise_recipes", "scheduler_mixins",
         },
     ),
-    ("support", {"logging_utils", "own_files", "fast_tier_checks", "speed_presets", "rewards", "models"}),
+    ("support", {"logging_utils", "own_files", "fast_tier_checks", "speed_presets", "rewards", "models", "testing"}),
     ("config", {"config"}),
     ("server", {"server"}),
     ("cluster", {"cluster"}),

@@ -59,7 +59,7 @@ import pytest
 import torch
 
 from diffusion_rollout.server.cp_plans import localize_ltx2_attentions, ltx2_plan
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 
 WORLD = 2
 # Tiny shapes: 2 x 4 x 4 = 32 video tokens, 6 audio tokens, 8 text tokens, CFG-like batch of 2.

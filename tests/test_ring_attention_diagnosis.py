@@ -34,7 +34,7 @@ import types
 import pytest
 import torch
 
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 
 ad = pytest.importorskip("diffusers.models.attention_dispatch")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.reliability_helpers import free_port
+from diffusion_rollout.testing import free_port
 
 
 def _wan22_vae():

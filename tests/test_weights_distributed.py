@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,12 +35,6 @@ sys.stdin.readline()
 dist.destroy_process_group(group)
 print("trainer done", flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensors_of(round_: dict) -> list[tuple[str, torch.Tensor]]:

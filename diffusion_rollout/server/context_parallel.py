@@ -75,7 +75,6 @@ from diffusion_rollout.server.cp_calls import (
     SYNCS,
     TILES,
     enable_layout,
-    free_port,
     init_group,
     module_entry,
     output_checksum,
@@ -91,6 +90,7 @@ from diffusion_rollout.server.vae_split import (
     remove_split_decode,
     split_tiled_decode,
 )
+from diffusion_rollout.testing import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +94,6 @@ def weights_digest(modules: dict[str, nn.Module]) -> str:
             h.update(f"{name}.{key}".encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_group(rank: int, world: int, port: int, cuda: bool, timeout_s: float) -> None:
