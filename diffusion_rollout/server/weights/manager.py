@@ -26,10 +26,7 @@ from typing import Any
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.weights import ipc
 from diffusion_rollout.server.weights.full_ops import FullWeightOps
-from diffusion_rollout.server.weights.full_ops import parse_safetensors as parse_safetensors
-from diffusion_rollout.server.weights.full_ops import read_disk_update as read_disk_update
 from diffusion_rollout.server.weights.lora_ops import LoraOps
-from diffusion_rollout.server.weights.manager_core import DEFAULT_TARGETS as DEFAULT_TARGETS
 from diffusion_rollout.server.weights.manager_core import Version
 from diffusion_rollout.server.weights.safe_pickle import FdPolicy
 
