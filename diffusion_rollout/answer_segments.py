@@ -1,4 +1,4 @@
-"""Same-host answers: what the client and the server agree on (issue #27).
+"""Same-host answers: what the client and the server agree on.
 
 A trainer on the same host as the server may ask for a rollout answer to be written into a
 shared-memory file of its own instead of being sent through the socket: the answer's bytes are then

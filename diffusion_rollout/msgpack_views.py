@@ -1,6 +1,6 @@
 """msgpack decoding that leaves ``bin`` payloads in the body: they come back as memoryviews of it.
 
-Why not ``msgpack.unpackb`` (issue #27): it copies every ``bin`` into a new ``bytes``. A video
+Why not ``msgpack.unpackb``: it copies every ``bin`` into a new ``bytes``. A video
 answer's tensors are hundreds of MB of ``bin``; each copy lands in fresh memory, which the kernel
 faults in page by page. On the 2-core CPU VM decoding a 120 MB answer took 108-520 ms, most of it
 those page faults, against about 10 ms for one copy into memory already touched. The client reads

@@ -8,7 +8,7 @@ by both clients and by the benchmarks' trainer process, so the three cannot drif
 
 - A new buffer comes from ``numpy.empty``, not ``bytearray(n)``, which zero-fills: the memory is only
   touched as data arrives, so a server announcing a huge length and sending little costs nothing.
-- **Recycled buffers** (issue #27). Fresh memory is slow to fill the first time: every 4 KiB page
+- **Recycled buffers**. Fresh memory is slow to fill the first time: every 4 KiB page
   faults in, zeroed by the kernel. On the H200 host a video answer's last bytes arrived about 2 ms
   per MB after the GPU had finished, against stock's nothing, while the GPU work was the same; on the
   2-core CPU VM filling fresh memory took 0.8 ms per MB against 0.1 for memory already touched. So

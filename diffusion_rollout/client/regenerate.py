@@ -1,4 +1,4 @@
-"""Screen, then regenerate (issue #60, Sol-RL): the request that re-runs chosen outputs exactly.
+"""Screen, then regenerate (Sol-RL): the request that re-runs chosen outputs exactly.
 
 A screening request (the fast tier, a ``feature_cache`` with ``allow_inexact``, or any request)
 returns candidates; the trainer keeps some and asks for exactly those again where the numbers are

@@ -1,4 +1,4 @@
-"""The client's side of same-host answers (``diffusion_rollout.answer_segments``, issue #27).
+"""The client's side of same-host answers (``diffusion_rollout.answer_segments``).
 
 A rollout answer from a server on this host can be written by the server into a shared-memory file
 of this process instead of crossing TCP loopback: on an H200 host the loopback transfer was the last

@@ -7,7 +7,7 @@ it is. The pieces are already coalesced by the encoder; a buffer larger than :da
 as slices of that size. A ``Content-Length`` (not chunked transfer encoding) lets the client
 allocate the whole body once before reading it.
 
-Why slices (issue #27): uvicorn's h11 protocol, the one a plain ``pip install`` runs, hands each
+Why slices: uvicorn's h11 protocol, the one a plain ``pip install`` runs, hands each
 body message to ``h11.Connection.send``, which joins it into new ``bytes``: one copy of a tensor's
 memory, made while holding the GIL. A video answer has pieces of tens of MB; each join held the GIL
 for about 20 ms, beside the engine's worker thread that launches the next call's kernels. Measured

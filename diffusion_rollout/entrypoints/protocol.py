@@ -133,7 +133,7 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(None, min_length=1, max_length=256)
     feature_cache: FeatureCacheRequest | None = None
     allow_inexact: bool = False
-    # Issue #60: the group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
+    # The group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
     rollout_share_prefix: bool = False
     # Cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
     rollout_ode_solver: Literal["euler", "dpm2m"] = "euler"

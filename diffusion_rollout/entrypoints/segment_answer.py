@@ -1,4 +1,4 @@
-"""Writing a rollout answer into the caller's shared-memory file (``answer_segments``, issue #27).
+"""Writing a rollout answer into the caller's shared-memory file (``answer_segments``).
 
 Why the mappings are kept: a file mapped afresh for every answer costs one page fault per 4 KiB
 page written (about 30 000 for a video answer); a mapping kept from the previous answer into the

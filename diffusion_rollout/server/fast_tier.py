@@ -1,4 +1,4 @@
-"""The fast tier: options that trade bit-exactness for speed on recent GPUs (issue #26).
+"""The fast tier: options that trade bit-exactness for speed on recent GPUs.
 
 Both are off by default, and with both off nothing here is imported or called: the exact tier and
 its ODE gate are untouched. Either one makes every output ``exact: false`` (``server/speed.py``).
@@ -9,7 +9,7 @@ its ODE gate are untouched. Either one makes every output ``exact: false`` (``se
   applied by the loader after the pipeline is built and before any compile. torchao is an optional
   extra (``pip install -e .[fast]``), imported only when the option is on. Needs CUDA and a GPU of
   compute capability >= 8.9 (torchao asserts the same). Eager FP8 linears were measured *slower* than
-  bf16 on an H100 (issue #26): use it with ``compile``.
+  bf16 on an H100: use it with ``compile``.
 - ``attention_backend="fa4"``: FlashAttention-4 (PyPI ``flash-attn-4``, module ``flash_attn.cute``,
   ``flash_attn_func(q, k, v, softmax_scale=, causal=, return_lse=)`` on ``(batch, seq, heads,
   head_dim)`` tensors, returning ``(out, lse)``), registered with diffusers' attention dispatcher
@@ -33,25 +33,12 @@ denoiser's class name.
 2. By size: a linear is quantized only if ``in_features * out_features >= min_weight_elements`` of
    its family and both dimensions are multiples of 16 (``torch._scaled_mm``).
 
-**FLUX's, SD3's and Wan's thresholds are measured on the whole model**; Qwen-Image's and the
-default are still guesses by analogy, to be replaced by the same measurement per family. On Wan 2.1
-1.3B every linear in FP8 was only 2.7% faster than the rule at 27% more replay drift, so Wan keeps
-its attention projections in bf16 (benchmarks/RESULTS.md#fast-fp8-every-linear-wan). FLUX's first threshold
-kept the 3072x3072 attention projections in bf16, because compiled FP8 made that shape slower as a
-single layer on an H100. Inside the whole compiled FLUX.1-dev transformer at 1024² (H200) the
-opposite held: with those projections in FP8 too (418 linears FP8, the 86 kept by name bf16) one
-forward took 98.8 ms against 108.0 (benchmarks/RESULTS.md#fast-fp8-flux-all), and a whole rollout
-through the benchmark's in-process server 103.4 ms per step against 112.6, stock eager 175.1 (benchmarks/RESULTS.md#fast-flux-step),
-at an output difference from eager bf16 of 0.058 relative L2 against 0.048. The threshold is now
-3072x3072, which on FLUX.1-dev is every linear not kept by name. Earlier, on an H100, the first
-rule took one forward from 132.3 to 111.2 ms (benchmarks/RESULTS.md#fast-fp8-flux). On SD3.5-medium at
-512² (H100) the first rule (1536x1536 attention projections bf16) ran a Flow-GRPO request of 16 at
-1.80x stock eager with compile (benchmarks/RESULTS.md#grpo-fast; compile alone on the same workload:
-1.645x on an H200, benchmarks/RESULTS.md#grpo-compiled, not re-measured on the H100); with every linear
-not kept by name in FP8, 1.99x, and 2.07x with 4 requests in flight (benchmarks/RESULTS.md#grpo-fast-all),
-so SD3's threshold is now 1536x1536. At small batches FP8 does not pay: a rollout of 2 took 420 ms
-against compile's 270 (first rule, benchmarks/RESULTS.md#drift-fp8-compile-h100).
-``benchmarks.flux_breakdown --fp8-all`` times FLUX without the size threshold.
+Each family's threshold is the one measured fastest on the whole compiled model (FLUX: every
+linear not kept by name; SD3: 1536x1536; Wan: its attention projections bf16, for less replay
+drift at almost the same speed); Qwen-Image's and the default are still chosen by analogy. The
+measurements are the ``fast-fp8-*`` and ``grpo-fast*`` rows of benchmarks/RESULTS.md and their
+journal. At small batches FP8 does not pay. ``benchmarks.flux_breakdown --fp8-all`` times FLUX
+without the size threshold.
 
 Inputs of few rows (:data:`FP8_MIN_ROWS`): cuBLASLt refused rowwise FP8 for the SD3.5 MLP's long
 reduction at 64 rows or fewer (the readiness probe), so every FP8 linear pads such inputs.
@@ -170,7 +157,7 @@ def fp8_config() -> Any:
     ``coordinate_descent_tuning`` (its "recommended" settings), which makes inductor tune every Triton
     kernel at its first launch, compiling and timing its neighbouring configs one after another on
     the calling thread. A cold SD3.5-medium warm-up at 512² on an H100, cut off after 381 s, spent 69
-    of its 76 stack samples there (issue #43); without the tuning the whole cold warm-up took 49 s
+    of its 76 stack samples there; without the tuning the whole cold warm-up took 49 s
     (benchmarks/RESULTS.md#fast-start-cold). The FP8 matmuls themselves are cuBLAS
     (``torch._scaled_mm``), which no Triton tuning touches. ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``
     turns the tuning back on for whoever wants it.

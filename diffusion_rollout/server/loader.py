@@ -256,7 +256,7 @@ def apply_speed_options(
         logger.info("cuda graphs: on, at most %d bucket(s), captured on first use", cuda_graph_max_buckets)
     if quantize is not None and not compile:
         logger.warning(
-            "quantize=%s without compile: eager FP8 linears were measured slower than bf16 (issue #26); "
+            "quantize=%s without compile: eager FP8 linears were measured slower than bf16; "
             "add --compile",
             quantize,
         )

@@ -1,4 +1,4 @@
-"""Shared ODE prefixes (issue #60, ``rollout_share_prefix``): a group's deterministic start, once.
+"""Shared ODE prefixes (``rollout_share_prefix``): a group's deterministic start, once.
 
 A request whose ``G`` outputs share x_T (``initial_noise_seed``) and whose first stochastic step is
 ``k`` runs steps ``0..k-1`` as ODE steps on ``G`` identical rows: the same latent, the same prompt,
