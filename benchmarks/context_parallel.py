@@ -30,7 +30,7 @@ Sharded attention sums in another order than one GPU, so the k-GPU result is not
 bit-identical to k = 1; the JSON says how far it is. Replay on one GPU of a k-GPU rollout then
 reproduces model outputs to that distance, not bit for bit (the ratio is 1 up to it).
 
-Served with ``--context-parallel k`` (``diffusion_rollout/server/context_parallel.py``: the engine
+Served with ``--context-parallel k`` (``diffusion_rollout/server/parallel/context_parallel.py``: the engine
 is rank 0 and hands every transformer call to k-1 follower processes); this script measures the
 stock pipeline on the same ranks, without the server, as the reference for that path.
 

@@ -72,7 +72,7 @@ PROMPT = "a red fox running through snow, cinematic"
 # timesteps): its one-step capture run takes two steps.
 CAPTURE_STEPS = {"LTX2VideoTransformer3DModel": 2}
 RING_BACKEND = "_native_flash"  # returns the log-sum-exp ring merges by (half precision)
-# The server's own plans exchange over the Ulysses group only (server/cp_plans.py).
+# The server's own plans exchange over the Ulysses group only (server/parallel/cp_plans.py).
 ULYSSES_ONLY_CLASSES = ("LTX2VideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")
 # (name, ring degree, ulysses degree)
 LAYOUTS: dict[str, tuple[int, int]] = {
@@ -283,7 +283,7 @@ def _share_call(call: Any, device: str) -> tuple[list[Any], dict[str, Any]]:
     """Rank 0's captured call on every rank: its structure pickled, its tensors broadcast."""
     import torch.distributed as dist
 
-    from diffusion_rollout.server.cp_calls import fill_tensors, slots, strip_tensors
+    from diffusion_rollout.server.parallel.cp_calls import fill_tensors, slots, strip_tensors
 
     tensors: list[torch.Tensor] = []
     box = [strip_tensors(call, tensors) if call is not None else None]
@@ -371,12 +371,12 @@ def _timed_once(fn: Any, device: str) -> tuple[Any, float]:
 def vae_split_rows(pipe: Any, case: Case, device: str, world: int) -> list[dict[str, Any]]:
     """The Wan VAE's decode of one latent of the case's size (random, the same on every rank): on
     rank 0 untiled (what a served rollout runs) and tiled (``vae.tiled_decode``), then tiled and split
-    over ranks ``0..k-1`` for k = 2 and 4 (``server/vae_split.py``; ``--context-parallel-vae
+    over ranks ``0..k-1`` for k = 2 and 4 (``server/parallel/vae_split.py``; ``--context-parallel-vae
     split``), each against the one-process tiled decode with ``torch.equal``. Every rank calls this
     (the groups are made by all); rank 0's rows, [] elsewhere."""
     import torch.distributed as dist
 
-    from diffusion_rollout.server.vae_split import split_tiled_decode
+    from diffusion_rollout.server.parallel.vae_split import split_tiled_decode
 
     vae = pipe.vae
     for t in [*vae.parameters(), *vae.buffers()]:  # every rank decodes with rank 0's bits
@@ -483,7 +483,7 @@ def _case(rank: int, world: int, case: Case, opts: dict[str, Any]) -> list[dict[
             from diffusers import ContextParallelConfig
             from torch.distributed.device_mesh import init_device_mesh
 
-            from diffusion_rollout.server.cp_plans import enable_plan
+            from diffusion_rollout.server.parallel.cp_plans import enable_plan
 
             mesh = init_device_mesh(
                 "cuda", (world // k, ring, uly), mesh_dim_names=("group", "ring", "ulysses")

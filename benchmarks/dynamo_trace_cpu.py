@@ -1,7 +1,7 @@
 """Where a compiled SD3.5-medium-sized denoiser's first calls spend their time, on a CPU (issue #43).
 
 The fast tier's warm restart on an H100 spent ~100 s outside ``compile_fx`` with every graph a cache
-hit. This reproduces the compile path of ``server/loader.py`` (regional compile of the repeated blocks
+hit. This reproduces the compile path of ``server/core/loader.py`` (regional compile of the repeated blocks
 through ``warmup.compile_block``, FP8 linears through ``fast_tier.quantize_fp8`` when asked) on the
 real-size transformer (or its first ``--layers`` blocks), runs the warm-up's two calls (batch 2, then
 batch 1) in this process, and prints one JSON line: seconds per call, Dynamo's timers by phase (the
@@ -83,9 +83,14 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.cache, "inductor")
     import torch
 
-    from diffusion_rollout.server import fast_tier
-    from diffusion_rollout.server.loader import repeated_blocks
-    from diffusion_rollout.server.warmup import CompileStats, _cache_counts, _compile_phases, compile_block
+    from diffusion_rollout.server.core.loader import repeated_blocks
+    from diffusion_rollout.server.speed import fast_tier
+    from diffusion_rollout.server.speed.warmup import (
+        CompileStats,
+        _cache_counts,
+        _compile_phases,
+        compile_block,
+    )
 
     if args.precompile:
         torch._dynamo.config.caching_precompile = True

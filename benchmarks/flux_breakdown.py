@@ -43,7 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.model_builders import build
-from diffusion_rollout.server.precompiled_blocks import rel_diff
+from diffusion_rollout.server.speed.precompiled_blocks import rel_diff
 
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.IGNORECASE)
 _MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|_mm_|triton_tem|splitk", re.IGNORECASE)
@@ -113,7 +113,7 @@ def fp8_rows(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from diffusion_rollout.fast_tier_checks import unsupported_reason
-    from diffusion_rollout.server.fast_tier import quantize_fp8
+    from diffusion_rollout.server.speed.fast_tier import quantize_fp8
 
     reason = unsupported_reason(quantize="fp8", attention_backend=None, device=device)
     if reason:
@@ -141,7 +141,7 @@ def fa4_rows(
     """``label`` with FlashAttention-4 (the server's ``--attention-backend fa4``); compiled blocks
     recompile for it (the backend is read inside the traced code). The transformer keeps FA4."""
     from diffusion_rollout.fast_tier_checks import unsupported_reason
-    from diffusion_rollout.server.fast_tier import register_fa4
+    from diffusion_rollout.server.speed.fast_tier import register_fa4
 
     reason = unsupported_reason(quantize=None, attention_backend="fa4", device=device)
     if reason:
@@ -162,8 +162,8 @@ def fp8_all_rows(transformer, inputs, device: str, args, label: str, reference: 
     (embedders, norms, final projection) goes FP8, the attention projections included. Whether the
     whole compiled model gains from them is what the per-family rule (``fast_tier.FP8_RULES``,
     provisional) has to settle."""
-    from diffusion_rollout.server import fast_tier
-    from diffusion_rollout.server.loader import repeated_blocks
+    from diffusion_rollout.server.core.loader import repeated_blocks
+    from diffusion_rollout.server.speed import fast_tier
 
     for block in repeated_blocks(transformer):
         block.compile(mode=args.compile_mode)
@@ -246,7 +246,7 @@ def _save(args, name: str, flops: tuple[float, float], rows: list[dict], breakdo
 def run(args) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from diffusion_rollout.server.loader import repeated_blocks
+    from diffusion_rollout.server.core.loader import repeated_blocks
 
     device = resolve_device(args.device)
     model = build("tiny-flux" if args.tiny else "flux.1-dev", device)

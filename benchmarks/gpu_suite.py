@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         suite.phase("throughput grpo sd3.5-medium", 90, grpo)
 
         def grpo_compiled():
-            from diffusion_rollout.server.loader import apply_speed_options
+            from diffusion_rollout.server.core.loader import apply_speed_options
 
             m = suite.model(sd)
             apply_speed_options(m.pipe, compile=True)

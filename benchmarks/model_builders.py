@@ -799,8 +799,8 @@ class BenchModel:
         if self._server is None:
             from benchmarks.common import LoopbackServer
             from diffusion_rollout.config import ServerConfig
-            from diffusion_rollout.server.engine import Engine
-            from diffusion_rollout.server.loader import prepare_pipeline
+            from diffusion_rollout.server.core.engine import Engine
+            from diffusion_rollout.server.core.loader import prepare_pipeline
 
             cfg = {
                 "model": None,
@@ -838,7 +838,7 @@ class BenchModel:
         first use). It runs the eager denoiser: time it with the first server's CUDA graphs off."""
         if self._lanes_server is None:
             from benchmarks.common import LoopbackServer
-            from diffusion_rollout.server.engine import Engine
+            from diffusion_rollout.server.core.engine import Engine
 
             base = self.server()
             config = base.engine.config.model_copy(update={"pipeline_lanes": lanes, "cuda_graphs": False})
@@ -968,7 +968,7 @@ def _request_images(body: dict[str, Any]) -> tuple:
     """The request's ``image_data`` decoded as the server decodes it."""
     import base64
 
-    from diffusion_rollout.server.images import ImageLimits, load_images
+    from diffusion_rollout.server.core.images import ImageLimits, load_images
 
     data = [base64.b64decode(d) for d in body["image_data"]]
     return load_images(None, data, ImageLimits(max_bytes=2**31, max_pixels=2**31, path_root=None))

@@ -174,7 +174,7 @@ def _graphs(model: BenchModel, on: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def _equal_lane_priorities(model: BenchModel, on: bool) -> Iterator[None]:
     """The lanes server's lane 0 on a stream of the same priority as the others for the next calls
-    (the experiment behind lane 0's higher priority, server/lanes.py)."""
+    (the experiment behind lane 0's higher priority, server/speed/lanes.py)."""
     lanes = model.lanes_server(2).engine._lanes
     saved = [lane.stream for lane in lanes]
     if on and saved[0] is not None:
@@ -353,7 +353,7 @@ def grpo_iteration(
     With several requests in flight the server overlaps one batch's host copies, serialization,
     transfer and client decode with the next batch's denoising, which one request at a time cannot.
     The ``2_lanes`` variant is the eager server with ``pipeline_lanes=2`` (two batches in flight on
-    two CUDA streams, server/lanes.py); ``2_lanes_equal_priority`` the same with lane 0's stream at
+    two CUDA streams, server/speed/lanes.py); ``2_lanes_equal_priority`` the same with lane 0's stream at
     the other lane's priority (what lane 0's higher priority is measured against; left out with
     ``equal_priority=False``). ``whole_messages`` adds the one-lane server sending each answer buffer
     as one body message, as before ``BuffersResponse.SEND_CHUNK`` sliced them (what slicing buys
@@ -411,7 +411,7 @@ def grpo_lanes(model: BenchModel, *, group: int, groups: int, reps: int, lanes: 
     import threading
 
     bodies = [_body(model, num_outputs_per_prompt=group, seed=1000 * k) for k in range(groups)]
-    from diffusion_rollout.server.lanes import guard_shared_modules, twin_of
+    from diffusion_rollout.server.speed.lanes import guard_shared_modules, twin_of
 
     # The server's own lane recipe: shared modules, copied schedulers and tokenizers, locked VAE.
     guard_shared_modules(model.stock)
@@ -829,7 +829,7 @@ def drift(
 @contextlib.contextmanager
 def _attention_backend(model: BenchModel, name: str) -> Iterator[None]:
     """diffusers' attention backend ``name`` for the server's next calls, then the default again."""
-    from diffusion_rollout.server.loader import apply_speed_options
+    from diffusion_rollout.server.core.loader import apply_speed_options
 
     speed = model.server().engine.loaded.speed
     apply_speed_options(model.pipe, attention_backend=name)
@@ -845,7 +845,7 @@ def _attention_backend(model: BenchModel, name: str) -> Iterator[None]:
 def _compiled(model: BenchModel) -> Iterator[None]:
     """Regional compile of the denoiser's repeated blocks for the server's next calls, then eager again
     (the compiled call is dropped, so whatever runs after, replays included, is the eager kernels)."""
-    from diffusion_rollout.server.loader import apply_speed_options, repeated_blocks
+    from diffusion_rollout.server.core.loader import apply_speed_options, repeated_blocks
 
     speed = model.server().engine.loaded.speed
     apply_speed_options(model.pipe, compile=True)
@@ -876,7 +876,7 @@ def _fp8(model: BenchModel, every_linear: bool = False) -> Iterator[None]:
     import copy
     import gc
 
-    from diffusion_rollout.server.fast_tier import EVERY_LINEAR, quantize_fp8
+    from diffusion_rollout.server.speed.fast_tier import EVERY_LINEAR, quantize_fp8
 
     _require_fp8(model)
     speed = model.server().engine.loaded.speed

@@ -14,7 +14,7 @@ Three measurements, each side by side with the stock pipeline on the same weight
 - ``ms_per_step``: batch 1, latents out: stock vs server ``rollout=false`` vs server SDE rollout with
   trajectory. Target for FLUX.1-dev 1024x1024: <= 110 ms per step.
 - ``speed_options``: the same ms/step with each attention backend (``set_attention_backend``) and
-  with regional ``torch.compile`` of the transformer blocks (``server/loader.py``). The options are
+  with regional ``torch.compile`` of the transformer blocks (``server/core/loader.py``). The options are
   applied to the live pipeline with the loader's own ``apply_speed_options``; the stock twin shares
   the modules, so it runs the same kernels. Compiled kernels are not bit-identical to eager: the
   table reports max |difference| of the latents against eager, for information. Compiled, the
@@ -227,7 +227,7 @@ def speed_options(
     compile_estimate_s: float = 150.0,
 ) -> list[dict[str, Any]]:
     """ms/step for the eager default, each attention backend, then regional compile (last: in place)."""
-    from diffusion_rollout.server.loader import apply_speed_options
+    from diffusion_rollout.server.core.loader import apply_speed_options
 
     body = _base_body(model, num_outputs_per_prompt=1)
     if steps:

@@ -143,7 +143,7 @@ class ServerConfig(BaseModel):
     max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")
 
-    # Rewards scored on the server (server/reward_runner.py)
+    # Rewards scored on the server (server/core/reward_runner.py)
     reward: list[str] = Field(
         default_factory=list,
         description="NAME=SPEC, repeatable: a reward the server scores when a request names it in "
@@ -200,7 +200,7 @@ class ServerConfig(BaseModel):
         description="with compile and a compile cache: after a warm-up, save each kind of block compiled "
         "ahead of time (torch's aot_compile) in the cache, and load them at the next start so its warm-up "
         "skips Dynamo's tracing; off for the rest of the process at the first weight or LoRA change "
-        "(server/precompiled_blocks.py); off: every start traces the blocks",
+        "(server/speed/precompiled_blocks.py); off: every start traces the blocks",
     )
     warmup_profile: str | None = Field(
         None,
@@ -226,7 +226,7 @@ class ServerConfig(BaseModel):
     quantize: Literal["fp8"] | None = Field(
         None,
         description="fp8: torchao float8 (rowwise) on the denoiser's larger linears, embedders, norms and "
-        "the final projection kept bf16 (server/fast_tier.py); CUDA GPU of compute capability >= 8.9 and "
+        "the final projection kept bf16 (server/speed/fast_tier.py); CUDA GPU of compute capability >= 8.9 and "
         "torchao (pip install 'diffusion-rollout[fast]') needed, refused at start-up elsewhere; use with "
         "--compile; not bit-exact",
     )
@@ -242,12 +242,12 @@ class ServerConfig(BaseModel):
         ge=1,
         le=8,
         description="pipeline calls in flight at once, each on its own thread, CUDA stream and pipeline "
-        "object sharing the modules (server/lanes.py): one call's kernels fill the gaps between "
+        "object sharing the modules (server/speed/lanes.py): one call's kernels fill the gaps between "
         "another's, every call bit-identical to one lane; eager only (no compile, cuda_graphs, "
         "context_parallel), feature_cache requests get 400",
     )
 
-    # Context parallelism: one request's transformer calls over several ranks (server/context_parallel.py)
+    # Context parallelism: one request's transformer calls over several ranks (server/parallel/context_parallel.py)
     context_parallel: int = Field(
         1,
         ge=1,
@@ -484,7 +484,7 @@ class ServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fast_tier_can_run(self) -> ServerConfig:
-        # quantize / attention_backend=fa4 (server/fast_tier.py): refused at start-up where they cannot
+        # quantize / attention_backend=fa4 (server/speed/fast_tier.py): refused at start-up where they cannot
         # run, in one line, rather than failing at load or on every request.
         fa4 = self.attention_backend is not None and self.attention_backend.lower() == "fa4"
         if self.quantize is None and not fa4:

@@ -1,7 +1,7 @@
 """Whether the fast tier's options can run on this machine: the GPU and the packages they need.
 
 Below the server on purpose: the typed config checks these at validation (a clear error at start-up,
-before a model is read), and the server's FP8 and FA4 code (``server/fast_tier.py``) uses the same
+before a model is read), and the server's FP8 and FA4 code (``server/speed/fast_tier.py``) uses the same
 names. ``check_hardware=False`` checks only the device's name, for a Ray front whose replicas load
 on GPUs the front cannot see.
 """

@@ -9,7 +9,7 @@ Design decisions:
   where it was measured to help. Nothing was measured on a CPU, so there ``exact`` is the plain
   eager path and ``fast`` is regional compile alone (FP8 needs a CUDA GPU of compute capability
   >= 8.9; the reason it was left out is reported).
-- ``exact`` on CUDA adds two pipeline lanes (``server/lanes.py``: every call bit-identical to one
+- ``exact`` on CUDA adds two pipeline lanes (``server/speed/lanes.py``: every call bit-identical to one
   lane), unless an option that lanes exclude (compile, CUDA graphs, context parallelism) or an
   inexact option was given: a server asked for any of those is not asking for the exact default.
 - Pure Python, no torch import: the caller passes what it knows of the device.

@@ -159,8 +159,8 @@ class EngineSampler:
         from diffusion_rollout.config import ServerConfig
         from diffusion_rollout.entrypoints.app import create_app
         from diffusion_rollout.entrypoints.http_server import make_server
-        from diffusion_rollout.server.engine import Engine
-        from diffusion_rollout.server.loader import prepare_pipeline
+        from diffusion_rollout.server.core.engine import Engine
+        from diffusion_rollout.server.core.loader import prepare_pipeline
         from diffusion_rollout.testing import free_port
 
         dtype = next(transformer.parameters()).dtype

@@ -510,7 +510,7 @@ def run(
                                      ("max_sequence_length", args.max_sequence_length)) if v is not None})  # fmt: skip
     if args.share_prefix:
         shared["rollout_share_prefix"] = True
-    if args.branch:  # a tree per group: its leaves are the group (server/branch_tree.py)
+    if args.branch:  # a tree per group: its leaves are the group (server/core/branch_tree.py)
         shared["rollout_branch"] = args.branch
     if args.outside_window_stride != 1 or args.ode_solver != "euler":  # fewer, cheaper ODE steps
         shared.update(

@@ -138,8 +138,8 @@ class ServedModel:
 
         from diffusion_rollout.config import ServerConfig
         from diffusion_rollout.entrypoints.app import create_app
-        from diffusion_rollout.server.engine import Engine
-        from diffusion_rollout.server.loader import prepare_pipeline
+        from diffusion_rollout.server.core.engine import Engine
+        from diffusion_rollout.server.core.loader import prepare_pipeline
 
         self.path = path
         model = None if path is None else str(path)

@@ -601,7 +601,7 @@ def test_soak_runs_a_cli_server_and_reports_memory_slopes(tmp_path, tiny_model_p
 def test_soak_reads_the_gpu_memory_the_metrics_report():
     """On a GPU the server's /metrics carries torch's allocated and reserved bytes; the soak reads them."""
     from benchmarks import soak
-    from diffusion_rollout.server.metrics import Metrics
+    from diffusion_rollout.server.core.metrics import Metrics
 
     state = {"queue_depth": 0, "busy": False, "paused": False, "status": "ready", "weight_version": 3}
     text = Metrics().render(**state, device_memory={"allocated": 3 * 2**20, "reserved": 5 * 2**21})

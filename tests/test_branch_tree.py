@@ -1,4 +1,4 @@
-"""Branching trees (``rollout_branch``; server/branch_tree.py): one request grows G
+"""Branching trees (``rollout_branch``; server/core/branch_tree.py): one request grows G
 leaves from one x_T, each node's steps computed once; the leaves share exactly their common
 ancestors' latents, the transformer sees one row per node, and a trainer's replay of the tree
 reproduces the server's model outputs bit for bit (ratio exactly 1)."""

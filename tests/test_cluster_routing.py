@@ -13,7 +13,7 @@ from diffusion_rollout.cluster.routing import (
     request_work,
 )
 from diffusion_rollout.errors import ServiceUnavailableError, WeightUpdateError
-from diffusion_rollout.server.metrics import Metrics
+from diffusion_rollout.server.core.metrics import Metrics
 
 
 def test_least_outstanding_work_with_ties_alternating():

@@ -154,7 +154,7 @@ def test_a_compiled_server_is_ready_only_after_its_warmup(compiled_servers):
     assert re.search(r"warm-up 1/2: 32x32 batch 2 in [\d.]+ s", log)
     assert "warm-up done in" in log
     # Inductor's compile workers were up before the first compile (else every kernel compiles
-    # in-process, serially: server/compile_workers.py).
+    # in-process, serially: server/speed/compile_workers.py).
     workers = server.info()["speed"]["compile"]["workers"]
     if workers["workers"] > 1:
         assert workers["ready"] and workers["wait_s"] >= 0 and "why_not" not in workers, workers
@@ -238,7 +238,7 @@ def test_a_restart_reads_the_compile_cache_the_last_process_wrote(compiled_serve
 def test_the_cache_key_changes_with_dtype_options_and_model(tiny_model_path):
     import torch
 
-    from diffusion_rollout.server.compile_cache import cache_key
+    from diffusion_rollout.server.speed.compile_cache import cache_key
 
     base = {
         "model_path": str(tiny_model_path("sd3")), "device": "cpu", "dtype": torch.float32,
@@ -278,7 +278,7 @@ def test_speed_presets_by_device_and_fine_flags_win():
 
 
 def test_the_default_speed_choice_is_logged_and_reported(fresh_server, caplog):
-    with caplog.at_level(logging.INFO, logger="diffusion_rollout.server.engine"):
+    with caplog.at_level(logging.INFO, logger="diffusion_rollout.server.core.engine"):
         server = fresh_server("sd3")
     assert "speed: --speed exact on cpu: nothing added. the plain eager path" in caplog.text
     speed = server.client.get("/server_info").json()["speed"]
@@ -324,7 +324,7 @@ def _stacks_of_a_stuck_worker(tmp_path: Path, stuck_in: str, samples: int) -> tu
     leaves it)."""
     import threading
 
-    from diffusion_rollout.server.warmup_profile import WarmupProfile
+    from diffusion_rollout.server.speed.warmup_profile import WarmupProfile
 
     stop = threading.Event()
     namespace: dict = {"stop": stop}
@@ -377,11 +377,11 @@ def test_the_warmup_profile_option_is_a_writable_folder(tmp_path):
 
 
 def test_compile_workers_never_stop_the_load(monkeypatch):
-    """``server/compile_workers.py`` leans on inductor's private API: one compile thread, or a torch
+    """``server/speed/compile_workers.py`` leans on inductor's private API: one compile thread, or a torch
     without that API, leaves the warm-up compiling in-process, reported, and nothing raised."""
     from torch._inductor import async_compile
 
-    from diffusion_rollout.server.compile_workers import CompileWorkers
+    from diffusion_rollout.server.speed.compile_workers import CompileWorkers
 
     monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 1)
     one = CompileWorkers()
@@ -406,7 +406,7 @@ def test_a_call_summary_waits_for_the_worker_to_leave_the_call(tmp_path):
     import threading
     from concurrent.futures import Future
 
-    from diffusion_rollout.server.warmup_profile import WarmupProfile
+    from diffusion_rollout.server.speed.warmup_profile import WarmupProfile
 
     profile = WarmupProfile(tmp_path / "p", 10.0, lambda: [])
     (tmp_path / "p").mkdir()

@@ -2,7 +2,7 @@
 2 ring) in mirror mode over gloo, ``context_parallel=2`` for the in-memory and Ray engines.
 
 On the CPU diffusers' context parallelism is unavailable, so each follower runs the whole transformer
-on every call rank 0 hands it (server/context_parallel.py). That makes the lockstep observable: every
+on every call rank 0 hands it (server/parallel/context_parallel.py). That makes the lockstep observable: every
 follower must run exactly rank 0's calls, get exactly its outputs (checksums) and hold exactly its
 weights after every update, and rank 0's rollouts must equal a one-process server's bit for bit.
 The tiny Wan 2.2 model has two experts, so both denoisers are mirrored. The layout rules (which
@@ -211,7 +211,7 @@ def test_a_split_vae_decode_equals_one_process_tiled_decode_and_each_follower_de
     """``context_parallel_vae=split`` with tiles of 24 pixels at a stride of 16: the 32x32 video's 4x4
     latent has 2x2 tiles, one per rank; the served video equals a one-process server whose VAE tiles
     the same way, bit for bit (and not its untiled decode)."""
-    from diffusion_rollout.server.vae_split import TileSettings
+    from diffusion_rollout.server.parallel.vae_split import TileSettings
 
     tiles = {"tile_sample_min_height": 24, "tile_sample_min_width": 24,
              "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}  # fmt: skip
@@ -257,8 +257,8 @@ def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fail
 
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.models import build_tiny_pipeline
-    from diffusion_rollout.server.engine import Engine
-    from diffusion_rollout.server.loader import prepare_pipeline
+    from diffusion_rollout.server.core.engine import Engine
+    from diffusion_rollout.server.core.loader import prepare_pipeline
 
     # No folder: the follower builds the transformer from its config, with its own random weights,
     # and holds rank 0's only through the start-up sync.
@@ -287,7 +287,7 @@ def test_an_in_memory_pipeline_gets_its_weights_by_sync_and_a_dead_follower_fail
 
 
 def test_unsupported_families_and_options_are_refused_naming_the_field(tiny_model_path):
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
     engine = Engine(ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", context_parallel=2))
     with pytest.raises(ContextParallelError, match="context_parallel=2 is not supported for family 'sd3'"):
@@ -310,7 +310,7 @@ def test_a_split_vae_needs_ranks_and_a_wan_vae_naming_the_field():
     from diffusers import AutoencoderKL
 
     from diffusion_rollout.entrypoints.cli import build_parser
-    from diffusion_rollout.server.context_parallel import start_for
+    from diffusion_rollout.server.parallel.context_parallel import start_for
 
     assert ServerConfig().context_parallel_vae == "rank0"
     with pytest.raises(ValueError, match=r"context_parallel_vae=split .* needs context_parallel > 1"):
@@ -417,7 +417,7 @@ def test_start_up_checks_refuse_layouts_the_model_or_dtype_cannot_serve():
         hunyuanvideo15_components,
         ltx2_components,
     )
-    from diffusion_rollout.server.cp_plans import RING_BACKEND, check_start, ring_backend
+    from diffusion_rollout.server.parallel.cp_plans import RING_BACKEND, check_start, ring_backend
 
     wan = {"transformer": _wan_transformer()}  # 2 heads
 
@@ -467,8 +467,8 @@ def test_the_video_token_count_must_divide_by_k_for_wan_too():
     from types import SimpleNamespace
 
     from diffusion_rollout.errors import RequestError
-    from diffusion_rollout.server.cp_plans import check_call, wan_video_tokens
     from diffusion_rollout.server.families.base import CallSettings
+    from diffusion_rollout.server.parallel.cp_plans import check_call, wan_video_tokens
 
     patch = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2)))
     adapter = SimpleNamespace(
@@ -518,7 +518,7 @@ def test_stop_closes_rank_zeros_group_while_it_waits_for_the_followers(monkeypat
 
     import torch.distributed as dist
 
-    from diffusion_rollout.server.context_parallel import ContextParallelGroup
+    from diffusion_rollout.server.parallel.context_parallel import ContextParallelGroup
 
     closed = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -528,7 +528,7 @@ def test_stop_closes_rank_zeros_group_while_it_waits_for_the_followers(monkeypat
     sent: list[tuple] = []
     group._hooks, group.vae, group._procs = [], None, [follower]
     group._ops = [type("Ops", (), {"put": staticmethod(sent.append)})()]
-    with caplog.at_level("WARNING", logger="diffusion_rollout.server.context_parallel"):
+    with caplog.at_level("WARNING", logger="diffusion_rollout.server.parallel.context_parallel"):
         group.stop(timeout_s=5.0)
     assert sent == [("stop",)] and closed.is_set()
     assert not follower.terminated, "the follower was terminated: rank 0 closed its group too late"

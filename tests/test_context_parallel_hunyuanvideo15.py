@@ -1,6 +1,6 @@
 """Context parallelism for HunyuanVideo 1.5 on the CPU: ``context_parallel=2``.
 
-On the CPU the server runs in mirror mode (``server/context_parallel.py``): the follower runs the whole
+On the CPU the server runs in mirror mode (``server/parallel/context_parallel.py``): the follower runs the whole
 transformer on rank 0's inputs and nothing is sharded, so these tests check the serving mechanics for
 HunyuanVideo 1.5's call (channel-concatenated input, two text encodings with masks, image embeddings,
 sequential CFG): the follower runs every call with rank 0's inputs and weights (equal output
@@ -9,7 +9,7 @@ update reaches the follower, and a dead follower fails the engine with a 503 ins
 plus the refusals (heads not divisible by k at start-up, a video token count not divisible by k per
 request).
 
-The plan itself (``server/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
+The plan itself (``server/parallel/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
 ranks against k = 1 by ``tests/test_hunyuanvideo15_cp_plan.py``, and through a served engine on two
 GPUs by ``tests/test_context_parallel_hunyuanvideo15_gpu.py``.
 """
@@ -105,7 +105,7 @@ def test_hunyuanvideo15_dead_follower_fails_the_engine_with_503(servers):
 def test_hunyuanvideo15_heads_not_divisible_by_k_are_refused_at_start_up(tiny_model_path):
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.errors import ContextParallelError
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
     # The tiny HunyuanVideo 1.5 has 2 heads: k = 3 cannot split them.
     engine = Engine(
@@ -121,8 +121,8 @@ def test_hunyuanvideo15_token_rule_follows_k_and_the_real_geometry():
     from types import SimpleNamespace
 
     from diffusion_rollout.errors import RequestError
-    from diffusion_rollout.server.cp_plans import check_call, hunyuanvideo15_video_tokens
     from diffusion_rollout.server.families.base import CallSettings
+    from diffusion_rollout.server.parallel.cp_plans import check_call, hunyuanvideo15_video_tokens
 
     adapter = SimpleNamespace(
         name="hunyuanvideo15",

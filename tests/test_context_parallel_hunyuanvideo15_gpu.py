@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5 served with ``--context-parallel 2`` (Ulysses, the server's plan from
-``server/cp_plans.py``) on two GPUs, against a one-GPU server, before and after a weight update.
+``server/parallel/cp_plans.py``) on two GPUs, against a one-GPU server, before and after a weight update.
 
 Rank 0 is this process on cuda:0, its follower runs on cuda:1. Sharded attention sums in another
 order than one GPU, so k = 2 is compared with k = 1 within a float32 bound, not bit for bit (the

@@ -149,7 +149,7 @@ def test_per_token_timesteps_need_a_plan_that_shards_them():
     from diffusers import WanTransformer3DModel
 
     from diffusion_rollout.errors import ContextParallelError
-    from diffusion_rollout.server.context_parallel import _check_timestep_split
+    from diffusion_rollout.server.parallel.context_parallel import _check_timestep_split
 
     module = WanTransformer3DModel(
         num_attention_heads=1, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=8, freq_dim=8,

@@ -1,6 +1,6 @@
 """Context parallelism for LTX-2 (video and audio denoised jointly) on the CPU: ``context_parallel=2``.
 
-On the CPU the server runs in mirror mode (``server/context_parallel.py``): the follower runs the whole
+On the CPU the server runs in mirror mode (``server/parallel/context_parallel.py``): the follower runs the whole
 transformer on rank 0's inputs and nothing is sharded, so these tests check the serving mechanics for
 LTX-2's call (two latent streams, text masks, video and audio coordinates): the follower runs every
 call with rank 0's inputs and weights (equal output checksums and weight digests), rank 0's rollouts
@@ -8,7 +8,7 @@ equal a one-process server's bit for bit in both streams, a weight update reache
 dead follower fails the engine with a 503 instead of hanging it; plus the LTX-2 refusals (head counts
 at start-up, a video token count that does not divide by k per request).
 
-The plan itself (``server/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
+The plan itself (``server/parallel/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
 ranks against k = 1 by ``tests/test_ltx2_cp_plan.py`` (``server_*`` cases), and through a served
 engine on two GPUs by ``tests/test_context_parallel_ltx2_gpu.py``.
 """
@@ -88,9 +88,9 @@ def test_ltx2_token_rule_follows_k_and_the_real_geometry():
     from types import SimpleNamespace
 
     from diffusion_rollout.errors import RequestError
-    from diffusion_rollout.server.cp_plans import check_call
     from diffusion_rollout.server.families.base import CallSettings
     from diffusion_rollout.server.families.ltx2 import LTX2Adapter
+    from diffusion_rollout.server.parallel.cp_plans import check_call
 
     pipe = SimpleNamespace(
         vae_spatial_compression_ratio=32, vae_temporal_compression_ratio=8,
@@ -130,7 +130,7 @@ def test_ltx2_dead_follower_fails_the_engine_with_503(servers):
 def test_ltx2_head_counts_not_divisible_by_k_are_refused_at_start_up(tiny_model_path):
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.errors import ContextParallelError
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
     # The tiny LTX-2 has 2 video and 2 audio heads: k = 3 cannot split them.
     engine = Engine(ServerConfig(model=str(tiny_model_path("ltx2")), device="cpu", context_parallel=3))
@@ -144,7 +144,11 @@ def test_ltx2_head_counts_not_divisible_by_k_are_refused_at_start_up(tiny_model_
 def test_the_plan_shards_only_the_video_and_keeps_four_attentions_local():
     """What ``enable_plan`` does to an LTX-2 transformer, without ranks: the plan and the routing."""
     from diffusion_rollout.models.tiny_video import ltx2_components
-    from diffusion_rollout.server.cp_plans import LTX2_LOCAL_ATTENTIONS, LTX2_ULYSSES_ATTENTIONS, ltx2_plan
+    from diffusion_rollout.server.parallel.cp_plans import (
+        LTX2_LOCAL_ATTENTIONS,
+        LTX2_ULYSSES_ATTENTIONS,
+        ltx2_plan,
+    )
 
     model = ltx2_components(0)["transformer"]
     plan = ltx2_plan(model)

@@ -1,4 +1,4 @@
-"""LTX-2 served with ``--context-parallel 2`` (Ulysses, the server's plan from ``server/cp_plans.py``)
+"""LTX-2 served with ``--context-parallel 2`` (Ulysses, the server's plan from ``server/parallel/cp_plans.py``)
 on two GPUs, against a one-GPU server: video and audio streams, before and after a weight update.
 
 Rank 0 is this process on cuda:0, its follower runs on cuda:1. Sharded attention sums in another

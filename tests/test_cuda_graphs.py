@@ -58,7 +58,7 @@ def _graphed(fresh_server, family: str, **config):
 def test_cuda_graph_runner_refuses_a_cpu_process():
     if torch.cuda.is_available():
         pytest.skip("this process has CUDA")
-    from diffusion_rollout.server.cuda_graphs import CudaGraphRunner
+    from diffusion_rollout.server.speed.cuda_graphs import CudaGraphRunner
 
     with pytest.raises(ValueError, match="needs a CUDA device"):
         CudaGraphRunner({"transformer": torch.nn.Linear(2, 2)})

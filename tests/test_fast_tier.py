@@ -1,4 +1,4 @@
-"""The fast tier on the CPU (``--quantize fp8``, ``--attention-backend fa4``; server/fast_tier.py).
+"""The fast tier on the CPU (``--quantize fp8``, ``--attention-backend fa4``; server/speed/fast_tier.py).
 
 - Both options are refused at start-up without CUDA: one line, non-zero exit, through the real CLI.
 - The config validates the values and the combinations; the GPU/package checks name what is missing.
@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from diffusion_rollout import fast_tier_checks
 from diffusion_rollout.config import ServerConfig
-from diffusion_rollout.server import fast_tier
-from diffusion_rollout.server.speed import SpeedOptions
+from diffusion_rollout.server.speed import fast_tier
+from diffusion_rollout.server.speed.options import SpeedOptions
 from tests.test_cli_serve import _last_line, _serve_until_exit
 from tests.test_replay import call_defaults
 
@@ -134,7 +134,7 @@ def test_fp8_config_leaves_inductors_settings_alone(monkeypatch):
 def test_loader_refuses_the_fast_tier_on_a_cpu_pipeline(tiny_model_path):
     from diffusers import DiffusionPipeline
 
-    from diffusion_rollout.server.loader import apply_speed_options
+    from diffusion_rollout.server.core.loader import apply_speed_options
 
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path("sd3")))
     with pytest.raises(ValueError, match=r"^quantize=fp8 needs a CUDA GPU"):

@@ -26,8 +26,8 @@ import torch
 
 from diffusion_rollout import fast_tier_checks
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
-from diffusion_rollout.server import fast_tier
-from diffusion_rollout.server.precompiled_blocks import rel_diff
+from diffusion_rollout.server.speed import fast_tier
+from diffusion_rollout.server.speed.precompiled_blocks import rel_diff
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,7 @@ def test_fp8_server_takes_a_weight_update(fresh_server, tiny_model_path, all_lin
 def test_a_restart_runs_precompiled_blocks_matching_the_traced_ones(
     fresh_server, tmp_path, request, quantize
 ):
-    """The precompiled blocks (server/precompiled_blocks.py) with ``--compile`` on the GPU, and with
+    """The precompiled blocks (server/speed/precompiled_blocks.py) with ``--compile`` on the GPU, and with
     FP8 weights (``fast_tier.fp8_precompilable``): the first server saves them, the second loads them
     and compiles a graph only for a kind of call the save refused, and its rollouts equal those of the
     ordinary compiled path it takes once they are off (as after any weight change). On 4x H200 (torch

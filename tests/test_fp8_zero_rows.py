@@ -24,7 +24,7 @@ def _check() -> None:
     """The body of the test above, in a process of its own (``tests/torchao_helpers.py``)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    from diffusion_rollout.server import fast_tier
+    from diffusion_rollout.server.speed import fast_tier
 
     torch.manual_seed(0)
     source = torch.nn.Linear(64, 64).to(torch.bfloat16)

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.app import create_app
-from diffusion_rollout.server.engine import Engine
+from diffusion_rollout.server.core.engine import Engine
 
 LOGGER = "diffusion_rollout"
 

@@ -1,7 +1,7 @@
 """HunyuanVideo 1.5 under the server's Ulysses plan, checked on the CPU with two gloo ranks against k = 1.
 
 diffusers 0.42.1 ships no ``_cp_plan`` for ``HunyuanVideo15Transformer3DModel``; the server runs its
-own (``server/cp_plans.py``: :func:`hunyuanvideo15_plan` and ``HunyuanVideo15UlyssesProcessor``):
+own (``server/parallel/cp_plans.py``: :func:`hunyuanvideo15_plan` and ``HunyuanVideo15UlyssesProcessor``):
 the video tokens are split after the patch embedding (``x_embedder``) with their RoPE (``rope``),
 ``proj_out`` is gathered, and the text (Qwen2.5-VL tokens through the token refiner, ByT5 tokens,
 the SigLIP image tokens) stays whole on every rank. Each block's joint attention over ``[video;
@@ -98,8 +98,8 @@ def make_inputs(model, image: str, shapes: dict[str, int] = SHAPES) -> dict[str,
 def _run_case(name: str) -> dict[str, Any]:
     from diffusers import ContextParallelConfig
 
-    from diffusion_rollout.server.cp_calls import enable_layout
-    from diffusion_rollout.server.cp_plans import hunyuanvideo15_plan
+    from diffusion_rollout.server.parallel.cp_calls import enable_layout
+    from diffusion_rollout.server.parallel.cp_plans import hunyuanvideo15_plan
 
     kind, image, plan = CASES[name]
     model = tiny_transformer(kind)
@@ -181,7 +181,7 @@ def test_image_embeddings_matter_in_the_image_case(ranks):
 
 def test_the_plan_shards_only_the_video():
     """What ``hunyuanvideo15_plan`` names, without ranks."""
-    from diffusion_rollout.server.cp_plans import hunyuanvideo15_plan
+    from diffusion_rollout.server.parallel.cp_plans import hunyuanvideo15_plan
 
     plan = hunyuanvideo15_plan(tiny_transformer("zoo"))
     assert set(plan) == {"x_embedder", "rope", "proj_out"}  # text, masks, image embeddings: whole

@@ -116,15 +116,15 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     [
         # The server reaching up into the HTTP layer, inside a function (lazy imports count).
         (
-            {"server/engine.py": "def f():\n    from diffusion_rollout.entrypoints.app import create_app\n"},
-            "server/engine.py:2 imports diffusion_rollout.entrypoints.app: server imports from entrypoints",
+            {"server/core/engine.py": "def f():\n    from diffusion_rollout.entrypoints.app import create_app\n"},
+            "server/core/engine.py:2 imports diffusion_rollout.entrypoints.app: server imports from entrypoints",
         ),
         # A relative import resolves to the same module.
         (
             {"cluster/replica.py": "from ..entrypoints import upload_listener\n"},
             "cluster/replica.py:1 imports diffusion_rollout.entrypoints: cluster imports from entrypoints",
         ),
-        ({"config.py": "import diffusion_rollout.server.fast_tier\n"}, "config imports from server"),
+        ({"config.py": "import diffusion_rollout.server.speed.fast_tier\n"}, "config imports from server"),
         (
             {"client/sync.py": "from diffusion_rollout.config import ServerConfig\n"},
             "the client imports only",
@@ -143,8 +143,8 @@ def test_downward_and_same_layer_imports_pass(tmp_path):
     root = _package(tmp_path, {
         "__init__.py": "",
         "entrypoints/app.py": "from diffusion_rollout.cluster import ClusterEngine\nfrom . import cli\n",
-        "cluster/engine.py": "from diffusion_rollout.server.engine import Engine\n",
-        "server/engine.py": "from diffusion_rollout.config import ServerConfig\nfrom diffusion_rollout import wire\n",
+        "cluster/engine.py": "from diffusion_rollout.server.core.engine import Engine\n",
+        "server/core/engine.py": "from diffusion_rollout.config import ServerConfig\nfrom diffusion_rollout import wire\n",
         "client/sync.py": "from diffusion_rollout.scheduler_mixins import step\nfrom diffusion_rollout.errors import E\n",
         "wire.py": "from diffusion_rollout.safetensors_layout import layout\n",
     })  # fmt: skip

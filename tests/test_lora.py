@@ -185,7 +185,7 @@ def bf16_server(tiny_model_path):
 
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.entrypoints.app import create_app
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
     config = ServerConfig(model=str(tiny_model_path("sd3")), device="cpu", dtype="bfloat16")
     engine = Engine(config)

@@ -35,7 +35,7 @@ zoo's tiny LTX-2 transformer in float32):
    a2v and v2a all equal k = 1 (float32 ~1e-7), and both ranks hold the same audio.
    ``audio_proj_out`` is not gathered, and need not be: every rank computes the whole audio.
 3. A corrected plan serves LTX-2 exactly (``cp_plans.ltx2_plan`` with ``localize_ltx2_attentions``; the server runs the
-   same plan from ``server/cp_plans.py``, and the ``server_*`` cases call the server's own
+   same plan from ``server/parallel/cp_plans.py``, and the ``server_*`` cases call the server's own
    ``cp_calls.enable_layout`` on both ranks, since its CPU mirror mode does not shard): split only the video tokens (``hidden_states``), split both outputs of ``rope`` *and*
    ``cross_attn_rope`` on the token dim (dim 2 for 4-D split RoPE, dim 1 for 3-D interleaved),
    gather ``proj_out``; keep text and audio whole on every rank; and take the attentions whose keys
@@ -58,7 +58,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffusion_rollout.server.cp_plans import localize_ltx2_attentions, ltx2_plan
+from diffusion_rollout.server.parallel.cp_plans import localize_ltx2_attentions, ltx2_plan
 from diffusion_rollout.testing import free_port
 
 WORLD = 2
@@ -75,7 +75,7 @@ CASES: dict[str, tuple[str, str | None, str, str]] = {
     "replicated_audio_all_ulysses": ("split", None, "corrected", "ulysses"),
     "corrected_split": ("split", "padded", "corrected", "local"),
     "corrected_interleaved": ("interleaved", "padded", "corrected", "local"),
-    # The server's own code path: server/cp_calls.py's enable_layout -> server/cp_plans.py.
+    # The server's own code path: server/parallel/cp_calls.py's enable_layout -> server/parallel/cp_plans.py.
     "server_split": ("split", "padded", "server", "server"),
     "server_interleaved": ("interleaved", "padded", "server", "server"),
 }
@@ -140,7 +140,7 @@ def _run_case(name: str, device, dtype, shapes: dict[str, int], seen: list) -> d
     result["ref_video"], result["ref_audio"] = (t.float().cpu() for t in ref)
     try:
         if plan == "server":  # what a served engine runs on every rank (rank 0 and the followers)
-            from diffusion_rollout.server.cp_calls import enable_layout
+            from diffusion_rollout.server.parallel.cp_calls import enable_layout
 
             enable_layout({"transformer": model}, 1, WORLD)  # ring degree 1: Ulysses over WORLD
         else:
@@ -277,7 +277,7 @@ def test_replicated_audio_through_ulysses_is_duplicated_yet_exact(ranks):
     "case", ["corrected_split", "corrected_interleaved", "server_split", "server_interleaved"]
 )
 def test_corrected_plan_matches_one_rank_with_a_padded_text_mask(ranks, case):
-    """The sketch here, and the server's own plan (``server/cp_plans.py`` through ``enable_layout``)."""
+    """The sketch here, and the server's own plan (``server/parallel/cp_plans.py`` through ``enable_layout``)."""
     tokens = SHAPES["frames"] * SHAPES["height"] * SHAPES["width"]
     for r in ranks:
         res = r[case]

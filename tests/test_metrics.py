@@ -9,7 +9,7 @@ import threading
 import torch
 from safetensors.torch import save
 
-from diffusion_rollout.server.metrics import Histogram, Metrics
+from diffusion_rollout.server.core.metrics import Histogram, Metrics
 from tests.reliability_helpers import body, wait_until
 
 SAMPLE = re.compile(
@@ -128,7 +128,7 @@ def test_histogram_buckets_are_cumulative():
 
 
 def test_images_per_second_forgets_old_batches(monkeypatch):
-    import diffusion_rollout.server.metrics as metrics_module
+    import diffusion_rollout.server.core.metrics as metrics_module
 
     now = [1000.0]
     monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])

@@ -1,4 +1,4 @@
-"""Pipeline lanes (``pipeline_lanes``): several pipeline calls in flight at once (server/lanes.py).
+"""Pipeline lanes (``pipeline_lanes``): several pipeline calls in flight at once (server/speed/lanes.py).
 
 - The worker: batches of two lanes overlap; an admin job waits for every running batch and blocks
   both lanes while it runs; nothing starts past an admin job queued before it.
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.models import FAMILIES, IMAGE_FAMILIES, build_tiny_pipeline
-from diffusion_rollout.server.worker import Job, Worker
+from diffusion_rollout.server.core.worker import Job, Worker
 from tests.batch_helpers import generate_together
 from tests.conftest import ServedModel
 from tests.test_families_ltx2 import BASE as LTX2_BASE

@@ -1,4 +1,4 @@
-"""Which calls a precompiled block serves (server/precompiled_blocks.py): the checks that stand in for
+"""Which calls a precompiled block serves (server/speed/precompiled_blocks.py): the checks that stand in for
 the guards torch could not save. The whole path (save, load, bit-identical rollouts, off at a weight
 change) runs through real servers in tests/test_compile_warmup.py."""
 
@@ -8,7 +8,11 @@ from pathlib import Path
 
 import torch
 
-from diffusion_rollout.server.precompiled_blocks import PrecompiledBlocks, call_signature, structure_digest
+from diffusion_rollout.server.speed.precompiled_blocks import (
+    PrecompiledBlocks,
+    call_signature,
+    structure_digest,
+)
 from tests.torchao_helpers import run_check
 
 
@@ -65,7 +69,7 @@ def test_the_structure_digest_sees_an_injected_adapter_and_a_new_dtype():
 def test_an_artifact_that_assumed_an_even_batch_is_caught_before_it_is_saved(tmp_path):
     """Torch's symbolic guards are off when an artifact serves, so saving compares it with the
     ordinary compiled path at the traced batch and others, an odd one among them."""
-    from diffusion_rollout.server.precompiled_blocks import _describe
+    from diffusion_rollout.server.speed.precompiled_blocks import _describe
 
     block = Block()
     block._compiled_call_impl = lambda x: x * 2
@@ -88,7 +92,7 @@ def test_an_artifact_that_differs_by_rounding_is_saved_with_the_difference_repor
     """On GPUs the ahead-of-time compile may pick other kernels than the ordinary one (SD3.5 with FP8
     on an H100: every kind of block differed in its last bits): a difference at bfloat16's rounding
     passes and is reported, one over MAX_REL_DIFF (or a NaN) does not."""
-    from diffusion_rollout.server.precompiled_blocks import MAX_REL_DIFF, _describe
+    from diffusion_rollout.server.speed.precompiled_blocks import MAX_REL_DIFF, _describe
 
     block = Block()
     block._compiled_call_impl = lambda x: x * 2
@@ -114,7 +118,7 @@ def test_blocks_with_unknown_subclass_weights_are_skipped_and_a_restart_does_not
     34 s on an H200 before fast_tier.fp8_precompilable) is skipped before any tracing, the reason is
     left in the folder, and the next start on it reads the reason and captures nothing (no second
     attempt, no second cost)."""
-    from diffusion_rollout.server.precompiled_blocks import NOT_SAVED
+    from diffusion_rollout.server.speed.precompiled_blocks import NOT_SAVED
 
     block = Block()
     block.proj.weight = torch.nn.Parameter(torch.randn(4, 4).as_subclass(_Marked))
@@ -157,7 +161,7 @@ def _fp8_check(tmp: str) -> None:
     """The body of the test above, in a process of its own (``tests/torchao_helpers.py``)."""
     from torchao.quantization import quantize_
 
-    from diffusion_rollout.server import fast_tier, precompiled_blocks
+    from diffusion_rollout.server.speed import fast_tier, precompiled_blocks
 
     tmp_path = Path(tmp)
     assert not precompiled_blocks._ALLOWED_SUBCLASSES

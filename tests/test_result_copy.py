@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_rollout.server.result_copy import HostCopier
+from diffusion_rollout.server.core.result_copy import HostCopier
 
 
 def test_cpu_copies_are_compact_clones():

@@ -20,8 +20,8 @@ import torch
 
 from diffusion_rollout.errors import UntrustedFileError
 from diffusion_rollout.own_files import append_private, read_own, write_private
-from diffusion_rollout.server.compile_cache import INDUCTOR_ENV, CompileCache
-from diffusion_rollout.server.precompiled_blocks import FOLDER, PrecompiledBlocks, structure_digest
+from diffusion_rollout.server.speed.compile_cache import INDUCTOR_ENV, CompileCache
+from diffusion_rollout.server.speed.precompiled_blocks import FOLDER, PrecompiledBlocks, structure_digest
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -84,7 +84,7 @@ def test_a_compile_cache_not_the_servers_own_is_refused_and_nothing_in_it_runs(
     else:
         os.chmod(cache.folder, 0o777)
 
-    with caplog.at_level(logging.WARNING, logger="diffusion_rollout.server.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_rollout.server.speed.compile_cache"):
         cache.activate()
 
     assert not cache.trusted
@@ -150,7 +150,7 @@ def test_a_link_planted_in_the_cache_is_never_written_through(tmp_path, inductor
 
 
 def test_the_warmup_profile_never_writes_through_a_planted_link(tmp_path, caplog):
-    from diffusion_rollout.server.warmup_profile import STACKS_FILE, WarmupProfile
+    from diffusion_rollout.server.speed.warmup_profile import STACKS_FILE, WarmupProfile
 
     victim = tmp_path / "victim"
     victim.write_text("root's file")
@@ -158,7 +158,7 @@ def test_the_warmup_profile_never_writes_through_a_planted_link(tmp_path, caplog
     folder.mkdir()
     (folder / STACKS_FILE).symlink_to(victim)
     profile = WarmupProfile(folder, 0.05, lambda: [], cprofile=False)
-    with caplog.at_level(logging.WARNING, logger="diffusion_rollout.server.warmup_profile"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_rollout.server.speed.warmup_profile"):
         profile.start()
         profile.sample()
         profile.stop()

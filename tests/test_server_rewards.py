@@ -1,4 +1,4 @@
-"""Rewards scored on the server (``serve --reward``, server/reward_runner.py), through the real app on
+"""Rewards scored on the server (``serve --reward``, server/core/reward_runner.py), through the real app on
 tiny SD3: the values equal the same callable's in the trainer bit for bit, failures are per output and
 named, no pixels travel with ``return_output=false``, metadata and group-wise rewards, batching
 across requests, and a reward that cannot load stops the start."""
@@ -19,7 +19,7 @@ from diffusion_rollout.client import RolloutClient
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import ServiceUnavailableError
 from diffusion_rollout.rewards import load_reward
-from diffusion_rollout.server.reward_runner import RewardLane, RewardRunner
+from diffusion_rollout.server.core.reward_runner import RewardLane, RewardRunner
 from tests.reliability_helpers import live_server
 
 PLUGIN = '''

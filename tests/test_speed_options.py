@@ -157,7 +157,7 @@ def test_an_attention_backend_the_model_would_ignore_is_refused(tiny_model_path)
     server would say ``exact: false`` while running the default kernel."""
     from diffusers import DiffusionPipeline
 
-    from diffusion_rollout.server.loader import apply_speed_options
+    from diffusion_rollout.server.core.loader import apply_speed_options
 
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path("sd3")))
     with pytest.raises(ValueError) as exc:
@@ -188,7 +188,7 @@ def test_cuda_graphs_on_cpu_stops_the_cli_with_one_clear_line():
 
 
 def test_cuda_graph_keys_separate_what_a_graph_would_freeze():
-    from diffusion_rollout.server.cuda_graphs import _UNKEYABLE, _key_of
+    from diffusion_rollout.server.speed.cuda_graphs import _UNKEYABLE, _key_of
 
     x = torch.zeros(2, 3)
     assert _key_of({"x": x, "scale": 1.0}) == _key_of({"x": torch.ones(2, 3), "scale": 1.0})

@@ -1,4 +1,4 @@
-"""The split VAE decode (``server/vae_split.py``) on two gloo ranks equals one process's tiled decode.
+"""The split VAE decode (``server/parallel/vae_split.py``) on two gloo ranks equals one process's tiled decode.
 
 One spawn of two ranks runs every check (spawning costs seconds on two cores): the tiny zoo's Wan 2.1
 VAE and a tiny VAE of the Wan 2.2 (TI2V-5B) layout, whose decoder outputs 2x2 patches and whose
@@ -61,7 +61,12 @@ def _cases():
 def _rank(rank: int, world: int, port: int, cases: list, out: str) -> None:
     import torch.distributed as dist
 
-    from diffusion_rollout.server.vae_split import TileSettings, owned_tiles, split_tiled_decode, tile_grid
+    from diffusion_rollout.server.parallel.vae_split import (
+        TileSettings,
+        owned_tiles,
+        split_tiled_decode,
+        tile_grid,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -107,7 +112,7 @@ def test_split_decode_on_two_ranks_equals_the_one_process_tiled_decode(tmp_path)
 
 
 def test_the_grid_is_the_vaes_and_a_latent_of_one_tile_is_not_tiled():
-    from diffusion_rollout.server.vae_split import TileSettings, needs_tiles, owned_tiles, tile_grid
+    from diffusion_rollout.server.parallel.vae_split import TileSettings, needs_tiles, owned_tiles, tile_grid
 
     vae = _wan21_vae()
     assert TileSettings.of(vae) == TileSettings(256, 256, 192, 192)  # diffusers' defaults

@@ -91,7 +91,7 @@ class GpuServer:
 
         from diffusion_rollout.config import ServerConfig
         from diffusion_rollout.entrypoints.app import create_app
-        from diffusion_rollout.server.engine import Engine
+        from diffusion_rollout.server.core.engine import Engine
 
         self.config = ServerConfig(model=str(path), device="cuda", dtype="bfloat16")
         self.engine = Engine(self.config)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from diffusion_rollout.models import build_tiny_pipeline
-from diffusion_rollout.server.images import probe_image_png
+from diffusion_rollout.server.core.images import probe_image_png
 from tests.conftest import ServedModel
 
 # A 400 must name one of these (the request's own fields or the limit it ran into).

@@ -10,7 +10,7 @@ Design decisions:
   a rollout can be repeated. One generator gives ``seed + k`` for image ``k`` (the server's rule).
 - **A seed that repeats means a shared x_T** and nothing more: its images are sent with
   ``initial_noise_seed`` = that seed, which draws ``x_T`` exactly as a generator seeded with it does
-  (server/initial_noise.py), so every image of that seed starts from the same ``x_T``, the one a lone
+  (server/core/initial_noise.py), so every image of that seed starts from the same ``x_T``, the one a lone
   image of that seed would get. Its step noise comes from a seed derived from the repeated seed and
   the image's occurrence (:func:`step_seed`), so the samples differ and the call still repeats bit
   for bit.

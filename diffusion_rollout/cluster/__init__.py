@@ -3,7 +3,7 @@
 Ray is imported only inside this subpackage, and only when a cluster starts; the single-process
 server never imports it. Modules, one job each:
 
-- ``engine``: ``ClusterEngine``, the single engine's interface (``server/engine_api.py``) over the
+- ``engine``: ``ClusterEngine``, the single engine's interface (``server/core/engine_api.py``) over the
   replicas: start/join Ray, route rollouts (least outstanding work, one request on one replica),
   the dispatch gate, state, ``/server_info`` replicas and merged ``/metrics``.
 - ``weights``: ``ClusterWeights``, the weight-manager facade that fans every update out to every

@@ -1,4 +1,4 @@
-"""``ClusterEngine``: the single engine's interface (``server/engine_api.py``) over replicas on Ray.
+"""``ClusterEngine``: the single engine's interface (``server/core/engine_api.py``) over replicas on Ray.
 
 The FastAPI app and its routers are the single server's; only the engine behind them changes
 (``create_app`` builds this one when ``config.replicas`` is set).
@@ -61,9 +61,9 @@ from diffusion_rollout.errors import (
     RequestError,
     ServiceUnavailableError,
 )
-from diffusion_rollout.server.engine_api import QueueStats
-from diffusion_rollout.server.metrics import Metrics
-from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.core.engine_api import QueueStats
+from diffusion_rollout.server.core.metrics import Metrics
+from diffusion_rollout.server.core.params import GenerateParams, SampleResult
 from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)

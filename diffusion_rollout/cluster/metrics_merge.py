@@ -2,7 +2,7 @@
 
 Design decisions:
 
-- Each replica renders its own engine's metrics (``server/metrics.py``); the front parses those
+- Each replica renders its own engine's metrics (``server/core/metrics.py``); the front parses those
   texts (the subset of the exposition format that module writes) and re-emits every family once,
   as Prometheus wants: first the totals with the labels the single server uses (so dashboards
   written for one process keep working), then each replica's samples with ``replica="<id>"`` added.
@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from diffusion_rollout.server.metrics import PREFIX
+from diffusion_rollout.server.core.metrics import PREFIX
 
 # Gauges whose total is the front's value, not a sum over replicas.
 FRONT_GAUGES = {

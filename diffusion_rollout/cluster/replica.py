@@ -44,8 +44,8 @@ from diffusion_rollout.cluster.resync import export_state, import_state
 from diffusion_rollout.cluster.transactions import FullUpdateTransactions
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.engine import Engine
-from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.core.engine import Engine
+from diffusion_rollout.server.core.params import GenerateParams, SampleResult
 from diffusion_rollout.server.weights import get_weight_manager
 from diffusion_rollout.server.weights.receive import Lease, unpooled
 
@@ -192,7 +192,7 @@ class ReplicaServer:
         return f"http://{'[' + host + ']' if ':' in host else host}:{listener.port}"
 
     def _build_pipeline(self) -> None:
-        from diffusion_rollout.server.loader import prepare_pipeline
+        from diffusion_rollout.server.core.loader import prepare_pipeline
 
         cfg = self.config
         self.engine.loaded = prepare_pipeline(

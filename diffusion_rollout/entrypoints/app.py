@@ -30,8 +30,8 @@ from diffusion_rollout.entrypoints.request_context import RequestContextMiddlewa
 from diffusion_rollout.entrypoints.routers import ROUTERS
 from diffusion_rollout.entrypoints.segment_answer import SegmentWriter
 from diffusion_rollout.entrypoints.upload_listener import UploadListener
-from diffusion_rollout.server.engine import Engine
-from diffusion_rollout.server.engine_api import RolloutEngine
+from diffusion_rollout.server.core.engine import Engine
+from diffusion_rollout.server.core.engine_api import RolloutEngine
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ as is a ``rollout`` inside ``extra_sampling_params``: the top-level flag wins th
 Precomputed conditioning (``prompt_embeds``, ``pooled_prompt_embeds`` and their negatives) arrives
 as tensor envelopes (``entrypoints/request_tensors.py``); ``prompt`` is then optional and only a
 label echoed back. Whether the tensors suit the loaded model is checked by the planner
-(``server/prompt_embeds.py``), a 400 naming the field and the expected shape.
+(``server/core/prompt_embeds.py``), a 400 naming the field and the expected shape.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
 from diffusion_rollout.entrypoints.request_tensors import WireTensor
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import RolloutSettings
-from diffusion_rollout.server.params import GenerateParams
-from diffusion_rollout.server.speed import CACHE_KINDS, FeatureCacheSettings
+from diffusion_rollout.server.core.params import GenerateParams
+from diffusion_rollout.server.speed.options import CACHE_KINDS, FeatureCacheSettings
 
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
@@ -45,7 +45,7 @@ EMBEDDING_FIELDS = (
 
 
 class FeatureCacheRequest(BaseModel):
-    """``feature_cache`` (ext): a diffusers cache hook for this request's denoising (server/speed.py)."""
+    """``feature_cache`` (ext): a diffusers cache hook for this request's denoising (server/speed/options.py)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -60,7 +60,7 @@ class FeatureCacheRequest(BaseModel):
 
 
 class BranchPoint(BaseModel):
-    """One branch point of ``rollout_branch`` (server/branch_tree.py): at loop ``step`` every node
+    """One branch point of ``rollout_branch`` (server/core/branch_tree.py): at loop ``step`` every node
     splits into ``factor`` children."""
 
     model_config = ConfigDict(extra="forbid")
@@ -124,7 +124,7 @@ class GenerateRequest(BaseModel):
         None, min_length=1, max_length=8
     )
     denoise_seeds: list[NoiseKey] | None = None
-    # UniRL's x_T as a tensor (server/initial_noise.py checks shape, dtype and finiteness).
+    # UniRL's x_T as a tensor (server/core/initial_noise.py checks shape, dtype and finiteness).
     initial_noise: WireTensor | None = None
     # UniRL's SGLang patch fields: answer the prompt encodings the outputs were conditioned on.
     return_prompt_embeds: bool = False
@@ -133,15 +133,15 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(None, min_length=1, max_length=256)
     feature_cache: FeatureCacheRequest | None = None
     allow_inexact: bool = False
-    # The group's ODE steps before its first stochastic step, once (server/shared_prefix.py).
+    # The group's ODE steps before its first stochastic step, once (server/core/shared_prefix.py).
     rollout_share_prefix: bool = False
     # Cheaper ODE steps outside the SDE window (scheduler_mixins/outside_window.py).
     rollout_ode_solver: Literal["euler", "dpm2m"] = "euler"
-    # A tree of rollouts grown from one x_T (server/branch_tree.py).
+    # A tree of rollouts grown from one x_T (server/core/branch_tree.py).
     rollout_branch: Annotated[list[BranchPoint], Field(min_length=1, max_length=8)] | None = None
     rollout_outside_window_stride: int = Field(1, ge=1, le=64)
     lean_response: bool = False
-    # Rewards scored on the server (ext, server/reward_runner.py): names given to serve --reward.
+    # Rewards scored on the server (ext, server/core/reward_runner.py): names given to serve --reward.
     rewards: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=16)] | None = None
     # One object per prompt (a list prompt: one per prompt, in order), given to rewards that take it.
     reward_metadata: dict[str, Any] | list[dict[str, Any]] | None = None

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from diffusion_rollout import answer_segments, wire
 from diffusion_rollout.entrypoints.buffers_response import BuffersResponse
 from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
-from diffusion_rollout.server.engine_api import RolloutEngine, WeightOps
+from diffusion_rollout.server.core.engine_api import RolloutEngine, WeightOps
 
 
 def get_engine(request: Request) -> RolloutEngine:

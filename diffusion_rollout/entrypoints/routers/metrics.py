@@ -1,4 +1,4 @@
-"""``GET /metrics``: the engine's Prometheus text (``server/metrics.py`` records, this renders).
+"""``GET /metrics``: the engine's Prometheus text (``server/core/metrics.py`` records, this renders).
 
 Open like ``/health``: it carries counts and timings, never keys, prompts or request ids, and a
 scraper should not need the admin key.
@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from diffusion_rollout.entrypoints.routers.common import get_engine
-from diffusion_rollout.server.metrics import CONTENT_TYPE
+from diffusion_rollout.server.core.metrics import CONTENT_TYPE
 
 router = APIRouter()
 

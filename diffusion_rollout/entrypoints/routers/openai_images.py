@@ -31,7 +31,7 @@ from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import RolloutSettings
-from diffusion_rollout.server.params import GenerateParams
+from diffusion_rollout.server.core.params import GenerateParams
 
 router = APIRouter()
 PATH = "/v1/images/generations"

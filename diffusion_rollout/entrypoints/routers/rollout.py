@@ -33,7 +33,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     wire_response,
 )
 from diffusion_rollout.errors import RequestError
-from diffusion_rollout.server.reward_runner import check_reward_names
+from diffusion_rollout.server.core.reward_runner import check_reward_names
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -172,7 +172,7 @@ class FamilyAdapter:
     def embedding_shapes(self) -> dict[str, tuple[int | None, ...]]:
         """One prompt's row shape per conditioning tensor a request may send instead of text, by
         the pipeline's argument name (``None``: any length, the tokens); empty: text only
-        (server/prompt_embeds.py)."""
+        (server/core/prompt_embeds.py)."""
         return {}
 
     def max_embedding_tokens(self) -> int:

@@ -56,7 +56,7 @@ class LoraOps(ManagerCore):
     def _refuse_dynamic_on_cp(self, target: str, active: str | None, mode: str | None) -> None:
         """Before a change: a context-parallel engine cannot run an adapter in dynamic mode.
 
-        Its followers mirror rank 0's parameters (server/context_parallel.py); a dynamic adapter runs
+        Its followers mirror rank 0's parameters (server/parallel/context_parallel.py); a dynamic adapter runs
         in forward, outside them, so the ranks would compute different models. Merged mode is fine.
         """
         if getattr(self.engine, "context_parallel", None) is None or active is None:

@@ -20,7 +20,7 @@ Design decisions:
   identity (optimizers, PEFT wrappers and pinned-memory bookkeeping hold references to them).
 - Weights held quantized (a tensor subclass: torchao's float8 under ``--quantize fp8``) take no
   in-place copy of plain values. A module whose loader quantized it carries a re-quantizer
-  (:data:`REQUANTIZE_ATTR`, set by ``server/fast_tier.py``): such a weight is replaced by a new
+  (:data:`REQUANTIZE_ATTR`, set by ``server/speed/fast_tier.py``): such a weight is replaced by a new
   parameter quantized from the update's values, the old parameter object kept as the backup (put
   back on a failure or a cluster rollback, :func:`restore_copy`). Without one, the update is refused
   before anything changes.

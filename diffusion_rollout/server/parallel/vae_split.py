@@ -27,7 +27,7 @@ Design decisions:
   receives every other rank's (shapes first, then one flat buffer per rank, point-to-point: NCCL on
   CUDA, gloo on the CPU); only rank 0 holds the decoded video.
 - **Collective.** Every rank of the group must call :func:`split_tiled_decode` with the same latent
-  and the same settings (the context-parallel engine broadcasts both, ``server/context_parallel.py``).
+  and the same settings (the context-parallel engine broadcasts both, ``server/parallel/context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-# AutoencoderKLWan's decode methods are shadowed by an instance attribute (as server/lanes.py does):
+# AutoencoderKLWan's decode methods are shadowed by an instance attribute (as server/speed/lanes.py does):
 # removing it restores the class's method.
 _SPLIT_ATTR = "_diffusion_rollout_split_decode"
 
@@ -267,5 +267,5 @@ def remove_split_decode(vae: Any) -> None:
         return
     object.__delattr__(vae, "decode")
     object.__delattr__(vae, _SPLIT_ATTR)
-    if vae.decode != original:  # another wrapper was under ours (server/lanes.py's lock)
+    if vae.decode != original:  # another wrapper was under ours (server/speed/lanes.py's lock)
         object.__setattr__(vae, "decode", original)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout.server.params import SampleResult
-from diffusion_rollout.server.result_copy import HostCopier
+from diffusion_rollout.server.core.params import SampleResult
+from diffusion_rollout.server.core.result_copy import HostCopier
 
 
 def _debug_tensors(view: dict[str, Any], copier: HostCopier) -> dict[str, Any]:

@@ -23,7 +23,7 @@ Design decisions:
   with them the call's tensors (activations, latents, recordings): the worker clears those frames
   before ``on_batch_error`` runs, so device memory can actually be returned (CUDA OOM recovery).
 - While a batch runs, the worker thread's log lines carry the batch's request ids.
-- ``batch_hook`` (None but while a compiled server's warm-up is profiled, server/warmup_profile.py)
+- ``batch_hook`` (None but while a compiled server's warm-up is profiled, server/speed/warmup_profile.py)
   gives a context to run a batch in, on the lane's own thread: what must run there (cProfile sees only
   the thread it is enabled on) goes through it.
 """

@@ -1,6 +1,6 @@
 """Context-parallel plans the server applies instead of diffusers' own, per transformer class.
 
-``server/context_parallel.py`` enables diffusers' Ulysses attention on every rank's denoisers through
+``server/parallel/context_parallel.py`` enables diffusers' Ulysses attention on every rank's denoisers through
 :func:`enable_plan`; for most classes that is diffusers' shipped ``_cp_plan`` unchanged. LTX-2
 (``LTX2VideoTransformer3DModel``, family ``ltx2``) needs its own: diffusers 0.42.1's plan does not run
 on it (``tests/test_ltx2_cp_plan.py``: its 4-D split RoPE is left whole, ``cross_attn_rope`` is not

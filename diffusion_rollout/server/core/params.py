@@ -13,20 +13,20 @@ from typing import Any
 import torch
 
 from diffusion_rollout.scheduler_mixins import RolloutSettings
-from diffusion_rollout.server.speed import FeatureCacheSettings
+from diffusion_rollout.server.speed.options import FeatureCacheSettings
 
 
 @dataclass
 class GenerateParams:
     prompt: str
     negative_prompt: str | None = None
-    # Precomputed conditioning by diffusers' argument name (server/prompt_embeds.py); with it the
+    # Precomputed conditioning by diffusers' argument name (server/core/prompt_embeds.py); with it the
     # prompt text is a label only and the prompt cache is not used.
     embeds: dict[str, torch.Tensor] | None = None
     seed: int | None = None
     seeds: list[int] | None = None
     initial_noise_seed: int | None = None
-    # Relax/UniRL noise recipes (server/initial_noise.py): x_T per group id, step noise per key.
+    # Relax/UniRL noise recipes (server/core/initial_noise.py): x_T per group id, step noise per key.
     initial_noise_group_ids: list[str] | None = None
     initial_noise_latent_shape: list[int] | None = None
     denoise_seeds: list[str] | None = None
@@ -59,11 +59,11 @@ class GenerateParams:
     flow_shift: float | None = None
     feature_cache: FeatureCacheSettings | None = None
     allow_inexact: bool = False
-    # Run the ODE steps before the first stochastic step once for the group (server/shared_prefix.py).
+    # Run the ODE steps before the first stochastic step once for the group (server/core/shared_prefix.py).
     share_prefix: bool = False
     # Keep every k-th sigma outside the SDE window (scheduler_mixins/outside_window.py).
     outside_window_stride: int = 1
-    # A tree of rollouts: ((step, factor), ...) (server/branch_tree.py).
+    # A tree of rollouts: ((step, factor), ...) (server/core/branch_tree.py).
     branch: tuple[tuple[int, int], ...] | None = None
     # Conditioning images of image-conditioned families: server-side paths and inline file bytes.
     image_path: list[str] | None = None
@@ -73,7 +73,7 @@ class GenerateParams:
     # is false.
     min_weight_version: Any = None
     min_weight_version_wait: bool = True
-    # Rewards the server scores on the decoded outputs (server/reward_runner.py), by configured
+    # Rewards the server scores on the decoded outputs (server/core/reward_runner.py), by configured
     # name, with this prompt's metadata (an OCR target text...); ``return_output=False`` answers
     # without the generated output (the trainer needs only rewards, log-probs and latents).
     rewards: tuple[str, ...] = ()
@@ -105,7 +105,7 @@ class SampleResult:
     batch_id: str = ""
     batch_index: int = 0
     batch_size: int = 1
-    # False when an option that changes numerics was active (server/speed.py): compile, a non-exact
+    # False when an option that changes numerics was active (server/speed/options.py): compile, a non-exact
     # attention backend, a feature cache. True: bit-identical to the stock eager pipeline.
     exact: bool = True
     # With return_prompt_embeds / return_negative_prompt_embeds: the encodings under the pipeline's
@@ -113,7 +113,7 @@ class SampleResult:
     # ([1, ...], the request's precomputed-conditioning form), answered as top-level fields.
     conditioning: dict[str, Any] | None = None
     # With rollout_share_prefix: the leading ODE steps computed once for the request's
-    # ``shared_prefix_outputs`` outputs (server/shared_prefix.py); absent from answers otherwise.
+    # ``shared_prefix_outputs`` outputs (server/core/shared_prefix.py); absent from answers otherwise.
     shared_prefix_steps: int | None = None
     shared_prefix_outputs: int | None = None
     # With ``rewards``: {name: value, or None when it failed}, why each failed one failed, and what

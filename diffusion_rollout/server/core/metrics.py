@@ -19,7 +19,7 @@ Design decisions:
   allocator at scrape time: a long run's memory is watched from outside the process
   (``benchmarks/soak.py``) without a request of its own.
 - A compiled server adds ``compile_graphs_total``, ``compile_seconds_total``,
-  ``compile_recompiles_total``, ``warmup_seconds`` and ``warmed_shapes`` (``server/warmup.py``).
+  ``compile_recompiles_total``, ``warmup_seconds`` and ``warmed_shapes`` (``server/speed/warmup.py``).
 - Label values are bounded sets (outcome and error types, route templates, status codes), never
   request ids or prompts, so the series count stays small.
 """
@@ -38,7 +38,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# A compiled server's series (server/warmup.py): name, type, help, key of the engine's dict.
+# A compiled server's series (server/speed/warmup.py): name, type, help, key of the engine's dict.
 COMPILE_SERIES = (
     ("compile_graphs_total", "counter", "Graphs torch.compile compiled for the denoiser's blocks.", "graphs"),
     ("compile_seconds_total", "counter", "Seconds inductor spent compiling those graphs.", "seconds"),

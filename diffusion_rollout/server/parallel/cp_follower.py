@@ -1,4 +1,4 @@
-"""A context-parallel follower rank (``server/context_parallel.py``): it loads the denoisers (and,
+"""A context-parallel follower rank (``server/parallel/context_parallel.py``): it loads the denoisers (and,
 for ``context_parallel_vae=split``, the VAE), joins rank 0's process group, and runs rank 0's ops
 (``forward``, ``sync``, ``decode``, ``release``/``resume``, ``stop``) in the order rank 0 sends them,
 until ``stop`` or until rank 0 is gone."""
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffusion_rollout.server.cp_calls import (
+from diffusion_rollout.server.parallel.cp_calls import (
     DECODES,
     FORWARDS,
     LAST_OUTPUT,
@@ -27,7 +27,7 @@ from diffusion_rollout.server.cp_calls import (
     synced_tensors,
     weights_digest,
 )
-from diffusion_rollout.server.vae_split import owned_tiles, split_tiled_decode, tile_grid
+from diffusion_rollout.server.parallel.vae_split import owned_tiles, split_tiled_decode, tile_grid
 
 
 def _load_modules(

@@ -22,17 +22,17 @@ Speed options (``ServerConfig.compile`` / ``attention_backend``), both off by de
   differently from eager ones: **a compiled server is not bit-identical to the stock pipeline**; the
   ODE regression gate (``benchmarks/ode_regression.py``) is defined for the eager path. The blocks'
   batch dimension is dynamic and the engine compiles them for ``warmup_shapes`` before it reports
-  ready (``server/warmup.py``); a shape not warmed up compiles on its first request. The compiled
-  artifacts persist in ``compile_cache`` (``server/compile_cache.py``).
-- ``quantize="fp8"`` / ``attention_backend="fa4"``: the fast tier (``server/fast_tier.py``): torchao
+  ready (``server/speed/warmup.py``); a shape not warmed up compiles on its first request. The compiled
+  artifacts persist in ``compile_cache`` (``server/speed/compile_cache.py``).
+- ``quantize="fp8"`` / ``attention_backend="fa4"``: the fast tier (``server/speed/fast_tier.py``): torchao
   FP8 linears (quantized here, before any compile) and FlashAttention-4 registered with diffusers'
   dispatcher. Checked first: without CUDA, on a GPU too old or without the package, loading fails
   with one line naming what is missing. Neither is bit-identical to eager.
 - ``cuda_graphs``: the eager denoiser replayed from CUDA graphs captured per input-shape bucket
-  (``server/cuda_graphs.py``); bit-identical to eager, CUDA only, not combinable with ``compile``
+  (``server/speed/cuda_graphs.py``); bit-identical to eager, CUDA only, not combinable with ``compile``
   (the graph must record the eager kernels).
 
-Whether the result is exact is decided in one place, ``server/speed.py``; the options applied are
+Whether the result is exact is decided in one place, ``server/speed/options.py``; the options applied are
 returned as its ``SpeedOptions`` and reported by ``/server_info``.
 """
 
@@ -48,9 +48,9 @@ import torch
 
 from diffusion_rollout.fast_tier_checks import FP8, is_fa4, unsupported_reason
 from diffusion_rollout.scheduler_mixins import RolloutFlowMatchEulerScheduler
-from diffusion_rollout.server import fast_tier
-from diffusion_rollout.server.speed import SpeedOptions
-from diffusion_rollout.server.warmup import CompileStats, compile_block
+from diffusion_rollout.server.speed import fast_tier
+from diffusion_rollout.server.speed.options import SpeedOptions
+from diffusion_rollout.server.speed.warmup import CompileStats, compile_block
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def apply_speed_options(
             )
     graphs = None
     if cuda_graphs:
-        from diffusion_rollout.server.cuda_graphs import CudaGraphRunner
+        from diffusion_rollout.server.speed.cuda_graphs import CudaGraphRunner
 
         graphs = CudaGraphRunner(denoisers(pipe), max_buckets=cuda_graph_max_buckets)
         logger.info("cuda graphs: on, at most %d bucket(s), captured on first use", cuda_graph_max_buckets)

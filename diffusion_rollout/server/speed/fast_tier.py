@@ -1,7 +1,7 @@
 """The fast tier: options that trade bit-exactness for speed on recent GPUs.
 
 Both are off by default, and with both off nothing here is imported or called: the exact tier and
-its ODE gate are untouched. Either one makes every output ``exact: false`` (``server/speed.py``).
+its ODE gate are untouched. Either one makes every output ``exact: false`` (``server/speed/options.py``).
 
 - ``quantize="fp8"``: torchao float8 on the denoiser's linear layers, dynamic rowwise scales for the
   activations and rowwise scales for the weights
@@ -33,11 +33,12 @@ denoiser's class name.
 2. By size: a linear is quantized only if ``in_features * out_features >= min_weight_elements`` of
    its family and both dimensions are multiples of 16 (``torch._scaled_mm``).
 
-Each family's threshold is the one measured fastest on the whole compiled model (FLUX: every
-linear not kept by name; SD3: 1536x1536; Wan: its attention projections bf16, for less replay
-drift at almost the same speed); Qwen-Image's and the default are still chosen by analogy. The
-measurements are the ``fast-fp8-*`` and ``grpo-fast*`` rows of benchmarks/RESULTS.md and their
-journal. At small batches FP8 does not pay. ``benchmarks.flux_breakdown --fp8-all`` times FLUX
+Each family's threshold is the one measured fastest on the whole compiled model: FLUX every
+linear not kept by name (benchmarks/RESULTS.md#fast-fp8-flux-all), SD3 1536x1536
+(benchmarks/RESULTS.md#grpo-fast-all), Wan its attention projections bf16, for less replay drift
+at almost the same speed (benchmarks/RESULTS.md#fast-fp8-every-linear-wan). Qwen-Image's and the
+default are still chosen by analogy. At small batches FP8 does not pay
+(benchmarks/RESULTS.md#drift-fp8-compile-h100). ``benchmarks.flux_breakdown --fp8-all`` times FLUX
 without the size threshold.
 
 Inputs of few rows (:data:`FP8_MIN_ROWS`): cuBLASLt refused rowwise FP8 for the SD3.5 MLP's long
@@ -190,7 +191,7 @@ def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 class PaddedLinear(torch.nn.Linear):
     """``torch.nn.Linear`` with :func:`_padded_forward`. A class, not a forward bound to each instance:
-    Dynamo's serializer (server/precompiled_blocks.py) names a bound method by its function's name
+    Dynamo's serializer (server/speed/precompiled_blocks.py) names a bound method by its function's name
     and then looks it up on the module, which an instance-bound ``_padded_forward`` fails ("'Linear'
     object has no attribute '_padded_forward'": every SD3.5 block unsaved on an H100, 31 s lost)."""
 
@@ -238,14 +239,14 @@ def _float8_meta_like(func: Any, types: Any, args: tuple, kwargs: dict) -> torch
 
 
 def fp8_precompilable(model: torch.nn.Module) -> None:
-    """Let ``server/precompiled_blocks.py`` save blocks whose linears torchao quantized. Two things
+    """Let ``server/speed/precompiled_blocks.py`` save blocks whose linears torchao quantized. Two things
     stopped Dynamo's guard serializer (torch 2.11 on an H200, torch 2.13 on a CPU): torchao's
     ``Float8Tensor`` has no ``empty_like`` (registered here, meta only), and ``quantize_`` gives each
     quantized linear an instance ``extra_repr`` bound to a ``functools.partial``, which the serializer
     cannot pickle (dropped here: it changes ``repr(module)`` only)."""
     from torchao.quantization import Float8Tensor
 
-    from diffusion_rollout.server.precompiled_blocks import allow_subclass_weights
+    from diffusion_rollout.server.speed.precompiled_blocks import allow_subclass_weights
 
     Float8Tensor.implements([torch.ops.aten.empty_like.default])(_float8_meta_like)
     allow_subclass_weights(Float8Tensor)

@@ -9,7 +9,7 @@ reused as is and the ODE path stays bit-identical to diffusers.
 RNG: every output owns a generator seeded ``seed + i`` (or ``seeds[i]``); the engine draws each
 output's x_T from it with the pipeline's own ``prepare_latents`` at batch 1 (what the stock pipeline
 does with a list of generators), then the scheduler draws each stochastic step's noise from the same
-generator (shared x_T and trainers' noise recipes: ``server/initial_noise.py``). A sample's random numbers therefore never depend on what it was batched with; its
+generator (shared x_T and trainers' noise recipes: ``server/core/initial_noise.py``). A sample's random numbers therefore never depend on what it was batched with; its
 arithmetic can, in the last bits (matmul kernels block differently per batch size), which is why every
 output names its pipeline call (``batch_id``, ``batch_index``, ``batch_size``) for exact replay.
 
@@ -22,7 +22,7 @@ Reliability (quality.md):
   (400 naming the limit), estimated from the family's exact latent shape (its own
   ``prepare_latents`` on the meta device: no memory, no RNG) times the entries it would return.
 - A failed batch fails only its own requests; the worker clears the failed call's frames, then
-  ``BatchRunner.after_error`` (``server/batch_runner.py``, the worker side) collects garbage and
+  ``BatchRunner.after_error`` (``server/core/batch_runner.py``, the worker side) collects garbage and
   empties the CUDA cache, so the next batch starts from a clean allocator (CUDA OOM answers 503,
   anything else 500).
 - Every output is checked for NaN/Inf (generated output and log-probs) and flagged per sample
@@ -54,20 +54,20 @@ from diffusion_rollout.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffusion_rollout.server.batch_runner import BatchRunner
-from diffusion_rollout.server.compiled_start import CompiledStart
-from diffusion_rollout.server.engine_api import QueueStats
+from diffusion_rollout.server.core.batch_runner import BatchRunner
+from diffusion_rollout.server.core.engine_api import QueueStats
+from diffusion_rollout.server.core.images import probe_image_png
+from diffusion_rollout.server.core.loader import LoadedPipeline, load_pipeline
+from diffusion_rollout.server.core.metrics import Metrics
+from diffusion_rollout.server.core.params import GenerateParams, SampleResult
+from diffusion_rollout.server.core.planner import Plan, RequestPlanner
+from diffusion_rollout.server.core.prompt_cache import PromptCache
+from diffusion_rollout.server.core.reward_runner import RewardRunner
+from diffusion_rollout.server.core.worker import Job, Worker
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
-from diffusion_rollout.server.images import probe_image_png
-from diffusion_rollout.server.lanes import Lane, make_lane
-from diffusion_rollout.server.loader import LoadedPipeline, load_pipeline
-from diffusion_rollout.server.metrics import Metrics
-from diffusion_rollout.server.params import GenerateParams, SampleResult
-from diffusion_rollout.server.planner import Plan, RequestPlanner
-from diffusion_rollout.server.prompt_cache import PromptCache
-from diffusion_rollout.server.reward_runner import RewardRunner
-from diffusion_rollout.server.speed import SUPPORTED_CACHES
-from diffusion_rollout.server.worker import Job, Worker
+from diffusion_rollout.server.speed.compiled_start import CompiledStart
+from diffusion_rollout.server.speed.lanes import Lane, make_lane
+from diffusion_rollout.server.speed.options import SUPPORTED_CACHES
 from diffusion_rollout.weight_versions import VersionGate, VersionHistory
 
 logger = logging.getLogger(__name__)
@@ -96,13 +96,13 @@ class Engine:
             on_timeout=lambda: self.metrics.request_cancelled("timeout"),
         )
         self.loaded: LoadedPipeline | None = loaded
-        # A compiled server's warm-up and compile cache (server/compiled_start.py).
+        # A compiled server's warm-up and compile cache (server/speed/compiled_start.py).
         self.compiled = CompiledStart()
         self.adapter: FamilyAdapter | None = None
         self.prompt_cache = PromptCache(config.prompt_cache_size)
-        # serve --reward: scored on this engine's outputs as they finish (server/reward_runner.py).
+        # serve --reward: scored on this engine's outputs as they finish (server/core/reward_runner.py).
         self.rewards = RewardRunner(config, self.device)
-        # The worker side: batches of planned jobs -> pipeline calls -> answers (server/batch_runner.py).
+        # The worker side: batches of planned jobs -> pipeline calls -> answers (server/core/batch_runner.py).
         self.runner = BatchRunner(self)
         self.worker = Worker(
             self.runner.run_batch,
@@ -113,13 +113,13 @@ class Engine:
             on_batch_error=self.runner.after_error,
             lanes=config.pipeline_lanes,
         )
-        # Pipeline calls in flight at once (server/lanes.py); built by load().
+        # Pipeline calls in flight at once (server/speed/lanes.py); built by load().
         self._lanes: list[Lane] = []
         self.started_at = time.time()
         self.last_generate_ok_at: float | None = None
         self._shutdown_deadline: float | None = None
         self.planner: RequestPlanner | None = None
-        # Follower ranks of a context-parallel engine (server/context_parallel.py); None for k = 1.
+        # Follower ranks of a context-parallel engine (server/parallel/context_parallel.py); None for k = 1.
         self.context_parallel = None
 
     @property
@@ -181,7 +181,7 @@ class Engine:
         self.rewards.load()
         if self.config.context_parallel > 1 and self.context_parallel is None:
             # Imported here: a k = 1 engine never loads torch.distributed or spawns anything.
-            from diffusion_rollout.server.context_parallel import start_for
+            from diffusion_rollout.server.parallel.context_parallel import start_for
 
             self.context_parallel = start_for(self)
 
@@ -341,7 +341,7 @@ class Engine:
             except asyncio.CancelledError:
                 fut.cancel()
                 raise
-            # The worker is on the next batch already: scoring overlaps it (server/reward_runner.py).
+            # The worker is on the next batch already: scoring overlaps it (server/core/reward_runner.py).
             await self.rewards.score(results, params, self.adapter.to_uint8)
             if not params.return_output:
                 for r in results:
@@ -466,7 +466,7 @@ class Engine:
             )
         plan = self.planner.plan(p)
         if self.context_parallel is not None:  # per-family shapes the ranks must shard evenly (LTX-2)
-            from diffusion_rollout.server.cp_plans import check_call
+            from diffusion_rollout.server.parallel.cp_plans import check_call
 
             check_call(self, plan.call)
         return plan

@@ -1,4 +1,4 @@
-"""What rank 0 and the context-parallel followers share (``server/context_parallel.py``).
+"""What rank 0 and the context-parallel followers share (``server/parallel/context_parallel.py``).
 
 - **A call's structure without its tensors** (:func:`strip_tensors` / :func:`fill_tensors`): rank 0
   sends each transformer call's args and kwargs over a queue with every tensor replaced by a
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
-from diffusion_rollout.server.cp_plans import enable_plan
+from diffusion_rollout.server.parallel.cp_plans import enable_plan
 
 # A follower's stats array (shared memory, read by rank 0's ``stats()``): one slot each.
 FORWARDS, LAST_OUTPUT, SYNCS, RELEASED, DECODES, TILES = range(6)

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from diffusion_rollout.server.engine import Engine
-    from diffusion_rollout.server.warmup_profile import WarmupProfile
+    from diffusion_rollout.server.core.engine import Engine
+    from diffusion_rollout.server.speed.warmup_profile import WarmupProfile
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Warmup:
     cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (_PHASES)
-    profile: dict[str, Any] | None = None  # --warmup-profile's files (server/warmup_profile.py); None: off
+    profile: dict[str, Any] | None = None  # --warmup-profile's files (server/speed/warmup_profile.py); None: off
     stage: str | None = None  # after the calls, before ready: "saving precompiled blocks"
 
     @property
@@ -255,7 +255,7 @@ def run_warmup(engine: Engine, warmup: Warmup, profile: WarmupProfile | None = N
     """Compile the blocks for every warm-up shape and batch (on the caller's thread, through the
     engine's worker), updating ``warmup`` as it goes; returns the ``(width, height, frames)`` of the
     calls it made. With ``profile`` (``--warmup-profile``), each call runs under cProfile on the
-    worker thread and the worker's stack is sampled until the warm-up ends (server/warmup_profile.py)."""
+    worker thread and the worker's stack is sampled until the warm-up ends (server/speed/warmup_profile.py)."""
     counts0, phases0 = _cache_counts(), _compile_phases()
     warmup.begin()
     if profile is None:
@@ -278,7 +278,7 @@ def _warm_shapes(
     counts0: dict[str, tuple[int, int]],
     phases0: dict[str, float],
 ) -> set[tuple]:
-    from diffusion_rollout.server.params import GenerateParams
+    from diffusion_rollout.server.core.params import GenerateParams
 
     a = engine.adapter
     est = f"; the last one took {warmup.estimate_s:.0f} s" if warmup.estimate_s is not None else ""
@@ -304,7 +304,7 @@ def _warm_shapes(
             if a.is_video:
                 params.num_frames = shape.frames or a.default_frames()
             if a.image_inputs:
-                from diffusion_rollout.server.images import probe_image_png
+                from diffusion_rollout.server.core.images import probe_image_png
 
                 params.image_data = [probe_image_png(min(shape.width, shape.height))]
             graphs0, t0 = stats.graphs if stats else 0, time.perf_counter()

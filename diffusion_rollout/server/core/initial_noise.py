@@ -32,8 +32,8 @@ import torch
 
 from diffusion_rollout import noise_recipes
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.server.core.params import GenerateParams
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
-from diffusion_rollout.server.params import GenerateParams
 
 StepGenerator = Callable[[int], torch.Generator]
 
@@ -169,8 +169,8 @@ def sample_noise(
         step_generators.append(
             functools.partial(_step_generator, p.seed, p.denoise_seeds[i]) if p.denoise_seeds else None
         )
-    if p.branch:  # a tree: every row's step noise keyed by its node (server/branch_tree.py)
-        from diffusion_rollout.server.branch_tree import step_generators as node_generators
+    if p.branch:  # a tree: every row's step noise keyed by its node (server/core/branch_tree.py)
+        from diffusion_rollout.server.core.branch_tree import step_generators as node_generators
 
         step_generators = node_generators(p, n)
     return SampleNoise(latents, generators, step_generators)

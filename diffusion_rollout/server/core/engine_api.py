@@ -25,8 +25,8 @@ from typing import Any, NoReturn, Protocol
 
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.metrics import Metrics
-from diffusion_rollout.server.params import GenerateParams, SampleResult
+from diffusion_rollout.server.core.metrics import Metrics
+from diffusion_rollout.server.core.params import GenerateParams, SampleResult
 
 
 @dataclass(frozen=True)

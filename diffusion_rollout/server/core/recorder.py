@@ -51,7 +51,7 @@ class TransformerCallRecorder:
 
         def pre_hook(module, args, kwargs):
             if threading.get_ident() != self._owner:
-                # Another pipeline lane's call of the shared module (server/lanes.py): not ours.
+                # Another pipeline lane's call of the shared module (server/speed/lanes.py): not ours.
                 return None
             step = self._step_index()
             if step not in self.timesteps:

@@ -2,11 +2,11 @@
 
 Design decisions:
 
-- The engine (``server/engine.py``) validates, plans and queues; its worker thread hands each batch
+- The engine (``server/core/engine.py``) validates, plans and queues; its worker thread hands each batch
   to :meth:`BatchRunner.run_batch` on the lane it picked. The runner encodes the prompts (through the
   engine's prompt cache), splits the batch into pipeline calls whose encodings stack, runs each
   call with the rollout scheduler attached (``rollout_context``), and hands the results to one
-  results thread (``server/delivery.py``), which waits for the host copies and answers the requests
+  results thread (``server/core/delivery.py``), which waits for the host copies and answers the requests
   while the worker already runs the next batch.
 - It holds no state of its own beyond that results thread: what a call needs (weights version,
   lanes, speed options, context-parallel ranks) is read from the engine when the call starts.
@@ -32,20 +32,20 @@ from diffusion_rollout.errors import (
 from diffusion_rollout.logging_utils import request_id_var
 from diffusion_rollout.row_sharing import branch_block, branch_path, shared_rows
 from diffusion_rollout.scheduler_mixins import RolloutSettings, make_rollout_state, rollout_context
-from diffusion_rollout.server.batch_split import split_batch
-from diffusion_rollout.server.delivery import deliver
+from diffusion_rollout.server.core.batch_split import split_batch
+from diffusion_rollout.server.core.delivery import deliver
+from diffusion_rollout.server.core.initial_noise import sample_noise
+from diffusion_rollout.server.core.planner import Plan
+from diffusion_rollout.server.core.recorder import TransformerCallRecorder
+from diffusion_rollout.server.core.result_copy import HostCopier
+from diffusion_rollout.server.core.shared_prefix import narrowed_prefix, prefix_steps
+from diffusion_rollout.server.core.worker import Job
 from diffusion_rollout.server.families import FamilyAdapter
-from diffusion_rollout.server.initial_noise import sample_noise
-from diffusion_rollout.server.lanes import Lane, finish_before_sharing, on_lane_stream, share_tensors
-from diffusion_rollout.server.planner import Plan
-from diffusion_rollout.server.recorder import TransformerCallRecorder
-from diffusion_rollout.server.result_copy import HostCopier
-from diffusion_rollout.server.shared_prefix import narrowed_prefix, prefix_steps
-from diffusion_rollout.server.speed import feature_cache_applied
-from diffusion_rollout.server.worker import Job
+from diffusion_rollout.server.speed.lanes import Lane, finish_before_sharing, on_lane_stream, share_tensors
+from diffusion_rollout.server.speed.options import feature_cache_applied
 
 if TYPE_CHECKING:
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class BatchRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # Results of a batch are finished here (host copies landed, futures set) while the worker
-        # already runs the next batch (server/result_copy.py).
+        # already runs the next batch (server/core/result_copy.py).
         self._results = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-results")
 
     def close(self) -> None:
@@ -76,7 +76,7 @@ class BatchRunner:
 
     def _encodings(self, plan: Plan, a: FamilyAdapter) -> dict[str, torch.Tensor]:
         p = plan.params
-        if p.embeds:  # sent by the trainer (server/prompt_embeds.py): used as sent, never cached
+        if p.embeds:  # sent by the trainer (server/core/prompt_embeds.py): used as sent, never cached
             return a.embeddings(p.embeds)
         key = (p.prompt, p.negative_prompt, a.encoding_cache_key(plan.call))
         # Another lane may take the cached encodings: they must be complete before they are shared.
@@ -133,7 +133,7 @@ class BatchRunner:
             generators: list[torch.Generator] = []
             step_generators: list = []
             latents = []
-            for pl in plans:  # each output's x_T and noise sources: server/initial_noise.py
+            for pl in plans:  # each output's x_T and noise sources: server/core/initial_noise.py
                 noise = sample_noise(pl.params, pl.seeds, a, call, dtype, self.engine.device)
                 latents.extend(noise.latents)
                 generators.extend(noise.generators)

@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
+from diffusion_rollout.server.core.loader import LoadedPipeline, denoisers
 from diffusion_rollout.server.families import FamilyAdapter, adapter_for
-from diffusion_rollout.server.loader import LoadedPipeline, denoisers
 
 _GUARDED_METHODS = ("encode", "decode", "forward")
 _LOCK_ATTR = "_diffusion_rollout_lane_lock"

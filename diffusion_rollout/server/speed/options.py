@@ -14,7 +14,7 @@ Server-wide options (``ServerConfig``), applied by the loader:
 | ``attention_backend="native"`` | yes | the default dispatch, named |
 | any other ``attention_backend`` (``fa4`` too) | no | another kernel sums in another order |
 | ``compile`` | no | fused kernels round differently (~1e-5 on the on-policy ratio) |
-| ``quantize="fp8"`` | no | FP8 linears (``server/fast_tier.py``), ~3.7% per-layer difference |
+| ``quantize="fp8"`` | no | FP8 linears (``server/speed/fast_tier.py``), ~3.7% per-layer difference |
 
 ``/server_info`` names the options that make a server inexact under ``speed.inexact_options``.
 
@@ -65,10 +65,10 @@ class SpeedOptions:
 
     compile: bool = False
     attention_backend: str | None = None
-    quantize: str | None = None  # "fp8" (server/fast_tier.py)
+    quantize: str | None = None  # "fp8" (server/speed/fast_tier.py)
     quantize_report: dict[str, Any] | None = None  # per denoiser: linears quantized and kept
     graphs: Any = None  # a CudaGraphRunner when cuda_graphs is on
-    compile_stats: Any = None  # server/warmup.py CompileStats when compile is on
+    compile_stats: Any = None  # server/speed/warmup.py CompileStats when compile is on
     # Benchmarks switch graphs off and on to compare in one process; the server never does.
     use_graphs: bool = True
 

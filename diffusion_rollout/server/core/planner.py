@@ -18,14 +18,14 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.scheduler_mixins import flow_shift_sigmas, validate_sigmas
 from diffusion_rollout.scheduler_mixins.outside_window import coarse_settings
-from diffusion_rollout.server import branch_tree, initial_noise, shared_prefix
+from diffusion_rollout.server.core import branch_tree, initial_noise, shared_prefix
+from diffusion_rollout.server.core.images import ConditionImage, image_limits, load_images
+from diffusion_rollout.server.core.params import GenerateParams
+from diffusion_rollout.server.core.prompt_embeds import check_embeddings
+from diffusion_rollout.server.core.prompt_limits import check_prompt_limits
+from diffusion_rollout.server.core.worker import Job
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
-from diffusion_rollout.server.images import ConditionImage, image_limits, load_images
-from diffusion_rollout.server.params import GenerateParams
-from diffusion_rollout.server.prompt_embeds import check_embeddings
-from diffusion_rollout.server.prompt_limits import check_prompt_limits
-from diffusion_rollout.server.speed import check_feature_cache
-from diffusion_rollout.server.worker import Job
+from diffusion_rollout.server.speed.options import check_feature_cache
 
 
 class Plan:
@@ -64,7 +64,7 @@ class Plan:
             p.feature_cache,
             self.image_key,
             # A shared-prefix request runs alone: its prefix is then one row per guidance branch,
-            # the batch-1 call its exactness is stated against (server/shared_prefix.py).
+            # the batch-1 call its exactness is stated against (server/core/shared_prefix.py).
             object() if p.share_prefix or p.branch else None,
         )
 

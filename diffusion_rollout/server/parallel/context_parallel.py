@@ -29,7 +29,7 @@ Design decisions:
   denoisers, rank 0's weights sent once at start-up: no weight update touches it) and rank 0's
   ``vae.decode`` hands each decode that its tiling would tile to them as a ``decode`` op (the latent
   broadcast, the tile settings in the op): every rank decodes its share of the tiles and rank 0
-  blends them (``server/vae_split.py``): the one-process *tiled* decode, bit for bit, on CUDA and in
+  blends them (``server/parallel/vae_split.py``): the one-process *tiled* decode, bit for bit, on CUDA and in
   CPU mirror mode alike.
 - **CPU: mirror mode.** diffusers' parallelism resolves ranks to accelerator devices, so on the CPU
   (gloo) it is not enabled: each follower runs the *whole* transformer on the same inputs and its
@@ -45,10 +45,10 @@ Design decisions:
   backend does not return; ``_native_flash`` does, in bfloat16 or float16 only, so a float32 CUDA
   engine is refused at start-up. A configured ``attention_backend`` is left alone on every rank
   (``enable_parallelism`` refuses one without context parallelism). The rules are
-  :func:`~diffusion_rollout.server.cp_plans.check_start`'s, on a CPU engine too (but the dtype's),
+  :func:`~diffusion_rollout.server.parallel.cp_plans.check_start`'s, on a CPU engine too (but the dtype's),
   so one configuration is accepted or refused the same everywhere.
 - **Three modules.** This one is rank 0 (:class:`ContextParallelGroup`, :func:`start_for`);
-  ``server/cp_follower.py`` is a follower rank; ``server/cp_calls.py`` is what both share (a call's
+  ``server/parallel/cp_follower.py`` is a follower rank; ``server/parallel/cp_calls.py`` is what both share (a call's
   structure without its tensors, the weight layout, the process group and the layout).
 - Exactness: k GPUs sum attention in another order than one, so a k-GPU rollout is not expected to be
   bit-identical to a 1-GPU one; a 1-GPU replay reproduces it to that distance
@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from diffusion_rollout.errors import ContextParallelError
-from diffusion_rollout.server.cp_calls import (
+from diffusion_rollout.server.parallel.cp_calls import (
     DECODES,
     FORWARDS,
     LAST_OUTPUT,
@@ -82,9 +82,9 @@ from diffusion_rollout.server.cp_calls import (
     synced_tensors,
     weights_digest,
 )
-from diffusion_rollout.server.cp_follower import follower_main
-from diffusion_rollout.server.cp_plans import check_start, ring_backend
-from diffusion_rollout.server.vae_split import (
+from diffusion_rollout.server.parallel.cp_follower import follower_main
+from diffusion_rollout.server.parallel.cp_plans import check_start, ring_backend
+from diffusion_rollout.server.parallel.vae_split import (
     TileSettings,
     install_split_decode,
     remove_split_decode,
@@ -100,7 +100,7 @@ logger = logging.getLogger(__name__)
 # is sharded like T2V's; cross-attention (text, and Wan 2.1 I2V's CLIP image tokens) is not sharded;
 # TI2V-5B's per-token ``[B, tokens]`` timestep is split along the tokens with the sequence.
 # LTX-2 (``ltx2``) and HunyuanVideo 1.5 (``hunyuanvideo15``, no diffusers plan) run the server's own
-# plans (``server/cp_plans.py``).
+# plans (``server/parallel/cp_plans.py``).
 SUPPORTED_FAMILIES = ("wan", "wan2.2", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v-i2v", "ltx2", "hunyuanvideo15")
 # Of those, the families whose transformer gets one timestep per token (``expand_timesteps``).
 _TIMESTEP_PER_TOKEN = ("wan2.2-ti2v-i2v",)
@@ -456,7 +456,7 @@ def start_for(engine: Any) -> ContextParallelGroup:
 
 def _split_vae(engine: Any) -> nn.Module:
     """The VAE whose decode ``context_parallel_vae=split`` spreads over the ranks: Wan's only
-    (``AutoencoderKLWan``, the tiled decode ``server/vae_split.py`` reproduces)."""
+    (``AutoencoderKLWan``, the tiled decode ``server/parallel/vae_split.py`` reproduces)."""
     from diffusers import AutoencoderKLWan
 
     vae = getattr(engine.pipe, "vae", None)

@@ -3,12 +3,12 @@
 Design decisions:
 
 - The engine holds one :class:`CompiledStart` and calls it at four points: ``load`` (open the keyed
-  cache before anything compiles, and start inductor's compile workers, ``server/compile_workers.py``,
+  cache before anything compiles, and start inductor's compile workers, ``server/speed/compile_workers.py``,
   so that they come up while the weights load), ``start`` (wait for the workers, warm up, then mark
   the graphs compiled so far as the
   baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
   and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
-  ``server/warmup.py`` and ``server/compile_cache.py``; this module only keeps their state together,
+  ``server/speed/warmup.py`` and ``server/speed/compile_cache.py``; this module only keeps their state together,
   so the engine stays about batches.
 - An engine that does not compile never fills it: every report is None and nothing is imported
   beyond those two modules.
@@ -23,14 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffusion_rollout.server.compile_cache import CompileCache, cache_key
-from diffusion_rollout.server.compile_workers import CompileWorkers
-from diffusion_rollout.server.precompiled_blocks import FOLDER, PrecompiledBlocks
-from diffusion_rollout.server.warmup import Shape, Warmup, parse_shapes, run_warmup, shape_key, warmup_batches
+from diffusion_rollout.server.speed.compile_cache import CompileCache, cache_key
+from diffusion_rollout.server.speed.compile_workers import CompileWorkers
+from diffusion_rollout.server.speed.precompiled_blocks import FOLDER, PrecompiledBlocks
+from diffusion_rollout.server.speed.warmup import (
+    Shape,
+    Warmup,
+    parse_shapes,
+    run_warmup,
+    shape_key,
+    warmup_batches,
+)
 
 if TYPE_CHECKING:
     from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.server.engine import Engine
+    from diffusion_rollout.server.core.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +115,12 @@ class CompiledStart:
 
     def _attach_precompiled(self, engine: Engine) -> None:
         """With a compile cache: route the compiled blocks through the precompiled artifacts, loading
-        those an earlier start saved (server/precompiled_blocks.py)."""
+        those an earlier start saved (server/speed/precompiled_blocks.py)."""
         if self.cache is None or not self.cache.trusted or not engine.config.precompile_blocks:
             return  # a refused cache: nothing is loaded from it or saved into it (compile_cache.py)
         if self.precompiled is not None:
             return
-        from diffusion_rollout.server.loader import denoisers, repeated_blocks
+        from diffusion_rollout.server.core.loader import denoisers, repeated_blocks
 
         self.precompiled = PrecompiledBlocks(self.cache.folder / FOLDER)
         for model in denoisers(engine.loaded.pipe).values():
@@ -126,7 +133,7 @@ class CompiledStart:
             self.precompiled.turn_off("the weights or modules changed")
 
     def note_new_shape(self, call: Any) -> None:
-        """A shape the warm-up did not cover compiles now, in the foreground (server/warmup.py)."""
+        """A shape the warm-up did not cover compiles now, in the foreground (server/speed/warmup.py)."""
         shape = shape_key(call)
         if shape in self.warmed:
             return
@@ -170,7 +177,7 @@ def _profile(engine: Engine) -> Any:
     folder = engine.config.warmup_profile
     if folder is None:
         return None
-    from diffusion_rollout.server.warmup_profile import WarmupProfile
+    from diffusion_rollout.server.speed.warmup_profile import WarmupProfile
 
     return WarmupProfile(
         Path(folder),

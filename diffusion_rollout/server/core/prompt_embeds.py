@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.server.core.params import GenerateParams
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
-from diffusion_rollout.server.params import GenerateParams
 
 
 def _shape_text(shape: tuple[int | None, ...]) -> str:

@@ -1,6 +1,6 @@
 """The last part of a batch, on the results thread: wait for its host copies and answer its requests.
 
-The GPU worker hands a finished batch over (``server/batch_runner.py``) and starts the next one; here
+The GPU worker hands a finished batch over (``server/core/batch_runner.py``) and starts the next one; here
 the side-stream copies are awaited (``result_copy.py``), the NaN/Inf flags read, the conditioning of
 outputs that share it made lean (``lean.py``), the batch counted in ``/metrics`` and every request's
 future answered with its own outputs. A failure while finishing answers every request of the batch
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from diffusion_rollout import lean
 from diffusion_rollout.errors import GenerationError
-from diffusion_rollout.server.metrics import Metrics
+from diffusion_rollout.server.core.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

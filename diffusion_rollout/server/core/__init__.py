@@ -1,0 +1,1 @@
+"""The engine core: requests to batches to pipeline calls to answers."""

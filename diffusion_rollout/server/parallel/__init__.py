@@ -1,0 +1,1 @@
+"""Context parallelism: ranks, their calls and the sharding plans."""
