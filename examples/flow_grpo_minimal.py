@@ -66,8 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def rollout_server(args: argparse.Namespace, device: torch.device) -> Iterator[tuple[str, str | None, str]]:
-    """(url, admin key, model folder): ``--url``'s server, or one served on a thread of this process
-    (real HTTP) on ``--model`` or a fresh tiny SD3, one group per batch (``max_batch_size``)."""
+    """(url, admin key, model folder): ``--url``'s server, or the server's own app (what ``diffusion-rollout
+    serve`` runs) on a thread here, real HTTP, on ``--model`` or a fresh tiny SD3, one group per batch."""
     if args.url:
         if not args.model:
             raise SystemExit("--url needs --model: the trainer loads the server's diffusers folder")
