@@ -49,7 +49,7 @@ _INTEGRATION_FILES = {
     "test_benchmarks_smoke.py", "test_examples.py", "test_cli_serve.py", "test_scale_suite.py",
     "test_recipe_reporting.py", "test_docs_site.py", "test_vae_split.py", "test_ltx2_cp_plan.py",
     "test_pipeline_lanes.py", "test_hunyuanvideo15_cp_plan.py", "test_cp_scaling.py",
-    "test_ring_attention_diagnosis.py", "test_outside_window.py",
+    "test_ring_attention_diagnosis.py", "test_outside_window.py", "test_flow_grpo_minimal.py",
 }  # fmt: skip
 
 
