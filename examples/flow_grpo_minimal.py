@@ -25,7 +25,6 @@ import contextlib
 import json
 import random
 import secrets
-import socket
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -77,10 +76,9 @@ def rollout_server(args: argparse.Namespace, device: torch.device) -> Iterator[t
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.entrypoints.http_server import make_server
     from diffusion_rollout.models import save_tiny_model
+    from diffusion_rollout.testing import free_port
 
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port, key = s.getsockname()[1], secrets.token_hex(16)
+    port, key = free_port(), secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(save_tiny_model("sd3", Path(tmp) / "tiny-sd3"))
         config = ServerConfig(
