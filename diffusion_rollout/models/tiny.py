@@ -56,6 +56,7 @@ from diffusers import (
 )
 
 from . import tiny_image_cond
+from .family_names import FAMILIES, IMAGE_FAMILIES, REQUEST_DEFAULTS_FILE
 from .tiny_image import (
     flux2_klein_components,
     flux_components,
@@ -81,19 +82,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: tuple[str, ...] = (
-    "sd3",
-    "flux",
-    "qwenimage",
-    "wan",
-    "wan2.2",
-    "flux2-klein",
-    "zimage",
-    "hunyuanvideo15",
-    "ltx2",
-)
-#: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
-IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit", "wan2.2-ti2v-i2v")
 
 
 @dataclass(frozen=True)
