@@ -37,7 +37,7 @@ DESCRIPTION = "A GPU rollout server for RL training of flow-matching diffusion m
 SERVE_DESCRIPTION = (
     "Start the rollout server. Every option can also be set by an environment variable, "
     f"{ENV_PREFIX}<OPTION> (--max-batch-size 8 is {ENV_PREFIX}MAX_BATCH_SIZE=8); a flag wins over "
-    "the environment. Boolean options have a --no- form. docs/serving.md describes each option in full."
+    "the environment. A boolean option has a negative form too (--no-compile). docs/serving.md describes each option in full."
 )
 TINY_FAMILIES_HELP = (
     f"text-to-image/video: {', '.join(FAMILIES)}; image-conditioned: {', '.join(IMAGE_FAMILIES)}"

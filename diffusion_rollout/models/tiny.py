@@ -32,6 +32,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -279,6 +280,13 @@ def _spec(family: str) -> _FamilySpec:
         raise ValueError(f"unknown model family {family!r}; expected one of {known}") from None
 
 
+def tiny_request_defaults(family: str) -> dict[str, int]:
+    """The tiny ``family``'s request defaults a saved folder records (``request_defaults.json``): its
+    call defaults' height, width, num_frames and num_inference_steps."""
+    keys = ("height", "width", "num_frames", "num_inference_steps")
+    return {k: int(v) for k, v in _spec(family).call_defaults.items() if k in keys}
+
+
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
     """A tiny random ``family`` pipeline in memory (float32, CPU). Same ``(family, seed)``, same weights."""
     spec = _spec(family)
@@ -307,6 +315,9 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             "saves and loads a video processor); build_tiny_pipeline gives it in memory"
         )
     pipeline.save_pretrained(out)
+    # A request that names no size gets the tiny size, not the real model's (server: families/base.py).
+    defaults = json.dumps(tiny_request_defaults(family), indent=2, sort_keys=True)
+    (out / REQUEST_DEFAULTS_FILE).write_text(defaults + "\n")
     logger.info("saved tiny random %s model (seed %d) to %s", family, seed, out)
     return out
 
