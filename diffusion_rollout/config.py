@@ -344,7 +344,7 @@ class ServerConfig(BaseModel):
     )
     placement: Literal["spread", "pack"] | None = Field(
         None,
-        title="Ray placement of the replicas: spread over nodes, or pack onto few",
+        title="Ray placement group: 'spread' over as many nodes as it can, 'pack' onto as few",
         description="where the replicas go: a Ray placement group of one bundle per replica, 'spread' over "
         "as many nodes as it can, 'pack' onto as few; unset = Ray's default scheduling, each replica "
         "wherever it fits",

@@ -358,7 +358,7 @@ def _binary_size(value: object) -> str:
 
 
 def serve_options_reference() -> str:
-    from diffusion_rollout.config import ENV_PREFIX, ServerConfig
+    from diffusion_rollout.config import ServerConfig, option_env_names
 
     fields = ServerConfig.model_fields
     groups = _config_groups()
@@ -381,7 +381,7 @@ def serve_options_reference() -> str:
                 default = "unset"
             else:
                 default = f"`{json.dumps(field.default)}`" + _binary_size(field.default)
-            env = ENV_PREFIX + name.upper()
+            env = "`, `".join(option_env_names(name))
             out.append(f"| `{flag}` (`{env}`) | {default} | {_cell(field.description or '')} |")
         out.append("")
     return "\n".join(out)
