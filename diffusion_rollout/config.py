@@ -32,13 +32,17 @@ class ServerConfig(BaseModel):
 
     # What to serve
     model: str | None = Field(
-        None, description="diffusers pipeline folder; unset serves the tiny random demo model"
+        None,
+        title="diffusers pipeline folder; unset = the tiny random demo model",
+        description="diffusers pipeline folder; unset serves the tiny random demo model",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
     device: str = Field(
-        "auto", description="torch device for the pipeline; auto = cuda if available, else cpu"
+        "auto",
+        title="torch device; auto = cuda if available, else cpu",
+        description="torch device for the pipeline; auto = cuda if available, else cpu",
     )
 
     # HTTP
@@ -53,15 +57,18 @@ class ServerConfig(BaseModel):
     )
     allow_insecure_admin: bool = Field(
         False,
+        title="start on a non-loopback host without an admin key",
         description="start on a non-loopback host without an admin key (anyone could replace the weights)",
     )
     health_generate_interval_s: float = Field(
         30.0,
         ge=0,
+        title="least seconds between /health_generate generations for keyless callers",
         description="shortest interval between generations /health_generate runs for callers without a key",
     )
     allow_cpu_ipc: bool = Field(
         False,
+        title="accept CPU tensors shared by file descriptor in /update_weights_from_tensor",
         description="accept CPU tensors shared by file descriptor in /update_weights_from_tensor "
         "(only a sender sharing this process's multiprocessing authkey can use it; CUDA IPC needs no flag)",
     )
@@ -70,33 +77,37 @@ class ServerConfig(BaseModel):
     )
     strict_fields: bool = Field(
         False,
+        title="refuse unknown request fields (422) instead of listing them in ignored_fields",
         description="refuse a rollout request with a field this server does not know (422) instead of "
         "accepting it and naming it in the answer's ignored_fields, as SGLang accepts them",
     )
     ready_wait_s: float = Field(
         900.0,
         ge=0,
+        title="how long a request waits for loading/warm-up before a 503 (0 = refuse at once)",
         description="how long a request that arrives while the model loads or warms up waits for it "
         "before a 503 naming the state (0 = refuse at once); /health answers at once throughout",
     )
     same_host_answers: bool = Field(
         True,
+        title="write answers into a same-host client's shared-memory file",
         description="write a rollout answer into the shared-memory file a client on this host names "
-        "(x-rollout-answer-segment) instead of sending it through the socket (answer_segments.py)",
+        "(x-rollout-answer-segment) instead of sending it through the socket",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging level")
     upload_port: int | None = Field(
         None,
         ge=0,
         le=65535,
+        title="second port serving only POST /update_weights, faster (0 = any free port)",
         description="also serve POST /update_weights on this port of the same host, read straight "
         "from the socket into the receive buffers (faster than the main port; 0 = a free port, "
         "advertised as weight_upload_port by /model_info); unset = off",
     )
     http_parser: Literal["auto", "httptools", "h11"] = Field(
         "auto",
-        description="uvicorn's HTTP/1.1 parser: auto = httptools when installed (not a dependency), "
-        "else h11; benchmarks/weight_sync.py compares the two on weight uploads",
+        title="uvicorn's HTTP/1.1 parser; auto = httptools when installed, else h11",
+        description="uvicorn's HTTP/1.1 parser: auto = httptools when installed (not a dependency), else h11",
     )
 
     # Batching and queueing
@@ -104,6 +115,7 @@ class ServerConfig(BaseModel):
     max_batch_pixels: int = Field(
         8 * 1024 * 1024,
         ge=1,
+        title="most output pixels (width*height*frames) a call grows to by merging requests",
         description="most output pixels (width*height*frames, summed over samples) a pipeline call is "
         "grown to by taking further queued requests in; one request is never split by it. A call "
         "this large keeps the GPU busy on its own, and merging more would only hold every answer "
@@ -123,11 +135,13 @@ class ServerConfig(BaseModel):
     max_prompt_chars: int = Field(
         20_000,
         ge=1,
+        title="most characters per prompt or negative prompt",
         description="most characters per prompt or negative prompt (checked before any tokenizing)",
     )
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
+        title="most tokens per prompt or sent embedding; unset = truncate as diffusers does",
         description="most tokens per prompt by the pipeline's first tokenizer, and per sent embedding "
         "(prompt_embeds and negatives: their token length); unset: longer prompts are truncated to the "
         "pipeline's max_sequence_length as diffusers does, embeddings bounded by the model's most",
@@ -137,15 +151,17 @@ class ServerConfig(BaseModel):
     upload_buffer_keep_bytes: int = Field(
         64 * 2**30,
         ge=0,
+        title="weight-upload receive buffers kept between uploads; 0 frees them",
         description="receive buffers kept between weight uploads (pinned on CUDA); 0 frees them",
     )
     request_timeout_s: float = Field(900.0, gt=0, description="longest a rollout may wait and run")
     max_trajectory_bytes: int = Field(4 * 2**30, ge=1, description="largest trajectory in one response")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for in-flight work")
 
-    # Rewards scored on the server (server/core/reward_runner.py)
+    # Rewards scored on the server
     reward: list[str] = Field(
         default_factory=list,
+        title="NAME=SPEC, repeatable: a reward scored on the server (env: ';' between rewards)",
         description="NAME=SPEC, repeatable: a reward the server scores when a request names it in "
         "'rewards' (SPEC as the recipes' --reward: a built-in such as jpeg_compressibility, "
         "clip:/folder, vlm_judge?model=/folder, http://host/path, module:callable); loaded at start, "
@@ -153,22 +169,29 @@ class ServerConfig(BaseModel):
     )
     reward_gpus: str | None = Field(
         None,
+        title="CUDA device indices for the reward models (e.g. 1,2); unset = the rollout device",
         description="CUDA devices for the reward models, comma-separated indices (e.g. 1 or 1,2: the "
         "rewards are placed on them in turn); unset = the rollout device",
     )
     reward_timeout_s: float = Field(
-        600.0, gt=0, description="longest one reward may take for one request before its outputs are marked failed"
+        600.0,
+        gt=0,
+        title="longest one reward may take for one request",
+        description="longest one reward may take for one request before its outputs are marked failed",
     )
     reward_batch_size: int = Field(
         64,
         ge=1,
+        title="most samples one reward call scores (halved on out-of-memory)",
         description="most samples one reward call scores, taken from every request waiting for that "
         "reward; halved for that reward whenever a call runs out of GPU memory",
     )
 
     # Input images (image-conditioned families)
     image_path_root: str | None = Field(
-        None, description="folder image_path may read from (subfolders too); unset refuses image_path"
+        None,
+        title="folder image_path may read from; unset refuses image_path",
+        description="folder image_path may read from (subfolders too); unset refuses image_path",
     )
     max_image_bytes: int = Field(32 * 2**20, ge=1, description="largest input image file")
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="most width*height of an input image")
@@ -176,13 +199,14 @@ class ServerConfig(BaseModel):
     # Speed (the default is the fastest exact set; the eager path is the bit-exact one)
     speed: Literal["exact", "fast"] = Field(
         "exact",
+        title="preset for the speed options not given: exact (bit-exact) or fast (fp8 + compile)",
         description="preset that fills in the speed options not given: exact = the fastest bit-exact set "
         "measured on this device (CUDA: pipeline_lanes=2; CPU: plain eager), fast = quantize=fp8 + "
-        "compile (compile alone where FP8 cannot run); the choice and its RESULTS.md rows are logged and "
-        "shown in /server_info (speed_presets.py)",
+        "compile (compile alone where FP8 cannot run); the choice is logged and shown in /server_info",
     )
     warmup_shapes: str | None = Field(
         None,
+        title="with compile: WIDTHxHEIGHT[xFRAMES],... to compile before ready; none = no warm-up",
         description="with compile: the request sizes to compile before /health_generate says ready, "
         "WIDTHxHEIGHT[xFRAMES] comma-separated (e.g. 512x512,1024x768), each for batch sizes 1.."
         "max_batch_size (one dynamic-batch compile); unset = the model's default size; none = no warm-up "
@@ -190,6 +214,7 @@ class ServerConfig(BaseModel):
     )
     compile_cache: str | None = Field(
         None,
+        title="with compile: folder for compile artifacts; unset = <cache-dir>/compile; none = off",
         description="with compile: folder for torch's compile artifacts, reused by later starts with "
         "the same torch, device, model, dtype and speed options (a keyed subfolder each), used only when "
         "it is the server user's own and writable by no one else (else refused, compiled afresh); unset = "
@@ -197,13 +222,15 @@ class ServerConfig(BaseModel):
     )
     precompile_blocks: bool = Field(
         True,
+        title="with compile: save/load ahead-of-time compiled blocks in the compile cache",
         description="with compile and a compile cache: after a warm-up, save each kind of block compiled "
         "ahead of time (torch's aot_compile) in the cache, and load them at the next start so its warm-up "
-        "skips Dynamo's tracing; off for the rest of the process at the first weight or LoRA change "
-        "(server/speed/precompiled_blocks.py); off: every start traces the blocks",
+        "skips Dynamo's tracing; off for the rest of the process at the first weight or LoRA change; "
+        "off: every start traces the blocks",
     )
     warmup_profile: str | None = Field(
         None,
+        title="with compile: folder for a cProfile and stack samples of the warm-up",
         description="with compile: folder (created if missing) for a profile of the warm-up: "
         "warmup_call_<i>.pstats and .txt (cProfile of each warm-up call on the worker thread) and "
         "warmup_stacks.txt (the worker's Python stack every warmup_profile_interval_s seconds, appended, "
@@ -214,24 +241,29 @@ class ServerConfig(BaseModel):
     )
     warmup_profile_cprofile: bool = Field(
         True,
+        title="with warmup_profile: cProfile each warm-up call (off: stack samples only)",
         description="with warmup_profile: cProfile each warm-up call (about 1.5-2x the seconds of "
         "Python-heavy work such as Dynamo's tracing); --no-warmup-profile-cprofile keeps the stack samples only",
     )
     compile: bool = Field(False, description="regional torch.compile of transformer blocks (not bit-exact)")
     attention_backend: str | None = Field(
         None,
+        title="diffusers attention backend (e.g. flash; fa4 = FlashAttention-4); not bit-exact",
         description="diffusers attention backend name, e.g. flash (not bit-exact unless native); fa4 = "
         "FlashAttention-4 from the flash-attn-4 package (Hopper or newer GPU; refused at start-up elsewhere)",
     )
     quantize: Literal["fp8"] | None = Field(
         None,
+        title="fp8: torchao float8 linears (CUDA, compute capability >= 8.9); not bit-exact",
         description="fp8: torchao float8 (rowwise) on the denoiser's larger linears, embedders, norms and "
-        "the final projection kept bf16 (server/speed/fast_tier.py); CUDA GPU of compute capability >= 8.9 and "
+        "the final projection kept bf16; CUDA GPU of compute capability >= 8.9 and "
         "torchao (pip install 'diffusion-rollout[fast]') needed, refused at start-up elsewhere; use with "
         "--compile; not bit-exact",
     )
     cuda_graphs: bool = Field(
-        False, description="replay the eager denoiser as CUDA graphs per shape bucket (CUDA only; bit-exact)"
+        False,
+        title="replay the eager denoiser as CUDA graphs per shape (CUDA; bit-exact)",
+        description="replay the eager denoiser as CUDA graphs per shape bucket (CUDA only; bit-exact)",
     )
     cuda_graph_max_buckets: int = Field(
         8, ge=1, description="most captured CUDA-graph shape buckets; other shapes run eager"
@@ -241,21 +273,24 @@ class ServerConfig(BaseModel):
         1,
         ge=1,
         le=8,
+        title="pipeline calls in flight at once, one CUDA stream each (eager only; bit-exact)",
         description="pipeline calls in flight at once, each on its own thread, CUDA stream and pipeline "
-        "object sharing the modules (server/speed/lanes.py): one call's kernels fill the gaps between "
+        "object sharing the modules: one call's kernels fill the gaps between "
         "another's, every call bit-identical to one lane; eager only (no compile, cuda_graphs, "
         "context_parallel), feature_cache requests get 400",
     )
 
-    # Context parallelism: one request's transformer calls over several ranks (server/parallel/context_parallel.py)
+    # Context parallelism: one request's transformer calls over several ranks
     context_parallel: int = Field(
         1,
         ge=1,
+        title="ranks per engine for one request's transformer calls (Wan, LTX-2)",
         description="ranks per engine for one request's transformer calls (Wan families, LTX-2); "
         ">1 starts k-1 follower processes, one per GPU (a CPU engine mirrors them, for tests)",
     )
     context_parallel_mode: Literal["ulysses", "ring", "hybrid"] = Field(
         "ulysses",
+        title="how attention is sharded over the ranks: ulysses, ring or hybrid",
         description="how attention is sharded over the ranks on CUDA: ulysses (heads exchanged all-to-all; "
         "heads must divide by k), ring (key/value blocks passed round all k ranks), hybrid (Ulysses groups "
         "of k / context_parallel_ring_degree ranks, rings across them); ring and hybrid run the "
@@ -264,11 +299,13 @@ class ServerConfig(BaseModel):
     )
     context_parallel_ring_degree: int | None = Field(
         None,
+        title="hybrid only: ranks per ring (unset = 2)",
         description="hybrid only: ranks per ring (unset = 2); context_parallel must be a multiple of it and "
         "larger, the Ulysses degree is context_parallel / it; a start-up error with another mode",
     )
     context_parallel_vae: Literal["rank0", "split"] = Field(
         "rank0",
+        title="VAE decode on rank 0 alone, or split into tiles over the ranks (Wan)",
         description="where the VAE decode runs: rank0 = on rank 0 alone, the stock untiled decode; split = "
         "the VAE's tiled decode with its tiles spread over the context_parallel ranks (Wan VAEs only), "
         "bit-identical to one process's tiled decode, not to the untiled one",
@@ -276,27 +313,38 @@ class ServerConfig(BaseModel):
     context_parallel_timeout_s: float = Field(
         600.0,
         gt=0,
+        title="bound on follower start-up and on each collective",
         description="bound on follower start-up (model load) and on each collective with the followers",
     )
 
     # Replicas on Ray (diffusion_rollout.cluster); unset replicas = one process, Ray never imported
     replicas: int | None = Field(
-        None, ge=1, description="engine replicas as Ray actors behind this front; unset = one process"
+        None,
+        ge=1,
+        title="engine replicas as Ray actors behind this front; unset = one process",
+        description="engine replicas as Ray actors behind this front; unset = one process",
     )
     gpus_per_replica: float | None = Field(
         None,
         ge=0,
+        title="GPUs per replica (fractions share one); unset = context_parallel on CUDA, else 0",
         description="GPUs per replica (fractions share a GPU); unset = context_parallel on CUDA, 0 on CPU",
     )
     cpus_per_replica: float = Field(1.0, ge=0, description="CPU cores Ray reserves per replica")
     replica_max_restarts: int = Field(
-        3, ge=0, description="times Ray restarts a dead replica (it re-syncs weights from a peer)"
+        3,
+        ge=0,
+        title="times Ray restarts a dead replica",
+        description="times Ray restarts a dead replica (it re-syncs weights from a peer)",
     )
     ray_address: str | None = Field(
-        None, description="Ray cluster to join ('auto' = the local `ray start` one); unset = start Ray here"
+        None,
+        title="Ray cluster to join ('auto' = the local one); unset = start Ray here",
+        description="Ray cluster to join ('auto' = the local 'ray start' one); unset = start Ray here",
     )
     placement: Literal["spread", "pack"] | None = Field(
         None,
+        title="Ray placement group: 'spread' over as many nodes as it can, 'pack' onto as few",
         description="where the replicas go: a Ray placement group of one bundle per replica, 'spread' over "
         "as many nodes as it can, 'pack' onto as few; unset = Ray's default scheduling, each replica "
         "wherever it fits",
@@ -325,7 +373,9 @@ class ServerConfig(BaseModel):
     @classmethod
     def _reward_gpus(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
-            raise ValueError(f"reward_gpus={value!r}: expected CUDA device indices separated by commas (e.g. 1,2)")
+            raise ValueError(
+                f"reward_gpus={value!r}: expected CUDA device indices separated by commas (e.g. 1,2)"
+            )
         return value
 
     def reward_specs(self) -> dict[str, str]:
@@ -569,3 +619,94 @@ class ServerConfig(BaseModel):
             "max_image_bytes", "max_image_pixels",
         ]  # fmt: skip
         return {n: getattr(self, n) for n in names}
+
+
+#: ``ServerConfig``'s fields by concern, in the order ``serve --help`` and docs/serving.md show them
+#: (every field in exactly one group; tests/test_cli_help.py checks it).
+OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Model", ("model", "dtype", "device", "cache_dir", "log_level")),
+    (
+        "HTTP",
+        (
+            "host", "port", "http_parser", "ready_wait_s", "health_generate_interval_s",
+            "strict_fields", "same_host_answers", "shutdown_grace_s",
+        ),
+    ),
+    ("Security", ("api_key", "admin_key", "allow_insecure_admin")),
+    (
+        "Batching and queueing",
+        ("max_batch_size", "max_batch_pixels", "batch_wait_ms", "max_queue_depth", "prompt_cache_size"),
+    ),
+    (
+        "Limits",
+        (
+            "max_steps", "max_pixels", "max_frames", "max_outputs_per_request", "max_prompt_chars",
+            "max_prompt_tokens", "max_body_bytes", "max_trajectory_bytes", "request_timeout_s",
+        ),
+    ),
+    (
+        "Weight updates",
+        ("upload_port", "max_upload_bytes", "upload_buffer_keep_bytes", "allow_cpu_ipc", "ipc_timeout_s"),
+    ),
+    ("Rewards", ("reward", "reward_gpus", "reward_timeout_s", "reward_batch_size")),
+    ("Input images", ("image_path_root", "max_image_bytes", "max_image_pixels")),
+    (
+        "Speed",
+        (
+            "speed", "compile", "attention_backend", "quantize", "cuda_graphs", "cuda_graph_max_buckets",
+            "pipeline_lanes",
+        ),
+    ),
+    (
+        "Compile warm-up and cache",
+        (
+            "warmup_shapes", "compile_cache", "precompile_blocks", "warmup_profile",
+            "warmup_profile_interval_s", "warmup_profile_cprofile",
+        ),
+    ),
+    (
+        "Context parallelism",
+        (
+            "context_parallel", "context_parallel_mode", "context_parallel_ring_degree",
+            "context_parallel_vae", "context_parallel_timeout_s",
+        ),
+    ),
+    (
+        "Replicas on Ray",
+        (
+            "replicas", "gpus_per_replica", "cpus_per_replica", "replica_max_restarts", "ray_address",
+            "placement",
+        ),
+    ),
+)  # fmt: skip
+
+
+def option_env_names(name: str) -> tuple[str, ...]:
+    """The environment variables that set the field ``name`` (``from_env``; the cache folder's too)."""
+    names = (ENV_PREFIX + name.upper(),)
+    return (*names, ENV_PREFIX + "CACHE") if name == "cache_dir" else names
+
+
+def _binary_size(value: int) -> str:
+    for unit, size in (("Gi", 2**30), ("Mi", 2**20)):
+        if value >= size and value % size == 0:
+            return f"{value // size} {unit}"
+    return ""
+
+
+def option_default_text(name: str) -> str:
+    """The field's default as a person reads it: ``unset``, ``on``/``off``, ``16777216 (16 Mi)``."""
+    field = ServerConfig.model_fields[name]
+    if name == "cache_dir":
+        return "~/.cache/diffusion-rollout"
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "none" if value == [] else str(value)
+    value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int) and (size := _binary_size(value)):
+        return f"{value} = {size}"
+    return str(value)

@@ -8,7 +8,7 @@
 - ``on_page_markdown``: the marker ``<!-- generated: openapi -->`` in api.md becomes the reference of
   every route of the app, built from its OpenAPI schema (the app is constructed, never started: no
   model is loaded); ``<!-- generated: serve-options -->`` in serving.md becomes the table of every
-  ``diffusion-rollout serve`` option, from ``ServerConfig``, grouped as config.py groups them.
+  ``diffusion-rollout serve`` option, from ``ServerConfig``, grouped as ``serve --help`` groups them (``config.OPTION_GROUPS``).
 - ``on_page_content``: the results page's row ids (``<a id="...">`` inside table cells, raw HTML that
   MkDocs does not see) count as anchors, so ``validation.anchors: warn`` checks links to rows.
 - ``on_serve``: ``mkdocs serve`` also watches the benchmark results and the sources read here.
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
 import re
@@ -343,26 +342,10 @@ def openapi_reference() -> str:
 
 # -------------------------------------------------------------------------------- serve options
 def _config_groups() -> list[tuple[str, list[str]]]:
-    """``ServerConfig``'s fields in source order, under the comment line that opens each group."""
-    tree = ast.parse(CONFIG_PY.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerConfig")
-    lines = CONFIG_PY.read_text().splitlines()
-    groups: list[tuple[str, list[str]]] = []
-    for node in cls.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        # The nearest comment above the field that stands alone after a blank line opens a group.
-        heading = None
-        i = node.lineno - 2
-        while i >= 0 and lines[i].strip().startswith("#"):
-            i -= 1
-        if i >= 0 and not lines[i].strip() and lines[i + 1].strip().startswith("#"):
-            comment = lines[i + 1].strip().lstrip("#").strip()
-            heading = re.split(r":| \(", comment, maxsplit=1)[0].strip()
-        if heading or not groups:
-            groups.append((heading or "Options", []))
-        groups[-1][1].append(node.target.id)
-    return groups
+    """``ServerConfig``'s fields by concern: ``config.OPTION_GROUPS``, the groups ``serve --help`` shows."""
+    from diffusion_rollout.config import OPTION_GROUPS
+
+    return [(heading, list(names)) for heading, names in OPTION_GROUPS]
 
 
 def _binary_size(value: object) -> str:
@@ -375,7 +358,7 @@ def _binary_size(value: object) -> str:
 
 
 def serve_options_reference() -> str:
-    from diffusion_rollout.config import ENV_PREFIX, ServerConfig
+    from diffusion_rollout.config import ServerConfig, option_env_names
 
     fields = ServerConfig.model_fields
     groups = _config_groups()
@@ -398,7 +381,7 @@ def serve_options_reference() -> str:
                 default = "unset"
             else:
                 default = f"`{json.dumps(field.default)}`" + _binary_size(field.default)
-            env = ENV_PREFIX + name.upper()
+            env = "`, `".join(option_env_names(name))
             out.append(f"| `{flag}` (`{env}`) | {default} | {_cell(field.description or '')} |")
         out.append("")
     return "\n".join(out)

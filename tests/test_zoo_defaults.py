@@ -2,7 +2,9 @@
 families), answers 200 or a 400 naming the field: never a 500 with a raw exception, and every model
 becomes ready (its readiness probe runs at the adapter's defaults).
 
-Size, frame count and text length are the server's defaults (the pipelines' own: 1024x1024 images,
+The models are served from memory, without the ``request_defaults.json`` a saved tiny folder has
+(that file's tiny sizes are tested in tests/test_tiny_request_defaults.py), so size, frame count and
+text length are the server's stock defaults (the pipelines' own: 1024x1024 images,
 480x832x81 Wan video, 512x768x121 LTX-2, 512 text tokens). The step count is 1: the default 28 to 50
 steps at those sizes take minutes per family on a CPU, and no default step count was what broke.
 Video families are left out here: one step of tiny Wan at 480x832x81 took 215 s on a 2-core CPU
@@ -30,11 +32,9 @@ IMAGE_ONLY = ("sd3", "flux", "qwenimage", "flux2-klein", "zimage", "flux-kontext
 
 
 @pytest.mark.parametrize("family", IMAGE_ONLY)
-def test_prompt_only_request_at_defaults_answers_200_or_400_naming_the_field(family, tiny_model_path):
-    if family == "qwenimage-edit":  # its processor needs torchvision to save: served from memory
-        srv = ServedModel(None, pipeline=build_tiny_pipeline(family))
-    else:
-        srv = ServedModel(tiny_model_path(family))
+def test_prompt_only_request_at_defaults_answers_200_or_400_naming_the_field(family):
+    # From memory: no folder, so no request_defaults.json; the family's stock defaults apply.
+    srv = ServedModel(None, pipeline=build_tiny_pipeline(family))
     try:
         assert srv.client.get("/health_generate").status_code == 200
         body = {"prompt": "a photo of a cat", "num_inference_steps": 1}
@@ -71,8 +71,11 @@ def test_wan_refuses_a_size_beyond_its_rope_positions_naming_the_field():
 
 def test_ltx2_refuses_a_video_whose_shift_overflows_naming_the_field(served):
     srv = served("ltx2")
-    # The pipeline's default size on the tiny model (its VAE compresses little): exp(mu) overflows.
-    body = {"prompt": "a cat", "num_inference_steps": 3}
+    # The pipeline's default size (512x768x121) on the tiny model (its VAE compresses little): exp(mu)
+    # overflows. Named here: the tiny folder's own request defaults are tiny.
+    a = srv.engine.adapter
+    (height, width), frames = a.default_size(), a.default_frames()
+    body = {"prompt": "a cat", "num_inference_steps": 3, "height": height, "width": width, "num_frames": frames}
     r = srv.client.post("/rollout/generate", json=body, headers={"Accept": "application/json"})
     assert r.status_code == 400, r.text[:500]
     message = r.json()["error"]["message"]

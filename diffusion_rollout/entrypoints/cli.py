@@ -1,7 +1,8 @@
 """The ``diffusion-rollout`` command line.
 
 ``serve`` options are generated from the fields of ``ServerConfig`` (one source of truth for names,
-defaults and help texts); ``make-tiny-model`` writes a tiny random pipeline folder of a family.
+defaults, help texts, groups and environment variables); ``make-tiny-model`` writes a tiny random
+pipeline folder of a family. Help texts are plain text: no reST markup reaches ``--help``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,34 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.config import (
+    ENV_PREFIX,
+    OPTION_GROUPS,
+    ServerConfig,
+    option_default_text,
+    option_env_names,
+)
 from diffusion_rollout.logging_utils import configure_logging
+from diffusion_rollout.models.family_names import FAMILIES, IMAGE_FAMILIES
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+DESCRIPTION = "A GPU rollout server for RL training of flow-matching diffusion models."
+SERVE_DESCRIPTION = (
+    "Start the rollout server. Every option can also be set by an environment variable, "
+    f"{ENV_PREFIX}<OPTION> (--max-batch-size 8 is {ENV_PREFIX}MAX_BATCH_SIZE=8); a flag wins over "
+    "the environment. A boolean option has a negative form too (--no-compile). docs/serving.md describes each option in full."
+)
+TINY_FAMILIES_HELP = (
+    f"text-to-image/video: {', '.join(FAMILIES)}; image-conditioned: {', '.join(IMAGE_FAMILIES)}"
+)
+
+
+def plain(text: str | None) -> str:
+    """Help text without reST inline markup (double backticks) and with argparse's % escaped."""
+    return (text or "").replace("``", "").replace("%", "%%")
 
 
 def _arg_type(annotation: object):
@@ -37,44 +60,115 @@ def _arg_type(annotation: object):
     return str, None
 
 
+_FOLDERS = ("model", "cache_dir", "compile_cache", "warmup_profile", "image_path_root")
+
+
+def _metavar(name: str, typ: type) -> str:
+    if name in _FOLDERS:
+        return "FOLDER"
+    if name.endswith("_s"):
+        return "SECONDS"
+    if name.endswith("_ms"):
+        return "MS"
+    if name.endswith("_bytes"):
+        return "BYTES"
+    return {int: "N", float: "X"}.get(typ, name.rsplit("_", 1)[-1].upper())
+
+
+def option_summary(name: str) -> str:
+    """The option's one-line help: the field's ``title`` where its description is long, else the
+    description (docs/serving.md's table shows the full description)."""
+    field = ServerConfig.model_fields[name]
+    return field.title or field.description or ""
+
+
+def _option_help(name: str) -> str:
+    """One option's help: its summary, its default, and any environment variable beyond the
+    DIFFUSION_ROLLOUT_<OPTION> one the parser's description names."""
+    summary, default = option_summary(name), option_default_text(name)
+    notes = [] if default == "unset" and "unset" in summary else [f"default: {default}"]
+    notes += [f"env {e}" for e in option_env_names(name)[1:]]
+    return plain(f"{summary} [{'; '.join(notes)}]" if notes else summary)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    for name, field in ServerConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+    """One flag per ``ServerConfig`` field, in argument groups by concern (``OPTION_GROUPS``). The
+    parser's defaults are None: an option not given is left to the environment and the field."""
+    fields = ServerConfig.model_fields
+    grouped = [n for _, names in OPTION_GROUPS for n in names]
+    groups = [*OPTION_GROUPS, ("Other", tuple(n for n in fields if n not in grouped))]
+    for title, names in groups:
+        if not names:
+            continue
+        group = parser.add_argument_group(title)
+        for name in names:
+            field = fields[name]
+            flag = "--" + name.replace("_", "-")
+            help_text = _option_help(name)
+            if field.annotation is bool:
+                group.add_argument(
+                    flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+                continue
+            if typing.get_origin(field.annotation) is list:  # repeatable (--reward A=... --reward B=...)
+                group.add_argument(
+                    flag, dest=name, action="append", default=None, metavar="NAME=SPEC", help=help_text
+                )
+                continue
+            typ, choices = _arg_type(field.annotation)
+            group.add_argument(
+                flag,
+                dest=name,
+                type=typ,
+                choices=choices,
+                default=None,
+                metavar=None if choices else _metavar(name, typ),
+                help=help_text,
             )
-            continue
-        if typing.get_origin(field.annotation) is list:  # repeatable (serve --reward A=... --reward B=...)
-            parser.add_argument(flag, dest=name, action="append", default=None, help=field.description)
-            continue
-        typ, choices = _arg_type(field.annotation)
-        parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34, width=_help_width())
+
+
+def _help_width() -> int:
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    return max(columns, 120) if columns else 120
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusion-rollout", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the rollout server")
-    add_config_arguments(serve)
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random pipeline folder (tests, demos)")
-    tiny.add_argument(
-        "--family", required=True, type=_tiny_family, help="a tiny family (a wrong one lists them)"
+    parser = argparse.ArgumentParser(
+        prog="diffusion-rollout", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("out_dir")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="start the rollout server",
+        description=SERVE_DESCRIPTION,
+        usage="%(prog)s [--model FOLDER] [options]",
+        formatter_class=_HelpFormatter,
+    )
+    add_config_arguments(serve)
+    tiny = sub.add_parser(
+        "make-tiny-model",
+        help="write a tiny random pipeline folder of a family (tests, demos)",
+        description=(
+            "Write a tiny, randomly initialised diffusers pipeline folder of one family. Served "
+            "without sizes, a request gets the tiny model's own small sizes (32x32, 5 video frames)."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    tiny.add_argument(
+        "--family", required=True, choices=(*FAMILIES, *IMAGE_FAMILIES), metavar="FAMILY",
+        help=f"the family to build: {TINY_FAMILIES_HELP}",
+    )  # fmt: skip
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed (same family and seed, same files) [default: 0]")
+    tiny.add_argument("out_dir", help="folder to write (created)")
     return parser
-
-
-def _tiny_family(name: str) -> str:
-    # Imported only when make-tiny-model runs: the tiny builders import every family's diffusers
-    # classes, seconds that `serve` would otherwise pay before it starts (issue #43).
-    from diffusion_rollout.models.tiny import FAMILIES, IMAGE_FAMILIES
-
-    known = (*FAMILIES, *IMAGE_FAMILIES)
-    if name not in known:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(known)}")
-    return name
 
 
 def missing_bytecode(package: str = "torch") -> str | None:

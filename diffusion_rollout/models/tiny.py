@@ -32,6 +32,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -56,6 +57,7 @@ from diffusers import (
 )
 
 from . import tiny_image_cond
+from .family_names import FAMILIES, IMAGE_FAMILIES, REQUEST_DEFAULTS_FILE
 from .tiny_image import (
     flux2_klein_components,
     flux_components,
@@ -81,19 +83,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: tuple[str, ...] = (
-    "sd3",
-    "flux",
-    "qwenimage",
-    "wan",
-    "wan2.2",
-    "flux2-klein",
-    "zimage",
-    "hunyuanvideo15",
-    "ltx2",
-)
-#: Image-conditioned families (their pipelines need an input image; ``tiny_image_cond``).
-IMAGE_FAMILIES: tuple[str, ...] = ("flux-kontext", "wan-i2v", "qwenimage-edit", "wan2.2-ti2v-i2v")
 
 
 @dataclass(frozen=True)
@@ -291,6 +280,13 @@ def _spec(family: str) -> _FamilySpec:
         raise ValueError(f"unknown model family {family!r}; expected one of {known}") from None
 
 
+def tiny_request_defaults(family: str) -> dict[str, int]:
+    """The tiny ``family``'s request defaults a saved folder records (``request_defaults.json``): its
+    call defaults' height, width, num_frames and num_inference_steps."""
+    keys = ("height", "width", "num_frames", "num_inference_steps")
+    return {k: int(v) for k, v in _spec(family).call_defaults.items() if k in keys}
+
+
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
     """A tiny random ``family`` pipeline in memory (float32, CPU). Same ``(family, seed)``, same weights."""
     spec = _spec(family)
@@ -307,7 +303,10 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Build the tiny ``family`` pipeline and ``save_pretrained`` it into ``out_dir``; returns ``out_dir``.
 
     The folder loads with ``DiffusionPipeline.from_pretrained(out_dir)``; the same ``(family, seed)``
-    writes byte-identical files.
+    writes byte-identical files. Beside ``model_index.json`` it holds ``request_defaults.json``
+    (``tiny_request_defaults``): the server gives a request that names no size, frame count or step
+    count these tiny ones rather than the real model's (a prompt alone to tiny Wan was an 81x480x832
+    video at 50 steps, 271 s on a CPU).
     """
     out = Path(out_dir)
     pipeline = build_tiny_pipeline(family, seed)
@@ -319,6 +318,9 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             "saves and loads a video processor); build_tiny_pipeline gives it in memory"
         )
     pipeline.save_pretrained(out)
+    # A request that names no size gets the tiny size, not the real model's (server: families/base.py).
+    defaults = json.dumps(tiny_request_defaults(family), indent=2, sort_keys=True)
+    (out / REQUEST_DEFAULTS_FILE).write_text(defaults + "\n")
     logger.info("saved tiny random %s model (seed %d) to %s", family, seed, out)
     return out
 

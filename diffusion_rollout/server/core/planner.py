@@ -117,7 +117,7 @@ class RequestPlanner:
             )
         n = p.num_outputs_per_prompt
         images = self._images(p)
-        dh, dw = (a.default_size_for_images(images) if images else None) or a.default_size()
+        dh, dw = a.request_size(images)
         height, width = p.height or dh, p.width or dw
         if height * width > cfg.max_pixels:
             raise RequestError(
@@ -139,7 +139,7 @@ class RequestPlanner:
                     f"num_inference_steps={steps} but {len(sigmas)} sigmas were sent", field="sigmas"
                 )
             steps = len(sigmas)
-        steps = steps or a.default_steps()
+        steps = steps or a.request_steps()
         if steps < 1 or steps > cfg.max_steps:
             raise RequestError(
                 f"num_inference_steps={steps} must be in 1..{cfg.max_steps} (limit max_steps)",
@@ -174,7 +174,7 @@ class RequestPlanner:
 
         frames = None
         if a.is_video:
-            frames = p.num_frames or a.default_frames()
+            frames = p.num_frames or a.request_frames()
             if frames > cfg.max_frames:
                 raise RequestError(
                     f"num_frames={frames} exceeds max_frames={cfg.max_frames}", field="num_frames"

@@ -10,15 +10,44 @@ calls recorded during the first step into per-sample ``denoising_env`` entries.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.models.family_names import REQUEST_DEFAULTS_FILE
 
 # The most text tokens a request can ask an encoder for (the protocol bounds max_sequence_length so).
 MAX_TEXT_TOKENS = 4096
+
+# What a model folder's request_defaults.json may set: a request that omits one gets the folder's.
+REQUEST_DEFAULT_KEYS = ("height", "width", "num_frames", "num_inference_steps")
+
+
+def folder_request_defaults(folder: str | None) -> dict[str, int]:
+    """The request defaults a model folder records in ``request_defaults.json`` (the tiny models
+    write their own small sizes there, ``models.save_tiny_model``); ``{}`` without one. A file that
+    is not a JSON object of positive integers under ``REQUEST_DEFAULT_KEYS`` is refused (load error)."""
+    if not folder or not os.path.isdir(folder):
+        return {}
+    path = os.path.join(folder, REQUEST_DEFAULTS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    bad = not isinstance(data, dict) or any(
+        k not in REQUEST_DEFAULT_KEYS or isinstance(v, bool) or not isinstance(v, int) or v < 1
+        for k, v in data.items()
+    )
+    if bad or ("height" in data) != ("width" in data):
+        raise ValueError(
+            f"{path}: expected a JSON object of positive integers, height and width together, under "
+            f"{', '.join(REQUEST_DEFAULT_KEYS)}; got {data!r}"
+        )
+    return dict(data)
 
 
 @dataclass(frozen=True)
@@ -115,6 +144,8 @@ class FamilyAdapter:
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
+        #: The loaded folder's own request defaults (tiny models: their small sizes), else {}.
+        self.request_defaults = folder_request_defaults(getattr(pipe, "name_or_path", None))
 
     # ---------------------------------------------------------------- geometry and defaults
     def spatial_factor(self) -> int:
@@ -127,6 +158,21 @@ class FamilyAdapter:
 
     def default_steps(self) -> int:
         return 28
+
+    # What a request that omits a setting gets: the folder's request_defaults.json, else the
+    # family's stock default (the default_* methods above, which subclasses override).
+    def request_size(self, images: tuple = ()) -> tuple[int, int]:
+        """(height, width) for a request that names neither."""
+        d = self.request_defaults
+        if "height" in d:
+            return d["height"], d["width"]
+        return (self.default_size_for_images(images) if images else None) or self.default_size()
+
+    def request_frames(self) -> int:
+        return self.request_defaults.get("num_frames") or self.default_frames()
+
+    def request_steps(self) -> int:
+        return self.request_defaults.get("num_inference_steps") or self.default_steps()
 
     def default_guidance(self) -> float:
         return 7.0

@@ -80,7 +80,7 @@ class CompiledStart:
         the cache, and take the graphs compiled so far as the baseline for recompiles."""
         shapes = parse_shapes(engine.config.warmup_shapes)
         if shapes is None:
-            height, width = engine.adapter.default_size()
+            height, width = engine.adapter.request_size()
             shapes = [Shape(width, height)]
         self.warmup = Warmup(
             shapes=shapes,

@@ -302,7 +302,7 @@ def _warm_shapes(
                 request_id=f"warmup-{shape}-b{n}",
             )
             if a.is_video:
-                params.num_frames = shape.frames or a.default_frames()
+                params.num_frames = shape.frames or a.request_frames()
             if a.image_inputs:
                 from diffusion_rollout.server.core.images import probe_image_png
 
