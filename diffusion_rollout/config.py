@@ -188,6 +188,13 @@ class ServerConfig(BaseModel):
         "max_batch_size (one dynamic-batch compile); unset = the model's default size; none = no warm-up "
         "(compile on the first request of each shape)",
     )
+    warmup_remembered_shapes: bool = Field(
+        True,
+        description="with compile, a compile cache and no warmup_shapes: also warm up, after the default "
+        "size, the request shapes earlier starts on the same cache key served (up to 8, kept in the key "
+        "folder's served_shapes.json, server/served_shapes.py); --no-warmup-remembered-shapes warms the "
+        "default size only (shapes are still recorded)",
+    )
     compile_cache: str | None = Field(
         None,
         description="with compile: folder for torch's compile artifacts, reused by later starts with "
