@@ -7,10 +7,10 @@ Design decisions:
   so that they come up while the weights load), ``start`` (wait for the workers, warm up, then mark
   the graphs compiled so far as the
   baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
-  each finished compiled call (its shape is remembered in the cache for the next start's warm-up,
-  ``server/served_shapes.py``), and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
-  ``server/warmup.py`` and ``server/compile_cache.py``; this module only keeps their state together,
-  so the engine stays about batches.
+  each finished compiled call (its shape is remembered in the cache for the next start's warm-up),
+  and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
+  ``server/warmup.py``, ``server/compile_cache.py`` and ``server/served_shapes.py``; this module only
+  keeps their state together, so the engine stays about batches.
 - An engine that does not compile never fills it: every report is None and nothing is imported
   beyond those two modules.
 """
@@ -98,8 +98,9 @@ class CompiledStart:
                 else:  # else every kernel compiles in-process, serially (compile_workers.py)
                     self.workers.wait()
             self.warmed = run_warmup(engine, self.warmup, _profile(engine))
-            if self.warmup.skipped and self.served is not None:
-                self.served.forget([s for s in shapes if str(s) in {k["shape"] for k in self.warmup.skipped}])
+            if self.warmup.skipped and self.served is not None:  # remembered shapes that failed to warm
+                failed = {skip["shape"] for skip in self.warmup.skipped}
+                self.served.forget([s for s in shapes if str(s) in failed])
             if self.precompiled is not None and self.precompiled.captured():
                 self.warmup.stage = "saving precompiled blocks for the next start"
                 self.precompiled.save()  # the next start loads them: its warm-up traces none

@@ -20,6 +20,8 @@ Design decisions:
   finishes (that call compiled anyway), after the call, as a whole new 0600 file renamed over the
   old one (``own_files.write_private``: atomic, never through a link). Only successful compiled calls
   of a ready server count (not the warm-up, not eager calls). A write that fails is one warning.
+  Servers sharing a key folder (replicas on one machine) each write what they read at start plus what
+  they served: the last writer wins, and a shape it never saw waits for its next request.
 - **Trusted as the rest of the cache**: read only from a key folder the compile cache trusted
   (``compile_cache.py``), through ``own_files.read_own`` (the server's own regular file, writable by
   no one else, not a link), at most :data:`MAX_BYTES`, as JSON, each value checked (positive
