@@ -192,8 +192,8 @@ class ServerConfig(BaseModel):
         True,
         description="with compile, a compile cache and no warmup_shapes: also warm up, after the default "
         "size, the request shapes earlier starts on the same cache key served (up to 8, kept in the key "
-        "folder's served_shapes.json, server/served_shapes.py); --no-warmup-remembered-shapes warms the "
-        "default size only (shapes are still recorded)",
+        "folder's served_shapes.json, server/served_shapes.py); off: the default size only (shapes are "
+        "still recorded)",
     )
     compile_cache: str | None = Field(
         None,

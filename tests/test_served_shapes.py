@@ -203,7 +203,7 @@ def test_the_option_is_on_by_default_and_can_be_turned_off():
     assert ServerConfig(device="cpu").warmup_remembered_shapes is True
     assert ServerConfig(device="cpu", warmup_remembered_shapes=False).warmup_remembered_shapes is False
     help_text = ServerConfig.model_fields["warmup_remembered_shapes"].description
-    assert "served_shapes.json" in help_text and "--no-warmup-remembered-shapes" in help_text
+    assert "served_shapes.json" in help_text and "off: the default size only" in help_text
 
 
 class _FakeEngine:
