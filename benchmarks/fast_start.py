@@ -28,6 +28,21 @@ runs can also be split over calls on the same machine, sharing ``--work``::
     python -m benchmarks.fast_start --device cuda --runs fast_cold --out $OUT
     python -m benchmarks.fast_start --device cuda --runs fast_warm,defaults,stock --out $OUT
 
+A restart's first answer at a size the warm-up was not told about (``--speed fast`` with no
+``--warmup-shapes``: the warm-up is at the model's default size, 1024² for SD3.5-medium) on a compile
+cache of its own, ``WORK/compile-cache-remember`` (the ``remember_*`` runs, named in ``--runs``):
+
+5. ``remember_cold``: an empty cache; the first {size}² request compiles in the foreground, and the
+   server writes the shape into ``served_shapes.json`` in its key folder.
+6. ``remember_off``: a restart with ``--no-warmup-remembered-shapes``: the {size}² request compiles
+   in the foreground again (the behaviour before the shapes were remembered).
+7. ``remember_warm``: a restart as a user starts it: its warm-up covers the default size and the
+   remembered {size}², and saves the {size}² blocks precompiled (once).
+8. ``remember_warm2``: the same again: every remembered shape loads precompiled::
+
+    python -m benchmarks.fast_start --device cuda --runs remember_cold --out $OUT
+    python -m benchmarks.fast_start --device cuda --runs remember_off,remember_warm,remember_warm2 --out $OUT
+
 Where the warm-up's time goes (``--warmup-profile``: each fast server profiles its warm-up, server/
 warmup_profile.py): ``$OUT/warmup_profile_<run>/`` gets ``warmup_stacks.txt`` (the worker's stack every
 10 s, written as it goes, so a run that hits ``--ready-timeout-s`` still shows where it was) and
@@ -68,6 +83,9 @@ from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("fast_cold", "fast_warm", "defaults", "stock")
+# The remembered shapes (server/speed/served_shapes.py): the fast tier with no --warmup-shapes, on a compile
+# cache of its own. Not in the default set of runs: name them in --runs.
+REMEMBER_RUNS = ("remember_cold", "remember_off", "remember_warm", "remember_warm2")
 
 
 def grpo_body(args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
@@ -151,6 +169,8 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
         row["warmup_s"] = compile_info["warmup"]["elapsed_s"]
         row["fx_cache_hits"] = compile_info["warmup"]["fx_graph_cache_hits"]
         row["recompiles"] = compile_info.get("recompiles")
+        row["warmup_shapes"] = ",".join(compile_info["warmup"].get("shapes") or [])
+        row["remembered_shapes"] = ",".join(compile_info["warmup"].get("remembered_shapes") or [])
         pre = compile_info.get("precompiled") or {}
         row["precompiled_loaded"] = pre.get("loaded")  # blocks a restart runs without Dynamo's tracing
         row["precompiled_save_s"] = pre.get("save_s")  # what the cold start paid to save them
@@ -234,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = sorted(set(runs) - set(RUNS))
+    unknown = sorted(set(runs) - set(RUNS) - set(REMEMBER_RUNS))
     if unknown:
-        p.error(f"--runs: unknown {unknown}; choose from {list(RUNS)}")
+        p.error(f"--runs: unknown {unknown}; choose from {list(RUNS) + list(REMEMBER_RUNS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     folder = model_folder(args.model, args.work)
@@ -244,7 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     if "fast_cold" in runs:
         shutil.rmtree(cache, ignore_errors=True)  # the cold run starts from nothing
     fast = ["--speed", "fast", "--warmup-shapes", f"{args.size}x{args.size}", "--compile-cache", str(cache)]
-    flags = {"fast_cold": fast, "fast_warm": fast, "defaults": []}
+    remember_cache = args.work / "compile-cache-remember"
+    if "remember_cold" in runs:
+        shutil.rmtree(remember_cache, ignore_errors=True)
+    remember = ["--speed", "fast", "--compile-cache", str(remember_cache)]  # no --warmup-shapes
+    flags = {
+        "fast_cold": fast,
+        "fast_warm": fast,
+        "defaults": [],
+        "remember_cold": remember,
+        "remember_off": [*remember, "--no-warmup-remembered-shapes"],
+        "remember_warm": remember,
+        "remember_warm2": remember,
+    }
     rows = [stock_run(args, folder) if r == "stock" else serve_run(r, args, folder, flags[r]) for r in runs]
     by_run = {row["run"]: row for row in rows}
     for base in ("stock", "defaults"):
@@ -260,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             ("start_to_ready_s", "start->ready s", ".1f"),
             ("start_to_first_answer_s", "start->first answer s", ".1f"),
             ("warmup_s", "warm-up s", ".1f"),
+            ("warmup_shapes", "warmed", ""),
             ("fx_cache_hits", "cache hits", ""),
             ("recompiles", "recompiles", ""),
             ("precompiled_loaded", "precompiled", ""),

@@ -212,6 +212,13 @@ class ServerConfig(BaseModel):
         "max_batch_size (one dynamic-batch compile); unset = the model's default size; none = no warm-up "
         "(compile on the first request of each shape)",
     )
+    warmup_remembered_shapes: bool = Field(
+        True,
+        description="with compile, a compile cache and no warmup_shapes: also warm up, after the default "
+        "size, the request shapes earlier starts on the same cache key served (up to 8, kept in the key "
+        "folder's served_shapes.json, server/speed/served_shapes.py); off: the default size only (shapes are "
+        "still recorded)",
+    )
     compile_cache: str | None = Field(
         None,
         title="with compile: folder for compile artifacts; unset = <cache-dir>/compile; none = off",

@@ -37,7 +37,9 @@ START_TIMEOUT_S = 300
 class ServeProcess:
     """``serve`` in a child process; its states as seen by ``/health`` while it started."""
 
-    def __init__(self, model: Path, cache: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model: Path, cache: Path, log: Path, extra: tuple[str, ...] = (), warmup_shapes: str | None = "32x32"
+    ) -> None:
         self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -45,8 +47,8 @@ class ServeProcess:
         args = [
             sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve",
             "--model", str(model), "--device", "cpu", "--dtype", "float32", "--port", str(self.port),
-            "--speed", "fast", "--warmup-shapes", "32x32", "--max-batch-size", "4",
-            "--compile-cache", str(cache), *extra,
+            "--speed", "fast", "--max-batch-size", "4", "--compile-cache", str(cache), *extra,
+            *(("--warmup-shapes", warmup_shapes) if warmup_shapes is not None else ()),
         ]  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
         self._out = log.open("w")

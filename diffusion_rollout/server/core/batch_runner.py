@@ -120,7 +120,8 @@ class BatchRunner:
         if self.engine.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.engine.device)
         version = self.engine.weight_version
-        if self.engine.loaded.speed.compile and not first.eager and self.engine.status == "ready":
+        compiled = self.engine.loaded.speed.compile and not first.eager and self.engine.status == "ready"
+        if compiled:
             self.engine.compiled.note_new_shape(call)
 
         with torch.inference_mode():
@@ -205,6 +206,8 @@ class BatchRunner:
             except Exception as exc:
                 raise GenerationError(f"generation failed: {type(exc).__name__}: {exc}") from exc
             images = a.output_tensor(output, decoded=first.params.return_generated_output)
+        if compiled:  # served: the next start on this compile cache warms the shape (served_shapes.py)
+            self.engine.compiled.note_served(call)
 
         elapsed = time.perf_counter() - t0
         peak = (

@@ -2,14 +2,15 @@
 
 Design decisions:
 
-- The engine holds one :class:`CompiledStart` and calls it at four points: ``load`` (open the keyed
+- The engine holds one :class:`CompiledStart` and calls it at five points: ``load`` (open the keyed
   cache before anything compiles, and start inductor's compile workers, ``server/speed/compile_workers.py``,
   so that they come up while the weights load), ``start`` (wait for the workers, warm up, then mark
   the graphs compiled so far as the
   baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
+  each finished compiled call (its shape is remembered in the cache for the next start's warm-up),
   and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
-  ``server/speed/warmup.py`` and ``server/speed/compile_cache.py``; this module only keeps their state together,
-  so the engine stays about batches.
+  ``server/speed/warmup.py``, ``server/speed/compile_cache.py`` and ``server/speed/served_shapes.py``; this module only
+  keeps their state together, so the engine stays about batches.
 - An engine that does not compile never fills it: every report is None and nothing is imported
   beyond those two modules.
 """
@@ -26,6 +27,7 @@ import torch
 from diffusion_rollout.server.speed.compile_cache import CompileCache, cache_key
 from diffusion_rollout.server.speed.compile_workers import CompileWorkers
 from diffusion_rollout.server.speed.precompiled_blocks import FOLDER, PrecompiledBlocks
+from diffusion_rollout.server.speed.served_shapes import ServedShapes
 from diffusion_rollout.server.speed.warmup import (
     Shape,
     Warmup,
@@ -51,6 +53,7 @@ class CompiledStart:
         self.warmed: set[tuple] = set()
         self.workers: CompileWorkers | None = None
         self.precompiled: PrecompiledBlocks | None = None
+        self.served: ServedShapes | None = None  # the shapes file of a trusted cache (served_shapes.py)
 
     def open_cache(
         self, config: ServerConfig, model_path: str | None, device: str, dtype: torch.dtype
@@ -68,6 +71,8 @@ class CompiledStart:
         )
         self.cache = CompileCache(Path(root), key, facts)
         self.cache.activate()
+        if self.cache.trusted:
+            self.served = ServedShapes(self.cache.folder)
 
     def start_workers(self) -> None:
         """Start inductor's compile workers now (after the cache folder is set: they inherit it)."""
@@ -78,10 +83,7 @@ class CompiledStart:
     def warm_up(self, engine: Engine, on_warming: Callable[[], None]) -> None:
         """Compile for the expected request shapes (``on_warming`` first, when there are any), save
         the cache, and take the graphs compiled so far as the baseline for recompiles."""
-        shapes = parse_shapes(engine.config.warmup_shapes)
-        if shapes is None:
-            height, width = engine.adapter.request_size()
-            shapes = [Shape(width, height)]
+        shapes = self._shapes(engine)
         self.warmup = Warmup(
             shapes=shapes,
             batches=warmup_batches(engine.config.max_batch_size),
@@ -103,15 +105,52 @@ class CompiledStart:
                 else:  # else every kernel compiles in-process, serially (compile_workers.py)
                     self.workers.wait()
             self.warmed = run_warmup(engine, self.warmup, _profile(engine))
-            if self.precompiled is not None and not self.precompiled.active:
+            if self.warmup.skipped and self.served is not None:  # remembered shapes that failed to warm
+                failed = {skip["shape"] for skip in self.warmup.skipped}
+                self.served.forget([s for s in shapes if str(s) in failed])
+            if self.precompiled is not None and self.precompiled.captured():
                 self.warmup.stage = "saving precompiled blocks for the next start"
                 self.precompiled.save()  # the next start loads them: its warm-up traces none
                 self.warmup.stage = None
+            elif self.precompiled is not None:
+                self.precompiled.stop_capture()  # every kind of call the warm-up made had its artifact
             if self.cache is not None:
                 self.cache.save(self.warmup.seconds)
         stats = engine.loaded.speed.compile_stats
         if stats is not None:
             stats.graphs_at_ready = stats.graphs
+
+    def _shapes(self, engine: Engine) -> list[Shape]:
+        """What the warm-up compiles: ``--warmup-shapes`` when given (``none``: nothing); else the
+        model's default size, then the shapes earlier starts on this cache key served
+        (server/speed/served_shapes.py), unless ``--no-warmup-remembered-shapes``."""
+        shapes = parse_shapes(engine.config.warmup_shapes)
+        remembered = self.served.load() if self.served is not None else []
+        if shapes is not None:
+            if remembered:
+                logger.info(
+                    "warm-up: --warmup-shapes given, so the %d shape(s) remembered in %s are not warmed",
+                    len(remembered), self.served.path,
+                )  # fmt: skip
+            return shapes
+        height, width = engine.adapter.default_size()
+        shapes = [Shape(width, height)]
+        if not remembered:
+            return shapes
+        if not engine.config.warmup_remembered_shapes:
+            logger.info(
+                "warm-up: %d shape(s) remembered in %s, not warmed (--no-warmup-remembered-shapes)",
+                len(remembered), self.served.path,
+            )  # fmt: skip
+            return shapes
+        extra = [s for s in remembered if s not in shapes]
+        if extra:
+            logger.info(
+                "warm-up: also the %d shape(s) earlier starts served, remembered in %s: %s "
+                "(--no-warmup-remembered-shapes turns this off; --warmup-shapes replaces it)",
+                len(extra), self.served.path, ", ".join(map(str, extra)),
+            )  # fmt: skip
+        return shapes + extra
 
     def _attach_precompiled(self, engine: Engine) -> None:
         """With a compile cache: route the compiled blocks through the precompiled artifacts, loading
@@ -145,6 +184,11 @@ class CompiledStart:
             call.width, call.height, frames, call.max_sequence_length,
         )  # fmt: skip
 
+    def note_served(self, call: Any) -> None:
+        """A compiled call of a ready server finished: its shape is remembered for the next start."""
+        if self.served is not None:
+            self.served.served(shape_key(call))
+
     # ------------------------------------------------------------------ reports
     def describe_warming(self) -> str:
         """The 503 message while warming."""
@@ -160,6 +204,7 @@ class CompiledStart:
         compile_info["cache"] = self.cache.report() if self.cache is not None else None
         compile_info["workers"] = self.workers.report() if self.workers is not None else None
         compile_info["precompiled"] = self.precompiled.report() if self.precompiled is not None else None
+        compile_info["served_shapes"] = self.served.report() if self.served is not None else None
 
     def metrics(self, stats: Any) -> dict[str, float] | None:
         """The compile series of ``/metrics`` from the blocks' ``CompileStats`` (None: no compile)."""

@@ -13,7 +13,9 @@ Design decisions:
   of block (one artifact per block class, structure, and call signature; a batch of 1 separately,
   as Dynamo specialises it) is compiled ahead of time and saved in the compile cache's key folder.
   A restart loads them before its warm-up, and a block call whose signature has an artifact runs it;
-  every other call (a new shape, a failed guard) goes to the ordinary compiled path.
+  every other call (a new shape, a failed guard) goes to the ordinary compiled path. A restart's
+  warm-up that makes a kind of call with no artifact (a shape an earlier start served, remembered in
+  ``served_shapes.json``: server/speed/served_shapes.py) saves that kind after it, beside those loaded.
 - **Our own guard on top of torch's.** Saving needs torch's guards filtered to the portable ones
   (tensor and shape guards: identity guards on modules cannot be saved), so what those drop is checked
   here: the block's structure (module and parameter names, classes, shapes and dtypes, attention
@@ -216,7 +218,8 @@ class PrecompiledBlocks:
         if sig is None:
             sig = self._signatures[parts] = _digest_parts(parts)
         key = (self._digest[id(block)], sig)
-        if self._examples is not None and key not in self._examples:  # capturing (a warm-up)
+        # Capturing (a warm-up): each kind of call without an artifact, to save after it.
+        if self._examples is not None and key not in self._examples and key not in self._table:
             inference = any(
                 v.is_inference() for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)
             )
@@ -227,6 +230,10 @@ class PrecompiledBlocks:
         # No guard check runs here (it is off: load); what it would have refused, _verify checked.
         self.calls += 1
         return fn(block, *args, **kwargs)
+
+    def captured(self) -> int:
+        """Kinds of call captured so far without an artifact (what :meth:`save` would save)."""
+        return len(self._examples or {})
 
     def stop_capture(self) -> None:
         """No warm-up to save after (``warmup_shapes=none``): nothing more is recorded."""
@@ -287,7 +294,9 @@ class PrecompiledBlocks:
             self._table[(meta["structure"], meta["signature"])] = fn
         self.loaded = len(self._table)
         self.active = self.loaded > 0
-        self._examples = None if self.active else {}
+        # Still capturing: a warm-up shape with no artifact yet (one an earlier start served, remembered
+        # in served_shapes.json) is saved after this warm-up, beside those loaded.
+        self._examples = {}
         if self.active:
             logger.info("precompiled blocks: %d artifact(s) loaded from %s; Dynamo traces none of them",
                         self.loaded, self.folder)  # fmt: skip
@@ -295,8 +304,8 @@ class PrecompiledBlocks:
 
     # ------------------------------------------------------------------ after a cold warm-up
     def save(self) -> int:
-        """Compile ahead of time each kind of call the warm-up made, and save it (the graphs come
-        from inductor's cache, filled by the warm-up). Returns how many were saved."""
+        """Compile ahead of time each kind of call the warm-up made that has no artifact yet, and save
+        it (the graphs come from inductor's cache, filled by the warm-up). Returns how many were saved."""
         examples, self._examples = self._examples or {}, None
         if not examples:
             return 0
@@ -358,7 +367,7 @@ class PrecompiledBlocks:
                 logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
         self.save_s = time.perf_counter() - t0
         self.not_saved = len(examples) - self.saved
-        if not self.saved and self.why_not:
+        if not self.saved and self.why_not and not self.loaded:  # never hides the artifacts that load
             write_private(self.folder / NOT_SAVED, self.why_not + "\n")
         logger.info("precompiled blocks: %d artifact(s) saved in %s in %.1f s, for the next start",
                     self.saved, self.folder, self.save_s)  # fmt: skip

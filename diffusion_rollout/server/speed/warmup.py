@@ -101,9 +101,14 @@ class Shape:
     width: int
     height: int
     frames: int | None = None
+    max_sequence_length: int | None = None  # None: the model's default text length
+    # Read from the compile cache's served_shapes.json (server/speed/served_shapes.py): its warm-up may fail
+    # without failing the start. Not part of the shape's identity.
+    remembered: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "")
+        text = f" (max_sequence_length={self.max_sequence_length})" if self.max_sequence_length else ""
+        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "") + text
 
 
 def parse_shapes(text: str | None) -> list[Shape] | None:
@@ -149,6 +154,7 @@ class Warmup:
     # Cache lookups during the warm-up: {"fx_graph": (hits, misses), "aot_autograd": (hits, misses)}.
     cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # remembered shapes whose warm-up failed
     phases: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (_PHASES)
     profile: dict[str, Any] | None = None  # --warmup-profile's files (server/speed/warmup_profile.py); None: off
     stage: str | None = None  # after the calls, before ready: "saving precompiled blocks"
@@ -189,7 +195,9 @@ class Warmup:
             "estimate_remaining_s": None if remaining is None else round(remaining, 1),
             **{f"{kind}_cache_hits": hm[0] for kind, hm in self.cache.items()},
             **{f"{kind}_cache_misses": hm[1] for kind, hm in self.cache.items()},
+            "remembered_shapes": [str(s) for s in self.shapes if s.remembered],
             "calls": self.calls,
+            **({"skipped": self.skipped} if self.skipped else {}),
             "phases": self.phases,
             **({"stage": self.stage} if self.stage is not None else {}),
             **({"profile": self.profile} if self.profile is not None else {}),
@@ -299,8 +307,10 @@ def _warm_shapes(
                 num_outputs_per_prompt=n,
                 rollout=False,
                 return_generated_output=False,
-                request_id=f"warmup-{shape}-b{n}",
+                request_id=f"warmup-{str(shape).replace(' ', '')}-b{n}",
             )
+            if shape.max_sequence_length is not None:
+                params.max_sequence_length = shape.max_sequence_length
             if a.is_video:
                 params.num_frames = shape.frames or a.request_frames()
             if a.image_inputs:
@@ -308,9 +318,19 @@ def _warm_shapes(
 
                 params.image_data = [probe_image_png(min(shape.width, shape.height))]
             graphs0, t0 = stats.graphs if stats else 0, time.perf_counter()
-            plan = engine.plan(params)
+            try:
+                plan = engine.plan(params)
+                engine.worker.submit(plan.job(params.request_id)).result()
+            except Exception as exc:
+                if not shape.remembered:
+                    raise
+                # A shape an earlier start served may not fit this one (other limits, less memory).
+                why = f"{type(exc).__name__}: {str(exc)[:300]}"
+                warmup.skipped.append({"shape": str(shape), "error": why})
+                warmup.done += len(warmup.batches) - warmup.batches.index(n)
+                logger.warning("warm-up: skipping the remembered shape %s (%s); it is forgotten", shape, why)
+                break
             warmed.add(shape_key(plan.call))
-            engine.worker.submit(plan.job(params.request_id)).result()
             seconds = time.perf_counter() - t0
             if profile is not None:  # written here, after the call is timed
                 profile.write_pending()
