@@ -1,4 +1,4 @@
-"""A compile cache that survives restarts (``--compile-cache DIR``, issue #43).
+"""A compile cache that survives restarts (``--compile-cache DIR``).
 
 Design decisions:
 

@@ -1,4 +1,4 @@
-"""Inductor's compile workers, started with the load and ready before the warm-up compiles (issue #43).
+"""Inductor's compile workers, started with the load and ready before the warm-up compiles.
 
 Why: inductor compiles a graph's Triton kernels in its worker pool only if the pool *is already up*
 when the kernels are generated (``AsyncCompile.use_process_pool()`` checks that a first job has

@@ -1,4 +1,4 @@
-"""Blocks precompiled ahead of time, so a restart skips Dynamo's tracing (issue #43).
+"""Blocks precompiled ahead of time, so a restart skips Dynamo's tracing.
 
 Why: on an H100 a fast-tier restart on a warm compile cache still spent 4.8 s of its 10.8-s warm-up in
 Dynamo tracing the three kinds of SD3.5 block again, and 3.7 s more loading their graphs: the compile

@@ -1,4 +1,4 @@
-"""Compiled before ready: the warm-up of a ``--compile`` server (issue #43).
+"""Compiled before ready: the warm-up of a ``--compile`` server.
 
 Design decisions:
 

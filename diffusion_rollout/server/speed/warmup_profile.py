@@ -1,4 +1,4 @@
-"""Where a compiled server's warm-up spends its wall time: ``--warmup-profile DIR`` (issue #43).
+"""Where a compiled server's warm-up spends its wall time: ``--warmup-profile DIR``.
 
 Design decisions:
 
