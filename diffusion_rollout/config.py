@@ -214,10 +214,10 @@ class ServerConfig(BaseModel):
     )
     warmup_remembered_shapes: bool = Field(
         True,
+        title="with compile and a compile cache: also warm the request shapes earlier starts served",
         description="with compile, a compile cache and no warmup_shapes: also warm up, after the default "
         "size, the request shapes earlier starts on the same cache key served (up to 8, kept in the key "
-        "folder's served_shapes.json, server/speed/served_shapes.py); off: the default size only (shapes are "
-        "still recorded)",
+        "folder's served_shapes.json); off: the default size only (shapes are still recorded)",
     )
     compile_cache: str | None = Field(
         None,
@@ -667,7 +667,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "Compile warm-up and cache",
         (
-            "warmup_shapes", "compile_cache", "precompile_blocks", "warmup_profile",
+            "warmup_shapes", "warmup_remembered_shapes", "compile_cache", "precompile_blocks", "warmup_profile",
             "warmup_profile_interval_s", "warmup_profile_cprofile",
         ),
     ),
