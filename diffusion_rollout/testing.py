@@ -24,17 +24,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_cli_server(
-    cmd: Sequence[str], log: Path, url: str, timeout_s: float, *, new_session: bool = False
+    cmd: Sequence[str],
+    log: Path,
+    url: str,
+    timeout_s: float,
+    *,
+    new_session: bool = False,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start ``serve`` (``cmd``, its output into ``log``) and wait until ``url``'s ``/model_info`` says
     ready. A server that exits, or is not ready within ``timeout_s``, raises ``SystemExit`` with the
     end of its log. ``new_session``: its own process group, so :func:`stop_session` stops it and
-    whatever it started (Ray replicas)."""
+    whatever it started (Ray replicas). ``env``: variables added to this process's (keys, say)."""
     import httpx
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     proc = subprocess.Popen(
-        list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+        list(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,7 +8,7 @@
 - ``on_page_markdown``: the marker ``<!-- generated: openapi -->`` in api.md becomes the reference of
   every route of the app, built from its OpenAPI schema (the app is constructed, never started: no
   model is loaded); ``<!-- generated: serve-options -->`` in serving.md becomes the table of every
-  ``diffusion-rollout serve`` option, from ``ServerConfig``, grouped as ``serve --help`` groups them (``config.OPTION_GROUPS``).
+  ``diffusion-rollout serve`` option, from ``ServerConfig``, grouped as ``serve --help`` groups them (``config_options.OPTION_GROUPS``).
 - ``on_page_content``: the results page's row ids (``<a id="...">`` inside table cells, raw HTML that
   MkDocs does not see) count as anchors, so ``validation.anchors: warn`` checks links to rows.
 - ``on_serve``: ``mkdocs serve`` also watches the benchmark results and the sources read here.
@@ -342,8 +342,8 @@ def openapi_reference() -> str:
 
 # -------------------------------------------------------------------------------- serve options
 def _config_groups() -> list[tuple[str, list[str]]]:
-    """``ServerConfig``'s fields by concern: ``config.OPTION_GROUPS``, the groups ``serve --help`` shows."""
-    from diffusion_rollout.config import OPTION_GROUPS
+    """``ServerConfig``'s fields by concern: ``config_options.OPTION_GROUPS``, the groups ``serve --help`` shows."""
+    from diffusion_rollout.config_options import OPTION_GROUPS
 
     return [(heading, list(names)) for heading, names in OPTION_GROUPS]
 
@@ -358,7 +358,8 @@ def _binary_size(value: object) -> str:
 
 
 def serve_options_reference() -> str:
-    from diffusion_rollout.config import ServerConfig, option_env_names
+    from diffusion_rollout.config import ServerConfig
+    from diffusion_rollout.config_options import option_env_names
 
     fields = ServerConfig.model_fields
     groups = _config_groups()

@@ -1,6 +1,6 @@
 """Flow-GRPO with a LoRA in one file, from the package's public API alone: read it top to bottom.
 
-    python examples/flow_grpo_minimal.py           # CPU: a tiny random SD3 model, a server on a thread
+    python examples/flow_grpo_minimal.py           # CPU: a tiny random SD3 model, its own `serve`
     python examples/flow_grpo_minimal.py --url http://gpu-host:30000 --model /same/diffusers/folder
 
 Each iteration:
@@ -25,8 +25,8 @@ import contextlib
 import json
 import random
 import secrets
+import sys
 import tempfile
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ DEFAULTS = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="a running server (default: start one in this process)")
+    p.add_argument("--url", help="a running server (default: start one here)")
     p.add_argument("--model", help="the diffusers folder (the server's, with --url; default: a tiny SD3)")
     for name, default in DEFAULTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
@@ -65,35 +65,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def rollout_server(args: argparse.Namespace, device: torch.device) -> Iterator[tuple[str, str | None, str]]:
-    """(url, admin key, model folder): ``--url``'s server, or the server's own app (what ``diffusion-rollout
-    serve`` runs) on a thread here, real HTTP, on ``--model`` or a fresh tiny SD3, one group per batch."""
+    """(url, admin key, model folder): ``--url``'s server, or ``diffusion-rollout serve`` started here on
+    ``--model`` or a fresh tiny SD3, one group per batch."""
     if args.url:
         if not args.model:
             raise SystemExit("--url needs --model: the trainer loads the server's diffusers folder")
         yield args.url, None, args.model  # admin key: the client reads DIFFUSION_ROLLOUT_ADMIN_KEY
         return
-    from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.entrypoints.app import create_app
-    from diffusion_rollout.entrypoints.http_server import make_server
     from diffusion_rollout.models import save_tiny_model
-    from diffusion_rollout.testing import free_port
+    from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
     port, key = free_port(), secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(save_tiny_model("sd3", Path(tmp) / "tiny-sd3"))
-        config = ServerConfig(
-            model=model, device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16",
-            host="127.0.0.1", port=port, admin_key=key, max_batch_size=args.group_size,
-            log_level="warning", shutdown_grace_s=5.0,
-        )  # fmt: skip
-        server = make_server(create_app(config), config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
+        dtype = "float32" if device.type == "cpu" else "bfloat16"
+        cmd = [sys.executable, "-m", "diffusion_rollout.entrypoints.cli", "serve", "--model", model,
+               "--device", device.type, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+               "--max-batch-size", str(args.group_size), "--log-level", "warning", "--shutdown-grace-s", "5"]  # fmt: skip
+        url, env = f"http://127.0.0.1:{port}", {"DIFFUSION_ROLLOUT_ADMIN_KEY": key}  # not on the command line
+        server = start_cli_server(cmd, Path(tmp) / "server.log", url, 600, new_session=True, env=env)
         try:
-            yield f"http://127.0.0.1:{port}", key, model
+            yield url, key, model
         finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+            stop_session(server)
 
 
 def sde_window(args: argparse.Namespace, iteration: int) -> list[int]:

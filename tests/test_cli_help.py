@@ -8,7 +8,8 @@ import re
 import subprocess
 import sys
 
-from diffusion_rollout.config import OPTION_GROUPS, ServerConfig, option_default_text, option_env_names
+from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.config_options import OPTION_GROUPS, option_default_text, option_env_names
 from diffusion_rollout.entrypoints.cli import build_parser
 from diffusion_rollout.models.family_names import FAMILIES, IMAGE_FAMILIES
 

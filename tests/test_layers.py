@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("support", {"logging_utils", "own_files", "fast_tier_checks", "speed_presets", "rewards", "models", "testing"}),
-    ("config", {"config"}),
+    ("config", {"config", "config_options"}),
     ("server", {"server"}),
     ("cluster", {"cluster"}),
     ("entrypoints", {"entrypoints"}),

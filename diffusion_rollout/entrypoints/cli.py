@@ -19,13 +19,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from diffusion_rollout.config import (
-    ENV_PREFIX,
-    OPTION_GROUPS,
-    ServerConfig,
-    option_default_text,
-    option_env_names,
-)
+from diffusion_rollout.config import ENV_PREFIX, ServerConfig
+from diffusion_rollout.config_options import OPTION_GROUPS, option_default_text, option_env_names
 from diffusion_rollout.logging_utils import configure_logging
 from diffusion_rollout.models.family_names import FAMILIES, IMAGE_FAMILIES
 
