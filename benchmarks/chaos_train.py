@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, print_table, write_json
+from benchmarks.report import document, print_table, write_json
 from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,16 +33,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (
-    LoopbackServer,
-    base_parser,
-    document,
-    log,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
+from benchmarks.loopback import LoopbackServer
+from benchmarks.report import document, log, print_table, write_json
 
 PROMPT = "a watercolor painting of a lighthouse at dusk"
 GRPO = {

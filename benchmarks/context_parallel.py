@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = all("error" not in r for r in rows)
     if len(models) == 1:  # the single-model settings as before (model, size, ...) at the top level
         settings.update(settings["per_model"][models[0]])
-    from benchmarks.common import document, print_table, write_json
+    from benchmarks.report import document, print_table, write_json
 
     doc = document("context_parallel", args.device, settings, rows, ok=ok, notes=[])
     write_json(args.out, "context_parallel", doc)

@@ -598,7 +598,7 @@ def run(opts: dict[str, Any], gpus: int) -> list[dict[str, Any]]:
 
 
 def _write(opts: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from benchmarks.common import document, write_json
+    from benchmarks.report import document, write_json
 
     ok = bool(rows) and all("error" not in r for r in rows)
     settings = {k: v for k, v in opts.items() if k != "out"}
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         Case.parse(c)  # a malformed case fails here, not in a rank
     rows = run(opts, a.gpus)
     doc = _write(opts, rows)
-    from benchmarks.common import print_table
+    from benchmarks.report import print_table
 
     columns = [("model", "model", ""), ("size", "size", ""), ("layout", "layout", ""), ("k", "k", ""),
                ("ms_per_forward", "ms/forward", ".1f"), ("ms_per_step", "ms/step", ".1f"),

@@ -136,7 +136,7 @@ def serve_once(
     compared tensors, or None if it failed)."""
     import httpx
 
-    from benchmarks.common import post_rollout
+    from benchmarks.remote_clients import post_rollout
     from diffusion_rollout.client import RolloutClient
 
     port = free_port()
@@ -211,8 +211,8 @@ def run_case(case: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import document, print_table, write_json
     from benchmarks.cp_scaling import Case
+    from benchmarks.report import document, print_table, write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(

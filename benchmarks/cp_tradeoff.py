@@ -234,7 +234,7 @@ def timed_request(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]],
     ``peak_memory_gib`` and :func:`check_outputs`'s fields)."""
     import httpx
 
-    from benchmarks.common import post_rollout
+    from benchmarks.remote_clients import post_rollout
     from diffusion_rollout import lean
 
     with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0)) as http:
@@ -259,7 +259,7 @@ def run_layout(
     layout: Layout, folder: Path, body: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
 
-    from benchmarks.common import RemoteClients
+    from benchmarks.remote_clients import RemoteClients
     from diffusion_rollout.client import RolloutClient
 
     port = free_port()
@@ -362,7 +362,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import document, print_table, write_json
+    from benchmarks.report import document, print_table, write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="wan2.1-1.3b", help="wan2.1-1.3b, wan2.2-a14b, or tiny-wan (CPU)")

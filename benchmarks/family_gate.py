@@ -31,16 +31,10 @@ import torch
 
 from benchmarks import ode_regression, per_model, rollout_overhead
 from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body
-from benchmarks.common import (
-    document,
-    log,
-    peak_gib,
-    print_table,
-    quiet_libraries,
-    reset_peak,
-    write_json,
-)
+from benchmarks.cli import quiet_libraries
 from benchmarks.model_builders import BenchModel
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import peak_gib, reset_peak
 
 DEFAULT_MODELS = ("flux.2-klein-4b", "z-image-turbo")
 TINY_MODELS = ("tiny-flux2-klein", "tiny-zimage")

@@ -71,13 +71,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
-from benchmarks.common import (
-    RemoteClients,
-    document,
-    log,
-    print_table,
-    write_json,
-)
+from benchmarks.remote_clients import RemoteClients
+from benchmarks.report import document, log, print_table, write_json
 from benchmarks.train_recipes import model_folder
 from diffusion_rollout.testing import free_port, stop_session
 

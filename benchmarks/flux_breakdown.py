@@ -30,19 +30,10 @@ from typing import Any
 import torch
 
 from benchmarks.bodies import GRPO_PROMPT, request_body
-from benchmarks.common import (
-    base_parser,
-    document,
-    log,
-    median,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    spread,
-    timed,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
 from benchmarks.model_builders import build
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import median, spread, timed
 from diffusion_rollout.server.speed.precompiled_blocks import rel_diff
 
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.IGNORECASE)

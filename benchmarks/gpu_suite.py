@@ -35,8 +35,11 @@ from typing import Any
 import torch
 
 from benchmarks import ode_regression, rollout_overhead, throughput, weight_sync
-from benchmarks.common import Deadline, document, facts, log, print_table, quiet_libraries, write_json
+from benchmarks.cli import quiet_libraries
+from benchmarks.facts import facts
 from benchmarks.model_builders import BenchModel, build
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import Deadline
 
 
 class Suite:

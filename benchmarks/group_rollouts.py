@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import document, print_table, write_json
+from benchmarks.report import document, print_table, write_json
 from benchmarks.train_recipes import model_folder
 from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 

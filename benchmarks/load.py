@@ -48,7 +48,7 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from benchmarks.common import document, write_json
+from benchmarks.report import document, write_json
 from diffusion_rollout import wire
 from diffusion_rollout.testing import free_port, start_cli_server
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import document, log, write_json
+from benchmarks.report import document, log, write_json
 
 
 def lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, log, write_json
+from benchmarks.report import document, log, write_json
 from diffusion_rollout.testing import free_port
 
 

@@ -797,7 +797,7 @@ class BenchModel:
     def server(self, **config_overrides: Any):
         """The model's loopback server (started on first use, then shared)."""
         if self._server is None:
-            from benchmarks.common import LoopbackServer
+            from benchmarks.loopback import LoopbackServer
             from diffusion_rollout.config import ServerConfig
             from diffusion_rollout.server.core.engine import Engine
             from diffusion_rollout.server.core.loader import prepare_pipeline
@@ -837,7 +837,7 @@ class BenchModel:
         """A second loopback server on the same loaded pipeline with ``pipeline_lanes=lanes`` (started on
         first use). It runs the eager denoiser: time it with the first server's CUDA graphs off."""
         if self._lanes_server is None:
-            from benchmarks.common import LoopbackServer
+            from benchmarks.loopback import LoopbackServer
             from diffusion_rollout.server.core.engine import Engine
 
             base = self.server()

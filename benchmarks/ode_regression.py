@@ -28,16 +28,9 @@ from typing import Any
 import torch
 
 from benchmarks.bodies import request_body
-from benchmarks.common import (
-    base_parser,
-    document,
-    log,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
 from benchmarks.model_builders import BenchModel, built_models, default_models
+from benchmarks.report import document, log, print_table, write_json
 
 PROMPT = "a red cat sitting on a blue sofa, studio light"
 MODES: dict[str, dict[str, Any]] = {

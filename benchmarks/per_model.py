@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import base_parser, log, resolve_device
+from benchmarks.cli import base_parser, resolve_device
 from benchmarks.model_builders import BenchModel, build
+from benchmarks.report import log
 
 
 def parser(description: str, tiny_models: Sequence[str], steps_help: str) -> argparse.ArgumentParser:

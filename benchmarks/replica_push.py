@@ -66,7 +66,7 @@ def port_seconds(client) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import push_phases
+    from benchmarks.timing import push_phases
     from benchmarks.train_recipes import model_folder
     from diffusion_rollout.client import RolloutClient
 

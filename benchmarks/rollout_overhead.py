@@ -29,19 +29,10 @@ from typing import Any
 import torch
 
 from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body, size_label
-from benchmarks.common import (
-    base_parser,
-    document,
-    log,
-    median,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    spread,
-    sync,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
 from benchmarks.model_builders import BenchModel, built_models, default_models
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import median, spread, sync
 
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 

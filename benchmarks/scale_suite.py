@@ -41,16 +41,10 @@ import torch
 
 from benchmarks import model_builders_scale, ode_regression, per_model, rollout_overhead
 from benchmarks.bodies import SDE_ROLLOUT_ENV, request_body, size_label
-from benchmarks.common import (
-    document,
-    log,
-    peak_gib,
-    print_table,
-    quiet_libraries,
-    reset_peak,
-    write_json,
-)
+from benchmarks.cli import quiet_libraries
 from benchmarks.model_builders import BenchModel
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import peak_gib, reset_peak
 
 # The cheap models first, so a run stopped at its time limit keeps the most rows.
 DEFAULT_MODELS: tuple[str, ...] = (

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import document, print_table, write_json
+from benchmarks.report import document, print_table, write_json
 from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 GPU_MODEL = "sd3.5-medium"

@@ -89,23 +89,12 @@ from typing import Any
 import torch
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV, request_body
-from benchmarks.common import (
-    Deadline,
-    base_parser,
-    document,
-    log,
-    median,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    spread,
-    sync,
-    timed,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
 from benchmarks.model_builders import BenchModel, build
 from benchmarks.ode_regression import compare, stock_reference
+from benchmarks.report import document, log, print_table, write_json
 from benchmarks.rollout_overhead import stock_runner
+from benchmarks.timing import Deadline, median, spread, sync, timed
 from diffusion_rollout.fast_tier_checks import is_fa4
 
 THROUGHPUT_COLUMNS = [

@@ -33,21 +33,11 @@ from typing import Any
 import torch
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT, request_body
-from benchmarks.common import (
-    base_parser,
-    document,
-    log,
-    median,
-    print_table,
-    quiet_libraries,
-    resolve_device,
-    spread,
-    sync,
-    timed,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
 from benchmarks.model_builders import BenchModel, built_models, default_models
+from benchmarks.report import document, log, print_table, write_json
 from benchmarks.rollout_overhead import stock_runner
+from benchmarks.timing import median, spread, sync, timed
 
 GRPO_COLUMNS = [
     ("model", "model", ""),

@@ -50,7 +50,9 @@ from benchmarks import (
     per_model,
     speed_options,
 )
-from benchmarks.common import Deadline, document, print_table, quiet_libraries, write_json
+from benchmarks.cli import quiet_libraries
+from benchmarks.report import document, print_table, write_json
+from benchmarks.timing import Deadline
 
 PHASES = ("grpo", "grpo_iteration")
 FAST_PHASES = ("grpo_fast", "drift")

@@ -67,21 +67,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (
-    REPO_ROOT,
-    _slices,
-    base_parser,
-    document,
-    log,
-    median,
-    print_table,
-    push_phases,
-    quiet_libraries,
-    resolve_device,
-    sync,
-    write_json,
-)
+from benchmarks.cli import base_parser, quiet_libraries, resolve_device
+from benchmarks.facts import REPO_ROOT
+from benchmarks.loopback import byte_slices
 from benchmarks.model_builders import BenchModel, build
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import median, push_phases, sync
 from diffusion_rollout.client.weights.upload import DEFAULT_CONCURRENCY, DEFAULT_MAX_PART_BYTES
 
 ATTENTION_PROJECTION = re.compile(
@@ -415,7 +406,7 @@ def http_trainer_main(spec_path: str) -> int:
                     final = str(i == len(parts) - 1).lower()
                     r = client.post(
                         spec["path"],
-                        content=_slices(body),
+                        content=byte_slices(body),
                         params={"upload_id": tag, "part": i, "final": final, "weight_version": tag},
                         headers={
                             "Content-Type": "application/octet-stream",
@@ -804,7 +795,7 @@ def run(
     def push_with_parser(parser: str):
         # The same streaming push into a second front on the same engine, its HTTP parser named
         # (the default front uses uvicorn's "auto": httptools when installed, else h11).
-        from benchmarks.common import LoopbackServer
+        from benchmarks.loopback import LoopbackServer
 
         if parser == "httptools" and importlib.util.find_spec("httptools") is None:
             raise RuntimeError("httptools is not installed")
@@ -821,7 +812,7 @@ def run(
         # The same push into a second front on the same engine that runs the direct receive
         # listener; the trainer finds its port through /model_info, as any client does. Once per
         # --concurrency value, in the order given.
-        from benchmarks.common import LoopbackServer
+        from benchmarks.loopback import LoopbackServer
 
         front = LoopbackServer(srv.engine, srv.config.model_copy(update={"upload_port": 0}))
         try:

@@ -44,17 +44,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from benchmarks.common import (
-    REPO_ROOT,
-    base_parser,
-    document,
-    log,
-    median,
-    post_rollout,
-    print_table,
-    spread,
-    write_json,
-)
+from benchmarks.cli import base_parser
+from benchmarks.facts import REPO_ROOT
+from benchmarks.remote_clients import post_rollout
+from benchmarks.report import document, log, print_table, write_json
+from benchmarks.timing import median, spread
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client.receive import decode_answer
 from diffusion_rollout.testing import free_port

@@ -26,7 +26,7 @@ from diffusion_rollout.safetensors_layout import SafetensorsBody
 def cluster(tiny_model_path):
     import ray
 
-    from benchmarks.common import LoopbackServer
+    from benchmarks.loopback import LoopbackServer
     from diffusion_rollout.cluster import ClusterEngine
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.entrypoints.upload_listener import UploadListener
