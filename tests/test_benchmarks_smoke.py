@@ -251,7 +251,7 @@ def test_wire_codec_tiny(tmp_path):
 
 
 def test_flux_breakdown_tiny(tmp_path):
-    from benchmarks import flux_breakdown
+    from benchmarks.investigations import flux_breakdown
 
     argv = ["--tiny", "--device", "cpu", "--reps", "2", "--fp8", "--fp8-all", "--out", str(tmp_path)]
     assert flux_breakdown.main(argv) == 0

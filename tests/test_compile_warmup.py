@@ -357,9 +357,9 @@ def test_stack_samples_show_a_call_that_never_ends(tmp_path):
 
 
 def test_a_cut_off_stacks_file_sums_up_by_phase(tmp_path):
-    """``benchmarks/warmup_stacks.py`` on what a killed run leaves: each sample in the phase its frames
+    """``benchmarks/investigations/warmup_stacks.py`` on what a killed run leaves: each sample in the phase its frames
     show (here a worker stuck in the function inductor's CachingAutotuner compiles a config under)."""
-    from benchmarks.warmup_stacks import summarize
+    from benchmarks.investigations.warmup_stacks import summarize
 
     _, stacks = _stacks_of_a_stuck_worker(tmp_path, "_precompile_config", 3)
     summary = summarize(stacks)

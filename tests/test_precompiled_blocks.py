@@ -148,7 +148,7 @@ class Fp8Block(torch.nn.Module):
 
 def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_path):
     """torchao's Float8Tensor weights (the fast tier's), quantized as ``fast_tier.quantize_fp8`` does on
-    the CPU (torchao's float8 hardware check bypassed, as ``benchmarks/dynamo_trace_cpu.py`` does):
+    the CPU (torchao's float8 hardware check bypassed, as ``benchmarks/investigations/dynamo_trace_cpu.py`` does):
     without ``fast_tier.fp8_precompilable`` they are skipped, with it the artifact saves, loads in a
     fresh table and computes bit for bit what the ordinary path does. All under torch's
     ``enable_aot_compile = False``, as torch 2.11 ships it (``torch.compile(fn)`` then has no

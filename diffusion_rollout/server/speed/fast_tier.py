@@ -38,7 +38,7 @@ linear not kept by name (benchmarks/RESULTS.md#fast-fp8-flux-all), SD3 1536x1536
 (benchmarks/RESULTS.md#grpo-fast-all), Wan its attention projections bf16, for less replay drift
 at almost the same speed (benchmarks/RESULTS.md#fast-fp8-every-linear-wan). Qwen-Image's and the
 default are still chosen by analogy. At small batches FP8 does not pay
-(benchmarks/RESULTS.md#drift-fp8-compile-h100). ``benchmarks.flux_breakdown --fp8-all`` times FLUX
+(benchmarks/RESULTS.md#drift-fp8-compile-h100). ``benchmarks.investigations.flux_breakdown --fp8-all`` times FLUX
 without the size threshold.
 
 Inputs of few rows (:data:`FP8_MIN_ROWS`): cuBLASLt refused rowwise FP8 for the SD3.5 MLP's long

@@ -384,7 +384,7 @@ class LoraManager:
                 # inference_mode), but torch.matmul reads the flag: a weight that requires grad
                 # folds a >2-D input into one mm, one that does not runs a non-contiguous input
                 # (SD3's attention output projections) as a bmm, whose last bits differ on a GPU;
-                # measured exactly that split at rank 4 (benchmarks/lora_bits_served.py).
+                # measured exactly that split at rank 4 (benchmarks/investigations/lora_bits_served.py).
                 layer.set_adapter(state.active, inference_mode=False)
 
     def _merge(self, module: nn.Module, state: TargetState) -> None:

@@ -2,8 +2,8 @@
 requiring grad; the server runs the same forward under ``torch.inference_mode``. This compares the
 two on one device, per rank, and lists the kernels each launches (issue #41's GPU ratio drift).
 
-    python -m benchmarks.lora_bits --device cuda --out $OUT
-    python -m benchmarks.lora_bits --device cuda --model SD35_DIR --out $OUT   # the whole transformer
+    python -m benchmarks.investigations.lora_bits --device cuda --out $OUT
+    python -m benchmarks.investigations.lora_bits --device cuda --model SD35_DIR --out $OUT   # the whole transformer
 
 With ``--model``, the trainer's side (``examples/_common.add_lora``, its adapter moved off zero) and the
 server's (a second copy given that adapter by the server's own ``LoraManager``) run one CFG batch,

@@ -1,6 +1,6 @@
 """Issue #41: where does the served forward part from the trainer's once a rank-4 adapter has moved?
 
-``benchmarks/lora_bits.py`` found a trainer's transformer and a copy given the same adapter by the
+``benchmarks/investigations/lora_bits.py`` found a trainer's transformer and a copy given the same adapter by the
 server's ``LoraManager`` bit-identical, while ``examples/flow_grpo_dropin.py`` found the *served*
 model output off the trainer's (``server_model_output_mismatches``). This runs the real server (the
 HTTP app, its loader, engine and lanes, default options) in a thread of this process, so that both
@@ -17,8 +17,8 @@ forwards can be watched:
    there (input, ``lora_A`` output, layer output), and whether the server's adapter tensors equal
    the trainer's (values, dtype, strides).
 
-    python -m benchmarks.lora_bits_served --device cuda --model SD35_DIR --out $OUT
-    python -m benchmarks.lora_bits_served --device cpu --out /tmp/x   # tiny SD3, float32 (a check)
+    python -m benchmarks.investigations.lora_bits_served --device cuda --model SD35_DIR --out $OUT
+    python -m benchmarks.investigations.lora_bits_served --device cpu --out /tmp/x   # tiny SD3, float32 (a check)
 """
 
 from __future__ import annotations

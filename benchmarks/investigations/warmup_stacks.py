@@ -12,7 +12,7 @@ never finished still says where its time went (issue #43):
 - ``dynamo``: tracing;
 - ``other``: the rest (the pipeline's own Python, kernels running).
 
-    python -m benchmarks.warmup_stacks STACKS.txt --out summary.json
+    python -m benchmarks.investigations.warmup_stacks STACKS.txt --out summary.json
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ It also sorts the compiled call's GPU kernels, seen by the CUDA profiler, into m
 and the rest. For each it gives ms per forward and, from ``FlopCounterMode``'s count of the eager
 call, the TFLOP/s achieved.
 
-    python -m benchmarks.flux_breakdown --device cuda --out $OUT
-    python -m benchmarks.flux_breakdown --tiny --out /tmp/fb     # a CPU check of the script
+    python -m benchmarks.investigations.flux_breakdown --device cuda --out $OUT
+    python -m benchmarks.investigations.flux_breakdown --tiny --out /tmp/fb     # a CPU check of the script
 """
 
 from __future__ import annotations

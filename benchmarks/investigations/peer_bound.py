@@ -1,6 +1,6 @@
 """verl-omni's Qwen-Image step through the recipe: the per-phase split, MFU and the bound they imply.
 
-    python -m benchmarks.peer_bound RUN.json [--gpus 4] [--text-tokens 32] [--out report.json]
+    python -m benchmarks.investigations.peer_bound RUN.json [--gpus 4] [--text-tokens 32] [--out report.json]
 
 Reads a Flow-GRPO run record (``examples/flow_grpo.py --out``, e.g. ``train_recipes
 peer-qwen-image-lora``) and reports, over the iterations after the first:

@@ -8,8 +8,8 @@ batch 1) in this process, and prints one JSON line: seconds per call, Dynamo's t
 warm-up's own helper), frames and graphs counted, and the cache lookups. Run it twice with the same
 ``--cache`` to see a restart (a fresh process, inductor's on-disk caches warm)::
 
-    python -m benchmarks.dynamo_trace_cpu --cache /tmp/dtc --quantize fp8   # cold
-    python -m benchmarks.dynamo_trace_cpu --cache /tmp/dtc --quantize fp8   # warm
+    python -m benchmarks.investigations.dynamo_trace_cpu --cache /tmp/dtc --quantize fp8   # cold
+    python -m benchmarks.investigations.dynamo_trace_cpu --cache /tmp/dtc --quantize fp8   # warm
 
 CPU only and for timing the compiler: the weights are random and nothing is checked for accuracy.
 """
