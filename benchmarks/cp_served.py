@@ -28,16 +28,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cp_tradeoff import Layout, check_layout, request_body, serve_command, timed_request
+from benchmarks.cp_tradeoff import (
+    Layout,
+    check_layout,
+    request_body,
+    serve_command,
+    server_log,
+    timed_request,
+)
 from benchmarks.train_recipes import model_folder
-from diffusion_rollout.testing import free_port, stop_session
+from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARED = ("generated_output", "rollout_log_probs", "dit_trajectory")  # what a trainer consumes
@@ -142,21 +148,21 @@ def serve_once(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = serve_command(Layout(1, k), folder, port, args.cpu, args.cp_mode)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.cpu:
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     else:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    print(f"[cp_served] {model} k={k} on {gpu_ids}: {' '.join(cmd)}", flush=True)
+    log = server_log(args.work, f"cp_served_{model}_k{k}")
+    print(f"[cp_served] {model} k={k} on {gpu_ids}: {' '.join(cmd)} (log: {log})", flush=True)
     row: dict[str, Any] = {"k": k, "gpu_ids": gpu_ids, "cp_mode": args.cp_mode if k > 1 else None,
                            "command": cmd[cmd.index("serve") :]}  # fmt: skip
     tensors = None
-    t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    server = None
     try:
-        with RolloutClient(url, timeout=3600.0) as client:
-            client.wait_until_ready(timeout_s=args.ready_timeout_s)
-            row["ready_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        server = start_cli_server(cmd, log, url, args.ready_timeout_s, new_session=True, env=env)
+        row["ready_s"] = time.perf_counter() - t0
         with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0)) as http:
             t1 = time.perf_counter()
             post_rollout(
@@ -169,12 +175,15 @@ def serve_once(
         del results
         with RolloutClient(url, timeout=60.0) as client:
             row.update(check_layout(Layout(1, k), client.server_info(), cuda=not args.cpu))
-    except Exception as exc:  # one layout failing must not hide the others' figures
+    # One layout failing must not hide the others' figures (a server that never got ready is a
+    # SystemExit carrying the end of its log).
+    except (Exception, SystemExit) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         tensors = None
     finally:
-        stop_session(server, timeout_s=120)
-    row["exit_code"] = server.returncode
+        if server is not None:
+            stop_session(server, timeout_s=120)
+    row["exit_code"] = server.returncode if server is not None else None
     return row, tensors
 
 

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +70,7 @@ from typing import Any
 
 from benchmarks.bodies import GRPO_PROMPT, SDE_ROLLOUT_ENV
 from benchmarks.train_recipes import model_folder
-from diffusion_rollout.testing import free_port, stop_session
+from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_COUNTS = (2, 4)
@@ -265,23 +264,25 @@ def run_layout(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = serve_command(layout, folder, port, args.cpu, args.cp_mode)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.cpu:  # one thread per rank or replica: the dry run's two cores are not oversubscribed
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     else:
-        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus))))
-    print(f"[cp_tradeoff] {layout.name}: {' '.join(cmd)}", flush=True)
+        env["CUDA_VISIBLE_DEVICES"] = os.environ.get(
+            "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))
+        )
+    log = server_log(args.work, f"cp_tradeoff_{layout.name}")
+    print(f"[cp_tradeoff] {layout.name}: {' '.join(cmd)} (log: {log})", flush=True)
     row: dict[str, Any] = {"layout": layout.name, "replicas": layout.replicas, "k": layout.k,
                            "cp_mode": args.cp_mode if layout.k > 1 else None,
                            "command": cmd[cmd.index("serve") :]}  # fmt: skip
-    t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    server = None
     starter = ThreadPoolExecutor(1)
     pending = starter.submit(RemoteClients, url)  # the trainer's process starts while the server loads
     try:
-        with RolloutClient(url, timeout=3600.0) as client:
-            client.wait_until_ready(timeout_s=args.ready_timeout_s)
-            row["ready_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        server = start_cli_server(cmd, log, url, args.ready_timeout_s, new_session=True, env=env)
+        row["ready_s"] = time.perf_counter() - t0
         remote = pending.result()
         small = {**body, "num_outputs_per_prompt": 1, "num_inference_steps": 1}
         warm = remote.run([{**small, "seed": 10_000 + i} for i in range(args.gpus)], args.gpus)
@@ -298,15 +299,24 @@ def run_layout(
         row["pipeline_s"] = reply["pipeline_s"]
         with RolloutClient(url, timeout=60.0) as client:  # what served it: replicas, GPUs, ranks
             row.update(check_layout(layout, client.server_info(), cuda=not args.cpu))
-    except Exception as exc:  # one layout failing must not hide the others' figures
+    # One layout failing must not hide the others' figures (a server that never got ready is a
+    # SystemExit carrying the end of its log).
+    except (Exception, SystemExit) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     finally:
         with contextlib.suppress(Exception):  # if it never started, the error above says why
             pending.result().close()
         starter.shutdown()
-        stop_session(server, timeout_s=120)
-    row["exit_code"] = server.returncode
+        if server is not None:
+            stop_session(server, timeout_s=120)
+    row["exit_code"] = server.returncode if server is not None else None
     return row
+
+
+def server_log(work: Path, name: str) -> Path:
+    """Where a server's output goes: ``WORK/logs/NAME.log`` (the error of a row that failed quotes its end)."""
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    return work / "logs" / f"{name}.log"
 
 
 def relative(rows: list[dict[str, Any]]) -> tuple[str | None, dict[str, dict[str, Any]]]:

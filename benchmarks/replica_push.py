@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from diffusion_rollout.testing import free_port, stop_session
+from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,15 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         "--gpus-per-replica", "0" if args.cpu else str(args.gpus_per_replica),
         *(["--device", "cpu", "--dtype", "float32"] if args.cpu else ["--dtype", "bfloat16"]),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    print("[replica_push]", " ".join(cmd), flush=True)
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    url = f"http://127.0.0.1:{port}"
+    log = args.work / "logs" / "replica_push_server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("[replica_push]", " ".join(cmd), f"(log: {log})", flush=True)
+    t0 = time.perf_counter()
+    server = start_cli_server(cmd, log, url, 900, new_session=True, env=env)
+    ready_s = time.perf_counter() - t0
     rows = []
     try:
-        with RolloutClient(f"http://127.0.0.1:{port}", timeout=1800.0) as client:
-            t0 = time.perf_counter()
-            client.wait_until_ready(timeout_s=900)
-            ready_s = time.perf_counter() - t0
+        with RolloutClient(url, timeout=1800.0) as client:
             info = client.model_info()
             if not info.get("replica_upload_urls"):
                 raise RuntimeError(f"the front advertises no replica upload ports: {info}")

@@ -32,11 +32,12 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
-import subprocess
+import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -51,7 +52,7 @@ from benchmarks.report import document, log, print_table, write_json
 from benchmarks.timing import median, spread
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client.receive import decode_answer
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 SHAPES = {  # SD3.5-medium, 512x512, 10 steps, groups of 16
     "outputs": 16,
@@ -176,7 +177,7 @@ def _serve(port: int, shapes: dict[str, int]) -> int:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     from diffusion_rollout.entrypoints.routers.common import wire_response
@@ -190,9 +191,13 @@ def _serve(port: int, shapes: dict[str, int]) -> int:
         body = await asyncio.to_thread(previous_encode, answer)
         return Response(content=body, media_type=wire.MSGPACK)
 
+    async def model_info(request: Request) -> Response:  # the readiness the harness waits for
+        return JSONResponse({"status": "ready"})
+
     routes = [
         Route("/rollout/generate", current, methods=["POST"]),
         Route("/previous", previous, methods=["POST"]),
+        Route("/model_info", model_info, methods=["GET"]),
     ]
     uvicorn.run(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning", access_log=False)
     return 0
@@ -200,27 +205,18 @@ def _serve(port: int, shapes: dict[str, int]) -> int:
 
 @contextlib.contextmanager
 def answer_server(shapes: dict[str, int]):
+    """The answer server in a process of its own, started and stopped by the project's harness."""
     port = free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     args = [f"--{k.replace('_', '-')}={v}" for k, v in shapes.items()]
     cmd = [sys.executable, "-m", "benchmarks.wire_codec", "--serve", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the answer server did not start (exit {proc.poll()})")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="wire_codec_") as tmp:
+        proc = start_cli_server(cmd, Path(tmp) / "server.log", url, 120, new_session=True, env=env)
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            yield url
+        finally:
+            stop_session(proc, signal.SIGTERM, timeout_s=20)
 
 
 # ---------------------------------------------------------------------------- timing
