@@ -338,7 +338,7 @@ def test_every_admin_call_against_the_real_app(fresh_server, tiny_model_path, tm
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
     from diffusion_rollout.client import lora_state_dict
-    from tests.test_client_weights import trainer_transformer
+    from tests.client.test_client_weights import trainer_transformer
 
     trainer = trainer_transformer(tiny_model_path("sd3"))
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]), trainer)
@@ -503,7 +503,7 @@ def test_async_admin_calls_against_the_real_app(fresh_server, tiny_model_path):
 
     from diffusion_rollout.checksums import tensor_sha256
     from diffusion_rollout.client import build_update_weights_from_tensor_request, lora_state_dict
-    from tests.test_client_weights import trainer_transformer
+    from tests.client.test_client_weights import trainer_transformer
 
     server = fresh_server("sd3", allow_cpu_ipc=True)
     name, param = next(iter(server.engine.pipe.transformer.named_parameters()))

@@ -23,7 +23,7 @@ from diffusion_rollout.client import (
     verify_weights_checksum,
 )
 from diffusion_rollout.testing import free_port
-from tests.test_client_weights import perturbed, trainer_transformer
+from tests.client.test_client_weights import perturbed, trainer_transformer
 
 pytestmark = pytest.mark.gpu
 

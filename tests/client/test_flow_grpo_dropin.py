@@ -12,7 +12,7 @@ import torch
 from diffusion_rollout.client import RolloutClient
 from diffusion_rollout.client.flow_grpo import pipeline_with_logprob
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
-from tests.test_examples import examples  # noqa: F401  (the fixture that imports an example)
+from tests.recipes.test_examples import examples  # noqa: F401  (the fixture that imports an example)
 
 SD3 = dict(TINY_CALL_DEFAULTS["sd3"])  # 32x32, 4 steps, CFG 4.5, max_sequence_length 16
 PROMPTS = ["a red square", "a blue circle"]

@@ -14,8 +14,8 @@ import torch
 from diffusion_rollout import wire
 from diffusion_rollout.client import RolloutClient, receive
 from diffusion_rollout.client.receive import ReceivePool
+from tests.protocol.test_wire_stream import assert_outputs_are_the_engines, recorded, rollout_fields  # noqa: F401
 from tests.reliability_helpers import live_server
-from tests.test_wire_stream import assert_outputs_are_the_engines, recorded, rollout_fields  # noqa: F401
 
 MB = 1 << 20
 

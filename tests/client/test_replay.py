@@ -19,7 +19,7 @@ from diffusion_rollout.client import (
     trainable_steps,
 )
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
-from tests.test_client_weights import trainer_transformer
+from tests.client.test_client_weights import trainer_transformer
 
 REPLAY = {
     "rollout_return_dit_trajectory": True,

@@ -17,7 +17,7 @@ import pytest
 from diffusion_rollout.client import RolloutClient, RolloutStream
 from diffusion_rollout.errors import RequestAbortedError
 from tests.reliability_helpers import wait_until
-from tests.test_lora import adapter, load_bytes
+from tests.server.weights.test_lora import adapter, load_bytes
 
 REQUEST = {"width": 32, "height": 32, "num_inference_steps": 2, "max_sequence_length": 16}
 

@@ -18,8 +18,8 @@ from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutH
 from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
 from diffusion_rollout.client.weights.upload import push_weights
 from diffusion_rollout.safetensors_layout import SafetensorsBody
+from tests.entrypoints.test_upload_listener import KEY, listener_of, new_weights
 from tests.reliability_helpers import live_server
-from tests.test_upload_listener import KEY, listener_of, new_weights
 
 
 @pytest.fixture

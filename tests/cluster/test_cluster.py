@@ -26,9 +26,9 @@ from safetensors.torch import save
 from diffusion_rollout import wire
 from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.testing import free_port
-from tests.test_lora import adapter
+from tests.server.weights.test_lora import adapter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 BODY = {
     "prompt": "a red square",

@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from diffusion_rollout.testing import free_port
-from tests.test_cluster import BODY, assert_same_output, generate, replicas, wait_for
+from tests.cluster.test_cluster import BODY, assert_same_output, generate, replicas, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # A node that dies is declared dead after ~1.5 s instead of Ray's default ~30 s.
 FAST_HEALTH_CHECKS = {
@@ -136,7 +136,7 @@ def test_placement_spread_and_pack_on_two_nodes(tiny_model_path):
 
 
 # spread only (the suite's time): a replica Ray restarts without a placement group is what
-# tests/test_cluster.py's replica kills cover; spread adds its bundle moving to a node added back.
+# tests/cluster/test_cluster.py's replica kills cover; spread adds its bundle moving to a node added back.
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["spread"])
 def test_a_node_lost_under_load_loses_no_request_and_the_replica_comes_back(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 _FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 _FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")

@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

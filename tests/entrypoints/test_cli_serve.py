@@ -86,7 +86,7 @@ def test_serve_demo_answers_health_and_model_info(served_demo):
 
 def _readme_example() -> tuple[str, dict, str]:
     """The README's example request: URL path, JSON body and the Python summary one-liner."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = text.split("```bash\ncurl", 1)[1].split("```", 1)[0]
     url = re.search(r"http://127\.0\.0\.1:30000(/\S+)", block).group(1)
     data = re.search(r"-d '(.*?)'", block, re.S).group(1)

@@ -26,7 +26,7 @@ PUBLIC = {
     "/health", "/health_generate", "/model_info", "/server_info", "/v1/models", "/metrics",
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/v1/model_info", "/weight_version",
 }  # fmt: skip
-# /abort_request: one rid needs the API key (abort_all the admin key, tests/test_sglang_endpoints.py).
+# /abort_request: one rid needs the API key (abort_all the admin key, tests/entrypoints/test_sglang_endpoints.py).
 GENERATION = {"/rollout/generate", "/abort_request", "/v1/images/generations"}
 
 

@@ -17,7 +17,7 @@ import zipfile
 import pytest
 import torch
 
-from tests.test_lora import adapter, checksum, image, peft_reference
+from tests.server.weights.test_lora import adapter, checksum, image, peft_reference
 
 GEN = {"prompt": "a red cat", "width": 32, "height": 32, "num_inference_steps": 2, "max_sequence_length": 16}
 

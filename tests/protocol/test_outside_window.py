@@ -12,7 +12,7 @@ import torch
 
 from diffusion_rollout.scheduler_mixins.outside_window import coarse_keep, dpm2m_next
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BODY = {
     "prompt": "a red square",
     "seed": 5,

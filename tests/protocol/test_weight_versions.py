@@ -15,7 +15,7 @@ import pytest
 
 from diffusion_rollout.weight_versions import VersionHistory
 from tests.reliability_helpers import body, wait_until
-from tests.test_lora import adapter, load_bytes
+from tests.server.weights.test_lora import adapter, load_bytes
 
 
 def test_versions_are_ordered_as_applied_and_compare_as_text():

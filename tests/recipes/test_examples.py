@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # Small: 2 groups of 4 images per iteration, 2 iterations (the recipe's defaults otherwise: 4 steps, 32x32).
 SMALL = ["--server", "thread", "--iterations", "2", "--prompts", "2", "--group-size", "4"]
 PHASE_KEYS = ("rollout_s", "reward_s", "train_s", "push_s", "iteration_s", "images_per_second")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MINIMAL = EXAMPLES / "flow_grpo_minimal.py"
 # 2 groups of 4 images per iteration, 2 iterations; the rest at both recipes' defaults.
 SMALL = ["--iterations", "2", "--prompts", "2", "--group-size", "4"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = ["--server", "thread", "--iterations", "2", "--prompts", "2", "--group-size", "4"]
 # iter 2/3  reward -1.562 ± 0.0151  |ratio-1| 0  rollout 0.22s reward 0.00s train 0.15s push 0.02s  0.394 s/it  ETA 0s
 LINE = re.compile(

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from tests.test_train_ranks import EXAMPLES, adapter, torchrun
+from tests.recipes.test_train_ranks import EXAMPLES, adapter, torchrun
 
 QWEN = [
     "--iterations", "1", "--prompts", "2", "--group-size", "4", "--steps", "6", "--size", "32",
@@ -74,7 +74,7 @@ def test_qwen_image_recipe_two_ranks_make_the_one_rank_batch_and_update(tiny_qwe
     lr = 1e-2
     moved = max(float(v.abs().max()) for k, v in a1.items() if "lora_B" in k)
     assert moved > 0.5 * lr  # Adam's first step moves lora_B by about lr: the comparison can fail
-    # Same bound as the SD3 test (tests/test_train_ranks.py): the ranks sum the same gradient terms
+    # Same bound as the SD3 test (tests/recipes/test_train_ranks.py): the ranks sum the same gradient terms
     # in another order, so the updates agree to a few float32 ulps of the gradient.
     worst = max(float((a1[k] - a2[k]).abs().max()) for k in a1)
     assert worst <= 1e-4 * lr, worst

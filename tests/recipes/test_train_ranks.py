@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 SMALL = ["--iterations", "1", "--prompts", "2", "--group-size", "4"]
 

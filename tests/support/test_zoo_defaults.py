@@ -3,7 +3,7 @@ families), answers 200 or a 400 naming the field: never a 500 with a raw excepti
 becomes ready (its readiness probe runs at the adapter's defaults).
 
 The models are served from memory, without the ``request_defaults.json`` a saved tiny folder has
-(that file's tiny sizes are tested in tests/test_tiny_request_defaults.py), so size, frame count and
+(that file's tiny sizes are tested in tests/support/test_tiny_request_defaults.py), so size, frame count and
 text length are the server's stock defaults (the pipelines' own: 1024x1024 images,
 480x832x81 Wan video, 512x768x121 LTX-2, 512 text tokens). The step count is 1: the default 28 to 50
 steps at those sizes take minutes per family on a CPU, and no default step count was what broke.

@@ -88,8 +88,8 @@ def test_the_transformer_sees_one_row_per_node(served):
 @pytest.mark.parametrize(("family", "extra"), [CASES[1], CASES[2]], ids=["sd3-cfg", "qwenimage-truecfg"])
 def test_a_trainer_replays_a_tree_with_ratio_exactly_1(served, tiny_model_path, family, extra):
     from diffusion_rollout.client import ReplayBatch, RolloutClient, replay_steps
+    from tests.client.test_client_weights import trainer_transformer
     from tests.family_helpers import REPLAY
-    from tests.test_client_weights import trainer_transformer
 
     srv = served(family)
     c = RolloutClient("http://testserver", http_client=srv.client)

@@ -204,8 +204,8 @@ def test_a_trainer_replays_a_shared_prefix_group_with_ratio_exactly_1(served, ti
     """The trainer's own transformer replays the window's steps (run at the group's batch): the
     server's model outputs bit for bit and a ratio of exactly 1; the prefix steps are not trainable."""
     from diffusion_rollout.client import RolloutClient, replay_steps
+    from tests.client.test_client_weights import trainer_transformer
     from tests.family_helpers import REPLAY
-    from tests.test_client_weights import trainer_transformer
 
     srv = served(family)
     c = RolloutClient("http://testserver", http_client=srv.client)

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save
 
 from tests.conftest import ServedModel
-from tests.test_context_parallel import BODY as CPU_BODY
-from tests.test_context_parallel import settled
+from tests.server.parallel.test_context_parallel import BODY as CPU_BODY
+from tests.server.parallel.test_context_parallel import settled
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,8 +89,8 @@ def test_two_gpu_image_to_video_rollouts_match_one_gpu(tiny_model_path, tmp_path
     """Wan image-to-video under Ulysses: channel-concatenated image latents (I2V), CLIP image tokens
     in cross-attention (Wan 2.1 I2V, not sharded), two experts (Wan 2.2 I2V-A14B) and per-token
     timesteps sharded with the sequence (TI2V-5B)."""
-    from tests.test_context_parallel_i2v import BODY as I2V_BODY
-    from tests.test_context_parallel_i2v import save_wan22_i2v
+    from tests.server.parallel.test_context_parallel_i2v import BODY as I2V_BODY
+    from tests.server.parallel.test_context_parallel_i2v import save_wan22_i2v
 
     if family == "wan2.2-i2v":
         path = tmp_path / family
@@ -117,7 +117,7 @@ def test_two_gpu_image_to_video_rollouts_match_one_gpu(tiny_model_path, tmp_path
 # bfloat16 has 8 mantissa bits: one rounding step of the tiny model's outputs (|x| ~ 1) is 2^-8 to
 # 2^-7; a ring merges partial attentions by their log-sum-exp (in float32) instead of one softmax,
 # and the difference compounds over the steps. The single-call ring test measured 0.0078 on the CPU
-# (tests/test_ring_attention_gpu.py bounds it by 0.05); a 3-step rollout gets twice that room.
+# (tests/server/parallel/test_ring_attention_gpu.py bounds it by 0.05); a 3-step rollout gets twice that room.
 BF16_BOUND = 0.1
 
 

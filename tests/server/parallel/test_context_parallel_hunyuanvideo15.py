@@ -10,8 +10,8 @@ plus the refusals (heads not divisible by k at start-up, a video token count not
 request).
 
 The plan itself (``server/parallel/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
-ranks against k = 1 by ``tests/test_hunyuanvideo15_cp_plan.py``, and through a served engine on two
-GPUs by ``tests/test_context_parallel_hunyuanvideo15_gpu.py``.
+ranks against k = 1 by ``tests/server/parallel/test_hunyuanvideo15_cp_plan.py``, and through a served engine on two
+GPUs by ``tests/server/parallel/test_context_parallel_hunyuanvideo15_served_gpu.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_context_parallel import (
+from tests.server.parallel.test_context_parallel import (
     Servers,
     assert_dead_follower_fails_with_503,
     assert_follower_ran_every_call,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_context_parallel_gpu import served_k2_against_k1
-from tests.test_context_parallel_hunyuanvideo15 import BODY, CALLS_PER_ROLLOUT
+from tests.server.parallel.test_context_parallel_gpu import served_k2_against_k1
+from tests.server.parallel.test_context_parallel_hunyuanvideo15 import BODY, CALLS_PER_ROLLOUT
 
 pytestmark = [
     pytest.mark.gpu,

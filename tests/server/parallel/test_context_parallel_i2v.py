@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_context_parallel import (
+from tests.server.parallel.test_context_parallel import (
     Servers,
     assert_dead_follower_fails_with_503,
     assert_follower_ran_every_call,
@@ -140,8 +140,8 @@ def test_i2v_dead_follower_fails_the_engine_with_503(variant):
     assert_dead_follower_fails_with_503(servers.cp, body)
 
 
-# Every video family has a served plan now (LTX-2: tests/test_context_parallel_ltx2.py, HunyuanVideo 1.5:
-# tests/test_context_parallel_hunyuanvideo15.py); the refusal of the other families: tests/test_context_parallel.py.
+# Every video family has a served plan now (LTX-2: tests/server/parallel/test_context_parallel_ltx2.py, HunyuanVideo 1.5:
+# tests/server/parallel/test_context_parallel_hunyuanvideo15.py); the refusal of the other families: tests/server/parallel/test_context_parallel.py.
 
 
 def test_per_token_timesteps_need_a_plan_that_shards_them():

@@ -9,8 +9,8 @@ dead follower fails the engine with a 503 instead of hanging it; plus the LTX-2 
 at start-up, a video token count that does not divide by k per request).
 
 The plan itself (``server/parallel/cp_plans.py``, through the server's ``enable_layout``) is run sharded on two gloo
-ranks against k = 1 by ``tests/test_ltx2_cp_plan.py`` (``server_*`` cases), and through a served
-engine on two GPUs by ``tests/test_context_parallel_ltx2_gpu.py``.
+ranks against k = 1 by ``tests/server/parallel/test_ltx2_cp_plan.py`` (``server_*`` cases), and through a served
+engine on two GPUs by ``tests/server/parallel/test_context_parallel_ltx2_served_gpu.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_context_parallel import (
+from tests.server.parallel.test_context_parallel import (
     Servers,
     assert_dead_follower_fails_with_503,
     assert_follower_ran_every_call,

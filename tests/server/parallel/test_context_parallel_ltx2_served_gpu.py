@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_context_parallel_gpu import served_k2_against_k1
-from tests.test_context_parallel_ltx2 import BODY
+from tests.server.parallel.test_context_parallel_gpu import served_k2_against_k1
+from tests.server.parallel.test_context_parallel_ltx2 import BODY
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,7 +22,7 @@ What these tests establish (two real ranks over gloo, diffusers' own split/gathe
 
 ``torch.accelerator.device_count`` is patched to 1 in the children (diffusers maps ranks to
 accelerator devices). The CPU mirror mode of the server does not shard; its serving tests are
-``tests/test_context_parallel_hunyuanvideo15.py``.
+``tests/server/parallel/test_context_parallel_hunyuanvideo15.py``.
 """
 
 from __future__ import annotations

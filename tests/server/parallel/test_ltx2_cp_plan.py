@@ -44,7 +44,7 @@ zoo's tiny LTX-2 transformer in float32):
    keeps its ``heads`` layout). Only attn1 (video self) and video_to_audio_attn (audio queries, video
    keys) go through the all-to-all. It matches k = 1 for both RoPE types with a padded text mask.
 
-``tests/test_ltx2_context_parallel_gpu.py`` runs the same cases over NCCL in bfloat16 on two GPUs.
+``tests/server/parallel/test_ltx2_cp_plan_gpu.py`` runs the same cases over NCCL in bfloat16 on two GPUs.
 """
 
 from __future__ import annotations

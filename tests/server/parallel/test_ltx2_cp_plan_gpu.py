@@ -1,6 +1,6 @@
 """LTX-2 under Ulysses context parallelism on two GPUs (NCCL, bfloat16): k = 2 against k = 1.
 
-The cases of ``tests/test_ltx2_cp_plan.py`` (which runs them over gloo on the CPU in float32), on
+The cases of ``tests/server/parallel/test_ltx2_cp_plan.py`` (which runs them over gloo on the CPU in float32), on
 cuda:0 and cuda:1 with the zoo's tiny LTX-2 transformer in bfloat16 and larger shapes: 3 x 8 x 8 =
 192 video tokens, 25 audio tokens (not a multiple of k: audio stays whole on every rank), 16 text
 tokens with padding. Each rank compares its k = 2 output with a k = 1 forward of the same weights and
@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from tests.test_ltx2_cp_plan import CASES, max_diff, run_two_ranks
+from tests.server.parallel.test_ltx2_cp_plan import CASES, max_diff, run_two_ranks
 
 pytestmark = [
     pytest.mark.gpu,

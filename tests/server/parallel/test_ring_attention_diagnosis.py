@@ -21,7 +21,7 @@ Hypotheses for the NaN, and what these tests show:
    That explains NaN in bfloat16 only (the Ulysses test that passed was float32) and hits Ulysses in
    bfloat16 too. Fixed in ``context_parallel.py``: the sync carries rank 0's dtypes and the follower
    takes them (``test_bf16_engine_follower_holds_rank0_weights_bit_for_bit``). Whether ring is then
-   finite on two GPUs is for ``tests/test_ring_attention_gpu.py`` to show.
+   finite on two GPUs is for ``tests/server/parallel/test_ring_attention_gpu.py`` to show.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_bf16_engine_follower_holds_rank0_weights_bit_for_bit(tiny_model_path):
     """Hypothesis 5, the bug: a bfloat16 engine with --context-parallel 2 failed its first weight sync
     (rank 0's float32 ``_keep_in_fp32_modules`` into the follower's bfloat16 tensors)."""
     from tests.conftest import ServedModel
-    from tests.test_context_parallel import BODY
+    from tests.server.parallel.test_context_parallel import BODY
 
     body = {k: v for k, v in BODY.items() if k != "guidance_scale_2"}
     cp = ServedModel(tiny_model_path("wan"), dtype="bfloat16", context_parallel=2)
@@ -224,7 +224,7 @@ def test_tiny_wan_ring_on_two_gloo_ranks_is_finite_and_close_to_k1(tmp_path):
     import torch.multiprocessing as tmp
 
     port = free_port()
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[3]))
     tmp.spawn(_ring_rank, args=(2, port, str(tmp_path / "ring.pt")), nprocs=2)
     ring = torch.load(tmp_path / "ring.pt").float()
     k1 = _wan_call(_wan(torch.bfloat16), torch.bfloat16).float()

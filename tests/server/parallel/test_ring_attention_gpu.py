@@ -1,9 +1,9 @@
 """Issue #27 part 2 on two GPUs: is ring attention finite in bfloat16 once the weight sync is fixed?
 
-Run: ``pytest -s tests/test_ring_attention_gpu.py`` on a host with two CUDA devices. Each test writes
+Run: ``pytest -s tests/server/parallel/test_ring_attention_gpu.py`` on a host with two CUDA devices. Each test writes
 a JSON report (path printed, and in the assertion messages): per rank and ring step the backend's LSE
 (dtype, shape, min/max, NaN/inf), the partial output, the merged output, the accumulator dtype. CPU
-diagnosis and hypotheses: ``tests/test_ring_attention_diagnosis.py``.
+diagnosis and hypotheses: ``tests/server/parallel/test_ring_attention_diagnosis.py``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_bf16_served_ulysses_matches_one_gpu(tiny_model_path):
     ``_keep_in_fp32_modules`` into the follower's bfloat16 tensors (NCCL checks nothing). Ulysses was
     bit-identical in float32; in bfloat16 it must now be too, or within a bfloat16 step."""
     from tests.conftest import ServedModel
-    from tests.test_context_parallel import BODY
+    from tests.server.parallel.test_context_parallel import BODY
 
     body = {k: v for k, v in BODY.items() if k != "guidance_scale_2"}
     path = tiny_model_path("wan")

@@ -96,7 +96,7 @@ def _rank(rank: int, world: int, port: int, cases: list, out: str) -> None:
 def test_split_decode_on_two_ranks_equals_the_one_process_tiled_decode(tmp_path):
     import torch.multiprocessing as tmp
 
-    sys.path.insert(0, str(Path(__file__).parents[1]))
+    sys.path.insert(0, str(Path(__file__).parents[3]))
     # Built here and handed to both ranks: importing the zoo in each rank would cost seconds.
     tmp.spawn(_rank, args=(2, free_port(), _cases(), str(tmp_path / "report.pt")), nprocs=2)
     report = torch.load(tmp_path / "report.pt")

@@ -6,7 +6,7 @@
   ``flash_attn.cute`` computing SDPA gives the native outputs through the dispatcher.
 - With the options off nothing changes: ``exact: true``, no inexact option named.
 
-The GPU side (a served model with each option): ``tests/test_fast_tier_gpu.py``.
+The GPU side (a served model with each option): ``tests/server/speed/test_fast_tier_gpu.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from diffusion_rollout import fast_tier_checks
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.server.speed import fast_tier
 from diffusion_rollout.server.speed.options import SpeedOptions
-from tests.test_cli_serve import _last_line, _serve_until_exit
-from tests.test_replay import call_defaults
+from tests.client.test_replay import call_defaults
+from tests.entrypoints.test_cli_serve import _last_line, _serve_until_exit
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this process has CUDA")
 
@@ -127,7 +127,7 @@ def test_fp8_config_leaves_inductors_settings_alone(monkeypatch):
     assert seen == {
         "granularity": "per-row",
         "set_inductor_config": False,
-        "activation_value_lb": fast_tier.FP8_ROW_AMAX_FLOOR,  # tests/test_fp8_zero_rows.py
+        "activation_value_lb": fast_tier.FP8_ROW_AMAX_FLOOR,  # tests/server/speed/test_fp8_zero_rows.py
     }
 
 
@@ -337,7 +337,7 @@ def _post_update(server, update):
 def test_an_update_into_quantized_weights_re_quantizes_them_when_the_loader_left_a_requantizer(fresh_server):
     """Under --quantize fp8 the loader leaves fast_tier.requantize_fp8 on the denoiser: a full update
     replaces each quantized weight with its new values quantized again, and writes the rest in place
-    (a stand-in subclass and re-quantizer here; torchao's own runs in tests/test_fast_tier_gpu.py)."""
+    (a stand-in subclass and re-quantizer here; torchao's own runs in tests/server/speed/test_fast_tier_gpu.py)."""
     from diffusion_rollout.server.weights.updater import REQUANTIZE_ATTR
 
     server = fresh_server("sd3")

@@ -17,7 +17,7 @@ from tests.torchao_helpers import run_check
 
 
 def test_an_all_zero_row_comes_out_finite_and_the_other_rows_unchanged():
-    run_check("tests.test_fp8_zero_rows", "_check")
+    run_check("tests.server.speed.test_fp8_zero_rows", "_check")
 
 
 def _check() -> None:

@@ -21,11 +21,11 @@ from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.models import FAMILIES, IMAGE_FAMILIES, build_tiny_pipeline
 from diffusion_rollout.server.core.worker import Job, Worker
 from tests.batch_helpers import generate_together
+from tests.client.test_replay import REPLAY
 from tests.conftest import ServedModel
-from tests.test_families_ltx2 import BASE as LTX2_BASE
-from tests.test_image_cond import IMAGE_B64, call_defaults
-from tests.test_replay import REPLAY
-from tests.test_speed_options import assert_same_tree
+from tests.server.families.test_families_ltx2 import BASE as LTX2_BASE
+from tests.server.families.test_image_cond import IMAGE_B64, call_defaults
+from tests.server.speed.test_speed_options import assert_same_tree
 
 IN_MEMORY = "qwenimage-edit"
 

@@ -1,6 +1,6 @@
 """Which calls a precompiled block serves (server/speed/precompiled_blocks.py): the checks that stand in for
 the guards torch could not save. The whole path (save, load, bit-identical rollouts, off at a weight
-change) runs through real servers in tests/test_compile_warmup.py."""
+change) runs through real servers in tests/server/speed/test_compile_warmup.py."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_a_block_with_torchao_fp8_weights_is_saved_loaded_and_bit_identical(tmp_
     ``enable_aot_compile = False``, as torch 2.11 ships it (``torch.compile(fn)`` then has no
     ``.aot_compile``: what the first GPU run reported in ``why_not``); the save and the load turn the
     flag on for themselves."""
-    run_check("tests.test_precompiled_blocks", "_fp8_check", str(tmp_path))
+    run_check("tests.server.speed.test_precompiled_blocks", "_fp8_check", str(tmp_path))
 
 
 def _fp8_check(tmp: str) -> None:

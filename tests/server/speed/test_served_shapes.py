@@ -278,7 +278,7 @@ def test_a_restart_warms_the_shape_the_last_process_served(tiny_model_path, tmp_
     """Neither server is given ``--warmup-shapes``: the first warms the default size and serves a
     48x32 request (a foreground compile); the second warms the default and 48x32 before ready, and its
     48x32 request compiles nothing."""
-    from tests.test_compile_warmup import ServeProcess
+    from tests.server.speed.test_compile_warmup import ServeProcess
 
     model, cache = tiny_model_path("sd3"), tmp_path / "compile-cache"
     body = {"prompt": "a red square", "seed": 1, "num_outputs_per_prompt": 2, "width": 48, "height": 32,

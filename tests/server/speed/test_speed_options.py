@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from diffusion_rollout import lean, wire
 from diffusion_rollout.client import RolloutClient, replay_steps
 from diffusion_rollout.config import ServerConfig
-from tests.test_replay import REPLAY, call_defaults, trainer_copy
+from tests.client.test_replay import REPLAY, call_defaults, trainer_copy
 
 N = 3
 

@@ -13,7 +13,7 @@ import torch
 from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.testing import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # The trainer: rank 0 of the group, hosting its TCP store; broadcasts two rounds of tensors.
 TRAINER = r"""

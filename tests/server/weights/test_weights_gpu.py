@@ -18,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 ODE = {
     "prompt": "a green teapot",
     "seed": 9,

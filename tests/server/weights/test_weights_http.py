@@ -436,7 +436,7 @@ def test_pause_holds_requests_until_continue(fresh_server):
     assert result["out"][0]["weight_version"] == "while-paused"
     r = server.client.post("/pause_generation", json={"mode": "in_place"})
     assert r.status_code == 200 and r.json()["success"] and server.engine.worker.paused, r.text
-    # SGLang's other modes are accepted (tests/test_sglang_endpoints.py); an unknown one is not.
+    # SGLang's other modes are accepted (tests/entrypoints/test_sglang_endpoints.py); an unknown one is not.
     assert "mode" in error_of(server.client.post("/pause_generation", json={"mode": "later"}), 422)
     assert server.client.post("/continue_generation").json()["success"]
     assert not server.engine.worker.paused
