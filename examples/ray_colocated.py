@@ -25,7 +25,7 @@ A real trainer would put its own rank actors into the same bundles (``placement_
 and give each replica a GPU fraction; the example's driver process is the only trainer rank, and it
 replays on the CPU. With ``--device cuda`` the replicas roll out on GPUs while the replay stays on
 the CPU, so the first ratio is 1 within float rounding, not to the last bit: bit-exact replay needs
-the trainer on the same kind of device as the replica (as in ``tests/test_client_gpu.py``).
+the trainer on the same kind of device as the replica (as in ``tests/client/test_client_gpu.py``).
 Prints one JSON line per iteration and a summary; ``--out`` writes the summary as JSON.
 """
 
