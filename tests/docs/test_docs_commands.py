@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import shlex
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -70,11 +70,10 @@ def _help(program: str) -> str:
         sub = next(a for a in parser._actions if a.dest == "command").choices
         return sub[name].format_help() if name in sub else ""
     if kind == "example":
-        sys.path.insert(0, str(ROOT / "examples"))
-        try:
-            module = importlib.import_module(name)
-        finally:
-            sys.path.remove(str(ROOT / "examples"))
+        # A script, loaded from its file: examples import only the package, never each other.
+        spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
         return (
             _help_of_parse(module.parse_args)
             if hasattr(module, "parse_args")

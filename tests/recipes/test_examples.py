@@ -36,6 +36,11 @@ def examples(monkeypatch):
     return load
 
 
+def recipe_module(name: str):
+    """A module of the recipes' machinery (``diffusion_rollout.recipes``), which the examples run."""
+    return importlib.import_module(f"diffusion_rollout.recipes.{name}")
+
+
 def _rewards(run) -> list[list[float]]:
     return [h["rewards"] for h in run["history"]]
 
@@ -119,7 +124,7 @@ def test_flow_grpo_recompute_old_log_probs_matches_the_plain_loss_on_the_exact_t
 
 
 def test_flow_grpo_reward_plugin_gets_the_served_images_and_prompts(examples, tmp_path):
-    flow_grpo, recipe_prompts = examples("flow_grpo"), examples("_common").PROMPTS
+    flow_grpo, recipe_prompts = examples("flow_grpo"), recipe_module("options").PROMPTS
     calls = tmp_path / "calls.json"
     plugin = tmp_path / "myreward.py"
     plugin.write_text(
@@ -173,7 +178,7 @@ def test_reward_on_server_refuses_a_server_that_does_not_serve_it(examples, fres
     from diffusion_rollout.client import RolloutClient
     from tests.reliability_helpers import live_server
 
-    common = examples("_common")
+    common = recipe_module("reward")
     args = types.SimpleNamespace(reward="ocr=vlm_ocr_judge", reward_on="server", log_to=[])
     refused = pytest.raises(SystemExit, match=r"does not serve a reward named 'ocr' .*--reward ocr=SPEC")
     # A private server: live_server drains its engine at the end (the shared one must live on).
@@ -191,8 +196,9 @@ def test_flow_grpo_screens_then_trains_on_exact_regenerations(examples):
     for h in run["history"]:
         assert h["first_ratio_max_dev"] == 0.0 and h["checksum_ok"] is True
         assert h["screen_s"] > 0 and len(h["rewards"]) == 2 * 4
-    assert flow_grpo.extremes(torch.tensor([0.5, 0.9, 0.1, 0.7, 0.3]), 3) == [1, 2, 3]
-    assert flow_grpo.extremes(torch.tensor([0.5, 0.9, 0.1, 0.7]), 4) == [0, 1, 2, 3]
+    extremes = recipe_module("flow_grpo_rollouts").extremes
+    assert extremes(torch.tensor([0.5, 0.9, 0.1, 0.7, 0.3]), 3) == [1, 2, 3]
+    assert extremes(torch.tensor([0.5, 0.9, 0.1, 0.7]), 4) == [0, 1, 2, 3]
     with pytest.raises(SystemExit, match="--screen K needs"):
         flow_grpo.main([*SMALL, "--screen", "2"])
 
@@ -293,7 +299,8 @@ def test_flow_grpo_stops_when_the_server_never_takes_its_weights(examples, monke
     times, and the run stops with an error naming the cause, having trained on nothing it could not
     vouch for."""
     flow_grpo = examples("flow_grpo")
-    real_push, versions = flow_grpo.push_lora, []
+    sync = recipe_module("weight_sync")
+    real_push, versions = sync.push_lora, []
 
     def stale_push(client, model, *, name="default", weight_version=None, **kw):
         versions.append(weight_version)
@@ -301,7 +308,7 @@ def test_flow_grpo_stops_when_the_server_never_takes_its_weights(examples, monke
             return real_push(client, model, name=name, weight_version=weight_version, **kw)
         return client.lora_activate(name, weight_version=weight_version)
 
-    monkeypatch.setattr(flow_grpo, "push_lora", stale_push)
+    monkeypatch.setattr(sync, "push_lora", stale_push)
     out = tmp_path / "run.json"
     with pytest.raises(RuntimeError, match=r"iteration 0: push_not_verified: .* does not take the trainer's"):
         flow_grpo.main([*SMALL, "--out", str(out), "--recover-timeout", "30"])
@@ -315,7 +322,8 @@ def test_flow_grpo_repushes_a_lost_push_and_ends_where_a_clean_run_ends(examples
     rewards and the same adapter as a run without the fault; the recovery is in the record."""
     flow_grpo = examples("flow_grpo")
     clean = flow_grpo.main(SMALL)
-    real_push, calls = flow_grpo.push_lora, []
+    sync = recipe_module("weight_sync")
+    real_push, calls = sync.push_lora, []
 
     def lost_push(client, model, *, name="default", weight_version=None, **kw):
         calls.append(weight_version)
@@ -323,7 +331,7 @@ def test_flow_grpo_repushes_a_lost_push_and_ends_where_a_clean_run_ends(examples
             return types.SimpleNamespace(weight_version=weight_version)  # claims success, sent nothing
         return real_push(client, model, name=name, weight_version=weight_version, **kw)
 
-    monkeypatch.setattr(flow_grpo, "push_lora", lost_push)
+    monkeypatch.setattr(sync, "push_lora", lost_push)
     out = tmp_path / "run.json"
     run = flow_grpo.main([*SMALL, "--out", str(out)])
     assert calls == ["iter-0", "iter-1", "iter-1", "iter-2"]
@@ -361,7 +369,8 @@ def test_diffusion_nft_repushes_an_old_adapter_that_did_not_arrive(examples, mon
     is not the trainer's, both adapters are pushed again, and iteration 1 samples from the trainer's
     `old` (parity exactly 0) instead of the previous one; the recovery is recorded."""
     nft = examples("diffusion_nft")
-    real_push, names = nft.push_lora, []
+    sync = recipe_module("weight_sync")
+    real_push, names = sync.push_lora, []
 
     def push_skipping_old_once(client, model, *, name, **kw):
         names.append(name)
@@ -369,7 +378,7 @@ def test_diffusion_nft_repushes_an_old_adapter_that_did_not_arrive(examples, mon
             return None
         return real_push(client, model, name=name, **kw)
 
-    monkeypatch.setattr(nft, "push_lora", push_skipping_old_once)
+    monkeypatch.setattr(sync, "push_lora", push_skipping_old_once)
     run = nft.main(SMALL)
     assert names == ["default", "old"] * 4
     [event] = run["recoveries"]
@@ -385,7 +394,8 @@ def test_diffusion_nft_waits_for_a_server_that_lost_its_adapters_after_the_last_
     the run's final read finds it not holding them, pushes both again, and ends with the server's
     checksums equal to the trainer's and the recovery recorded, where it once raised KeyError."""
     nft = examples("diffusion_nft")
-    real_checksums, calls = nft.adapter_checksums, []
+    sync = recipe_module("weight_sync")
+    real_checksums, calls = sync.adapter_checksums, []
 
     def checksums_then_lose(client):
         served = real_checksums(client)
@@ -394,7 +404,7 @@ def test_diffusion_nft_waits_for_a_server_that_lost_its_adapters_after_the_last_
             client.lora_unload(None)
         return served
 
-    monkeypatch.setattr(nft, "adapter_checksums", checksums_then_lose)
+    monkeypatch.setattr(sync, "adapter_checksums", checksums_then_lose)
     run = nft.main(SMALL)
     [event] = run["recoveries"]
     assert (event["iteration"], event["cause"], event["action"]) == (2, "final_weights_lost", "re-pushed")
@@ -405,7 +415,7 @@ def test_diffusion_nft_waits_for_a_server_that_lost_its_adapters_after_the_last_
 
 # ---------------------------------------------------------------------------------------------- plots
 def test_plot_reward_curves_writes_a_png(examples, tmp_path):
-    common = examples("_common")
+    common = recipe_module("records")
 
     def fake_run(offset: float) -> dict:
         history = [

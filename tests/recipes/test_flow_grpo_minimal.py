@@ -29,15 +29,17 @@ def examples(monkeypatch):
 
 def test_minimal_recipe_matches_the_full_recipes_first_rewards_with_ratio_exactly_1(examples, monkeypatch):
     flow_grpo, minimal = examples("flow_grpo"), examples("flow_grpo_minimal")
+    # The full recipe's iteration lives in the package; the example script runs it.
+    iteration = importlib.import_module("diffusion_rollout.recipes.flow_grpo")
     # The full recipe's rewards as it trains on them (its record rounds them to 5 digits).
     full_rewards: list[torch.Tensor] = []
-    advantages = flow_grpo.group_advantages
+    advantages = iteration.group_advantages
 
     def recording(rewards, group_size):
         full_rewards.append(rewards.clone())
         return advantages(rewards, group_size)
 
-    monkeypatch.setattr(flow_grpo, "group_advantages", recording)
+    monkeypatch.setattr(iteration, "group_advantages", recording)
     full = flow_grpo.main(["--server", "thread", *SMALL])
     history = minimal.main(SMALL)
 

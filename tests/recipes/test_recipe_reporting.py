@@ -50,7 +50,7 @@ def test_flow_grpo_prints_one_progress_line_per_iteration(examples, capsys):
 
 
 def test_progress_line_formats_the_records_numbers(examples):
-    report = examples("_report")
+    report = examples("diffusion_rollout.recipes.report")
     record = {"iteration": 2, "reward_mean": -212.4111, "reward_std": 6.1871, "first_ratio_max_dev": 1.19e-7,
               "rollout_s": 7.051, "reward_s": 0.012, "train_s": 3.191, "push_s": 0.38, "iteration_s": 10.44}  # fmt: skip
     line = report.progress_line(record, 20, "first_ratio_max_dev", 9.8)
@@ -153,7 +153,7 @@ def test_wandb_offline_run_gets_the_records_scalars_and_a_sample_grid(examples, 
 
 
 def test_log_to_names_the_missing_package(examples, tmp_path, monkeypatch):
-    logging_ = examples("_logging")
+    logging_ = examples("diffusion_rollout.recipes.run_logger")
     monkeypatch.setitem(importlib.sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(SystemExit, match=r"--log-to wandb needs the wandb package \(pip install wandb\)"):
         logging_.RunLogger(["wandb"], tmp_path, recipe="flow_grpo", config={})

@@ -114,7 +114,7 @@ def test_qwen_image_in_process_layout_samples_what_the_server_samples(flow_grpo,
 
 
 def test_lora_target_presets_and_lists(flow_grpo):
-    common = importlib.import_module("_common")
+    common = importlib.import_module("diffusion_rollout.recipes.options")
     assert common.lora_targets("qwen-image")[-1] == "txt_mlp.net.2"
     assert len(common.lora_targets("qwen-image")) == 12
     assert common.lora_targets("to_q, to_k") == ["to_q", "to_k"]
@@ -122,5 +122,5 @@ def test_lora_target_presets_and_lists(flow_grpo):
         ["--lora-targets", "qwen-image", "--lora-alpha", "128", "--prompt-set", "ocr"]
     )
     assert args.lora_alpha == 128.0 and "img_mlp.net.2" in args.lora_targets
-    prompts = flow_grpo.prompt_set("ocr")
+    prompts = importlib.import_module("diffusion_rollout.recipes.flow_grpo_rollouts").prompt_set("ocr")
     assert all('"' in p for p in prompts)

@@ -147,14 +147,14 @@ def test_diffusion_nft_two_ranks_match_one_rank(examples, tmp_path):
 
 
 def test_groups_must_divide_over_the_ranks(examples):
-    ranks = examples("_ranks").Ranks(rank=1, world=2)
+    ranks = examples("diffusion_rollout.recipes.ranks").Ranks(rank=1, world=2)
     assert ranks.share([0, 1, 2, 3]) == [2, 3]
     with pytest.raises(SystemExit, match="multiple of the number of ranks"):
         ranks.share([0, 1, 2])
 
 
 def test_gpu_lists_parse_and_refuse_repeats(examples):
-    common = examples("_common")
+    common = examples("diffusion_rollout.recipes.options")
     args = common.base_parser("x").parse_args(["--server-gpus", "0,1", "--trainer-gpus", "2,3"])
     assert args.server_gpu == [0, 1] and args.trainer_gpu == [2, 3]
     assert common.base_parser("x").parse_args(["--trainer-gpu", "1"]).trainer_gpu == [1]
@@ -164,7 +164,7 @@ def test_gpu_lists_parse_and_refuse_repeats(examples):
 
 def test_server_gpus_are_numbered_as_the_recipe_sees_them(examples):
     """Under CUDA_VISIBLE_DEVICES=2,3, --server-gpus 0 is physical GPU 2, not GPU 0 of the host."""
-    visible = examples("_common").server_visible_devices
+    visible = examples("diffusion_rollout.recipes.servers").server_visible_devices
     assert visible([0], None) == "0" and visible([0, 1], "") == "0,1"
     assert visible([0], "2,3") == "2" and visible([1, 0], "2, 3") == "3,2"
     assert visible([0], "GPU-aa,GPU-bb") == "GPU-aa"

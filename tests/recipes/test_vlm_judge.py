@@ -1,26 +1,20 @@
-"""The OCR judge reward (examples/rewards.py ``vlm_ocr_judge``) and its random-weight folder
-(benchmarks/judge_builders.py): the edit-distance score on known strings, the prompt's target text,
-and a tiny Qwen3-VL judge built offline, loaded through ``load_reward`` and run on the CPU."""
+"""The OCR judge reward (``diffusion_rollout.rewards`` ``vlm_ocr_judge``, re-exported by
+examples/rewards.py) and its random-weight folder (benchmarks/judge_builders.py): the edit-distance
+score on known strings, the prompt's target text, and a tiny Qwen3-VL judge built offline, loaded
+through ``load_reward`` and run on the CPU."""
 
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
 
 @pytest.fixture(scope="module")
 def rewards():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("rewards")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    # What examples/rewards.py re-exports for the recipes.
+    return importlib.import_module("diffusion_rollout.rewards")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ Design decisions:
   killed mid-part, a lost connection), the other ranks are still inside the gather loop, waiting for
   the next parameter's all-gather: rank 0 takes part in the gathers left (dropping them) before it
   raises, so every rank leaves the push together and hears of the failure from rank 0
-  (``_recovery.on_main``), then waits and re-pushes as one (``Recovery``) or stops with its error
+  (``recovery.on_main``), then waits and re-pushes as one (``Recovery``) or stops with its error
   within ``--recover-timeout``, instead of hanging in a collective that rank 0 left.
 """
 
@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import load_trainer_transformer
-from _ranks import Ranks
 
 from diffusion_rollout.client import RolloutClient, WeightBroadcaster, push_weights
+from diffusion_rollout.recipes.ranks import Ranks
+from diffusion_rollout.recipes.trainer import load_trainer_transformer
 from diffusion_rollout.testing import free_port
 
-logger = logging.getLogger("examples.full")
+logger = logging.getLogger(__name__)
 
 
 def _block_lists(module: torch.nn.Module) -> list[torch.nn.ModuleList]:

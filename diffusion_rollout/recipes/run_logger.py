@@ -1,6 +1,6 @@
 """``--log-to tensorboard,wandb``: each iteration's scalars and a grid of its first images.
 
-:class:`RunLogger` is what the recipes' :class:`_report.Report` calls on rank 0 once per iteration
+:class:`RunLogger` is what the recipes' :class:`~diffusion_rollout.recipes.report.Report` calls on rank 0 once per iteration
 with the iteration's JSON record (the one ``--out`` keeps) and a few of its uint8 images. The
 scalars are the record's numbers, named by kind so that the dashboards group them:
 

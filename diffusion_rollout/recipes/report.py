@@ -10,9 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from _common import uint8_images
-
 from diffusion_rollout.client import RolloutOutput
+from diffusion_rollout.recipes.reward import uint8_images
 
 # What the progress line calls each recipe's exactness key.
 EXACTNESS_LABELS = {"first_ratio_max_dev": "|ratio-1|", "old_policy_max_dev": "old-policy dev"}
@@ -65,7 +64,7 @@ def progress_line(
         f"{record['iteration_s']:.3g} s/it",
         f"ETA {duration(seconds_per_iteration * max(total - it, 0))}",
     ]
-    if record.get("recovered"):  # a lost server waited for, re-pushed, the rollouts redone (_recovery.py)
+    if record.get("recovered"):  # a lost server waited for, re-pushed, the rollouts redone (recovery.py)
         parts.append("recovered " + ",".join(record["recovered"]))
     return "  ".join(parts)
 
@@ -73,7 +72,7 @@ def progress_line(
 class Report:
     """What rank 0 shows of each iteration: one progress line on stdout (``--print-json``: the
     record as one JSON line, without its per-sample lists, instead), and ``--log-to``'s scalars and
-    sample images (``_logging.RunLogger``, imported only then). Ranks other than 0 (``enabled``
+    sample images (``run_logger.RunLogger``, imported only then). Ranks other than 0 (``enabled``
     false) show nothing. The ETA's seconds per iteration are the mean over this process's
     iterations after its first (the warm-up, left out as in :func:`summarize`; alone it is used).
     """
@@ -86,7 +85,7 @@ class Report:
         self.seconds: list[float] = []
         self.logger = None
         if enabled and getattr(args, "log_to", None):
-            from _logging import RunLogger
+            from diffusion_rollout.recipes.run_logger import RunLogger
 
             self.logger = RunLogger(args.log_to, log_dir(args, recipe), recipe=recipe, config=vars(args))
 
@@ -102,7 +101,7 @@ class Report:
             line = _printable(progress_line(record, self.total, self.exactness_key, sum(timed) / len(timed)))
         print(line, flush=True)
         if self.logger is not None:
-            from _logging import SAMPLE_IMAGES
+            from diffusion_rollout.recipes.run_logger import SAMPLE_IMAGES
 
             shown = [o for o in outputs[:SAMPLE_IMAGES] if o.generated_output is not None]
             self.logger.log_iteration(record, uint8_images(shown) if shown else None)

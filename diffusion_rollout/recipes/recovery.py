@@ -1,4 +1,4 @@
-"""A training run that survives its servers: wait, re-push, verify, redo (issue #42).
+"""A training run that survives its servers: wait, re-push, verify, redo.
 
 A server that is restarted (by a supervisor, after a crash or a kill) comes back with its base
 weights; a connection that drops mid-rollout or mid-push leaves the trainer not knowing what the
@@ -43,16 +43,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _ranks import Ranks
-
 from diffusion_rollout.client import (
     ChecksumMismatchError,
     RolloutConnectionError,
     RolloutHTTPError,
     RolloutTimeoutError,
 )
+from diffusion_rollout.recipes.ranks import Ranks
 
-logger = logging.getLogger("examples.recovery")
+logger = logging.getLogger(__name__)
 
 # Answers that mean the server is (re)starting, paused or overloaded rather than refusing the request.
 _TRANSIENT_STATUSES = (502, 503, 504)
