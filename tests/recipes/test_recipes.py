@@ -437,7 +437,7 @@ INSERT_EXAMPLES = re.compile(r"sys\.path\.insert\(.*(examples|EXAMPLES)")
 
 def test_no_example_imports_another_and_nothing_puts_examples_on_the_path():
     """The examples import the package only; no module inserts examples/ into ``sys.path``."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     names = {p.stem for p in (root / "examples").glob("*.py")}
     for path in (root / "examples").glob("*.py"):
         for line in path.read_text().splitlines():
