@@ -27,7 +27,7 @@ adapters (the checkpoints' ``trainer.pt``) compared with ``torch.equal``.
 Design decisions:
 
 - **The trainer is the recipe as a user runs it**; the benchmark only wraps its process start to
-  inject the full disk (``trainer`` mode below patches ``_common._write_atomically`` for one
+  inject the full disk (``trainer`` mode below patches ``recipes.checkpoint._write_atomically`` for one
   iteration), so the recipes carry no fault hooks.
 - **A fault is matched to its recovery by time**: the recipe records each recovery with the
   wall-clock time it ended (``at``); a fault's recovery is the first unclaimed one ending after it
@@ -67,7 +67,6 @@ from benchmarks.report import document, print_table, write_json
 from diffusion_rollout.testing import free_port, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
 GENERATE, PUSH = b"POST /rollout/generate", b"POST /lora/load"
 FULL_PART = b"POST /update_weights?"  # a part of a full-weight push over HTTP (--full-finetune)
 LORA_LIST = b"GET /lora "  # the trainer's reads of the adapters it pushed (a push's check, the final one)
@@ -665,10 +664,9 @@ def ray_fault() -> Fault:
 def trainer_main(argv: list[str]) -> dict[str, Any]:
     """The recipe's own ``main``, with the full-disk fault armed by ``$CHAOS_DISK_FULL_AT``: the
     checkpoint write of that iteration writes a few bytes and fails with ENOSPC (once per run)."""
-    sys.path.insert(0, str(EXAMPLES))
-    import _common
-    import _full
-    import flow_grpo
+    from diffusion_rollout.recipes import checkpoint as _checkpoint
+    from diffusion_rollout.recipes import flow_grpo
+    from diffusion_rollout.recipes import full as _full
 
     part_bytes = os.environ.get("CHAOS_MAX_PART_BYTES")
     if part_bytes:  # full pushes in many parts, so that a fault can land in the middle of one
@@ -678,7 +676,7 @@ def trainer_main(argv: list[str]) -> dict[str, Any]:
 
     at, mark = os.environ.get("CHAOS_DISK_FULL_AT"), os.environ.get("CHAOS_DISK_FULL_MARK")
     if at is not None and mark is not None and not Path(mark).exists():
-        real_save = _common.Checkpoint.save
+        real_save = _checkpoint.Checkpoint.save
 
         def save(self, transformer, optimizer, adapters, state):
             if state["next_iteration"] == int(at) + 1 and not Path(mark).exists():
@@ -688,10 +686,10 @@ def trainer_main(argv: list[str]) -> dict[str, Any]:
                     f.write(b"the first bytes of a checkpoint")
                     raise OSError(errno.ENOSPC, "No space left on device")
 
-                _common._write_atomically(self.dir / "trainer.pt", full)
+                _checkpoint._write_atomically(self.dir / "trainer.pt", full)
             return real_save(self, transformer, optimizer, adapters, state)
 
-        _common.Checkpoint.save = save
+        _checkpoint.Checkpoint.save = save
     return flow_grpo.main(argv)
 
 

@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 ipc_gb=None,
                 lora_rank=4 if args.tiny else 64,
                 lora_reps=5,
-                # The dry run checks that the phase runs; tests/test_weight_sync runs every transport
-                # (each HTTP one starts a trainer process: seconds apiece on a CPU).
+                # The dry run checks that the phase runs; test_weight_sync (tests/benchmarks/) runs every
+                # transport (each HTTP one starts a trainer process: seconds apiece on a CPU).
                 **({"phases": TINY_WEIGHT_SYNC_PHASES} if args.tiny else {}),
                 deadline=suite.deadline,
             )

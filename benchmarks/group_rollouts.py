@@ -76,6 +76,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="rounds of every variant (default 5; CPU 1)")
     p.add_argument("--screen", type=int, default=0, help="K candidates screened per kept group (0: off)")
     p.add_argument("--screen-args", default="--speed fast", help="the screening server's serve options")
+    p.add_argument(
+        "--screen-cache", default=None, choices=["taylorseer", "first_block", "mag"],
+        help="screen on the exact server itself with this inexact feature_cache (the recipe's --screen-cache) "
+        "instead of a second --screen-args server: one copy of the model, as a 20B model on one GPU needs",
+    )  # fmt: skip
+    p.add_argument(
+        "--server-args", default="",
+        help="the exact server's extra serve options (--screen-cache needs --pipeline-lanes 1 on CUDA)",
+    )
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS),
+        help="comma-separated variants timed each round (plain always runs: it is the drift reference)",
+    )  # fmt: skip
     p.add_argument("--work", type=Path, default=Path("/tmp/train_recipes"), help="saved models")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -86,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (6 if cpu else 10)
     args.reps = args.reps or (1 if cpu else 5)
     args.window_start = args.steps // 2 if args.window_start is None else args.window_start
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+    args.variants = ["plain", *[v for v in VARIANTS if v != "plain" and v in args.variants.split(",")]]
     return args
 
 
@@ -147,7 +164,8 @@ def screen_round(exact: Any, screener: Any, args: argparse.Namespace, seed: int)
     from diffusion_rollout.client.regenerate import regenerate_body
 
     body = {**group_body(args, seed), "num_outputs_per_prompt": args.screen}
-    cands, t_screen = post(screener, body)
+    cache = {"feature_cache": {"kind": args.screen_cache}, "allow_inexact": True} if args.screen_cache else {}
+    cands, t_screen = post(screener, {**body, **cache})
     score = torch.stack([o.generated_output.float().mean() for o in cands])
     chosen = sorted(score.argsort(descending=True)[: args.group].tolist())
     _, t_regen = post(exact, regenerate_body(body, cands, chosen))
@@ -167,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
-        proc, url = serve(folder, args, [], out / "server.log")
+        proc, url = serve(folder, args, args.server_args.split(), out / "server.log")
         procs.append(proc)
         screen_url = url
-        if args.screen and not args.cpu:
+        if args.screen and not args.cpu and not args.screen_cache:
             proc2, screen_url = serve(folder, args, args.screen_args.split(), out / "screen_server.log")
             procs.append(proc2)
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        drifts: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in args.variants}
+        drifts: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
         steps_run: dict[str, int] = {}
         screens: list[dict[str, Any]] = []
         with RolloutClient(url, timeout=3600) as client, RolloutClient(screen_url, timeout=3600) as screener:
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps):
                 seed = 1000 * (rep + 1)
                 reference = None
-                for variant, extra in VARIANTS.items():  # interleaved: one of each per round
+                for variant in args.variants:  # interleaved: one of each per round
+                    extra = VARIANTS[variant]
                     extra = tree_fields(args) if extra is None else extra
                     outs, seconds = post(client, {**group_body(args, seed), **extra})
                     times[variant].append(seconds)

@@ -3,7 +3,7 @@
 Draws PNGs into ``benchmarks/results/plots/`` from the JSON under ``benchmarks/results/`` only, so
 a plot always shows what a RESULTS.md row cites. The files carry no date and no library version
 (``metadata`` cleared, Agg backend, fixed size and dpi): the same JSON draws the same bytes.
-Reward curves use the recipes' own ``plot_reward_curves`` (``examples/_common.py``). Needs
+Reward curves use the recipes' own ``plot_reward_curves`` (``diffusion_rollout.recipes.records``). Needs
 matplotlib (``pip install -e .[plot]``).
 
 Ray replica scaling is not drawn: its run (2026-11-22) committed no JSON, only the journal's table.
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 METADATA = {"Software": None}  # no matplotlib version in the PNG: output depends on the JSON alone
 DPI = 110
 
@@ -241,9 +239,7 @@ def drift(out: Path) -> Path:
 
 
 def reward_curves(out: Path) -> list[Path]:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    from _common import plot_reward_curves
+    from diffusion_rollout.recipes.records import plot_reward_curves
 
     train = RESULTS / "h100" / "training"
 

@@ -12,7 +12,7 @@ Design decisions:
   nothing is typed in. The advice table compares the runs that are there and names the slowest phase
   of each; it does not extrapolate to layouts that were not run.
 - **Steady state.** Seconds per iteration and the phase means skip the first iteration, which also
-  loads, compiles and warms up (as ``summarize`` in ``examples/_common.py`` does); the min–max of the
+  loads, compiles and warms up (as ``summarize`` in ``diffusion_rollout.recipes.records`` does); the min–max of the
   same iterations is shown beside the mean, so a slow straggler is visible rather than averaged away.
 - **GPUs counted, not ranks.** Colocated layouts put a server replica and a trainer rank on the same
   GPU; throughput per GPU divides by the distinct GPUs the run occupied (trainer and server together).
@@ -20,29 +20,26 @@ Design decisions:
   its wait for a batch that was made during the previous iteration; the rollout's own duration is the
   batch's ``server_span`` (request sent to answer received), which the advice uses instead.
 - **The recipes' own helpers** (``learning_stats``, ``plot_reward_curves``) are imported from
-  ``examples/_common.py``, so the table's reward numbers are the ones in each record's ``summary``.
+  ``diffusion_rollout.recipes.records``, so the table's reward numbers are the ones in each record's ``summary``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BASELINE = "scale-in-process"
 
 
 def _common():
-    """``examples/_common.py``, imported on first use: it pulls in torch, which a bare import should not."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import _common
+    """``diffusion_rollout.recipes.records``, imported on first use: it pulls in torch, which a bare
+    import should not."""
+    from diffusion_rollout.recipes import records
 
-    return _common
+    return records
 
 
 def _is_run(obj: Any) -> bool:

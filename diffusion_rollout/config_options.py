@@ -7,7 +7,7 @@ from __future__ import annotations
 from diffusion_rollout.config import ENV_PREFIX, ServerConfig
 
 #: ``ServerConfig``'s fields by concern, in the order ``serve --help`` and docs/serving.md show them
-#: (every field in exactly one group; tests/test_cli_help.py checks it).
+#: (every field in exactly one group; tests/entrypoints/test_cli_help.py checks it).
 OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Model", ("model", "dtype", "device", "cache_dir", "log_level")),
     (

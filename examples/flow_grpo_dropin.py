@@ -41,22 +41,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from _common import (
-    PROMPTS,
-    add_lora,
-    base_parser,
-    environment,
-    rollout_server,
-    trainer_device,
-    trainer_dtype,
-    wait_ready,
-    write_run,
-)
-from _config import parse_with_config
 
 from diffusion_rollout.client import RolloutClient, group_advantages, group_by_server_batch, replay_step
 from diffusion_rollout.client.flow_grpo import pipeline_with_logprob
 from diffusion_rollout.client.served_pipeline import ServedPipeline
+from diffusion_rollout.recipes.config_file import parse_with_config
+from diffusion_rollout.recipes.options import PROMPTS, base_parser
+from diffusion_rollout.recipes.records import environment, write_run
+from diffusion_rollout.recipes.servers import rollout_server, wait_ready
+from diffusion_rollout.recipes.trainer import add_lora, trainer_device, trainer_dtype
 from diffusion_rollout.scheduler_mixins import transition
 
 

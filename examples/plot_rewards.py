@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _common import plot_reward_curves
+from diffusion_rollout.recipes.records import plot_reward_curves
 
 
 def main(argv: list[str] | None = None) -> None:

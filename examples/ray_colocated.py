@@ -25,7 +25,7 @@ A real trainer would put its own rank actors into the same bundles (``placement_
 and give each replica a GPU fraction; the example's driver process is the only trainer rank, and it
 replays on the CPU. With ``--device cuda`` the replicas roll out on GPUs while the replay stays on
 the CPU, so the first ratio is 1 within float rounding, not to the last bit: bit-exact replay needs
-the trainer on the same kind of device as the replica (as in ``tests/test_client_gpu.py``).
+the trainer on the same kind of device as the replica (as in ``tests/client/test_client_gpu.py``).
 Prints one JSON line per iteration and a summary; ``--out`` writes the summary as JSON.
 """
 
@@ -43,13 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import LORA_TARGETS, PROMPTS, load_trainer_transformer
-from flow_grpo import train_iteration
-from rewards import load_reward
 
 from diffusion_rollout.client import group_advantages, lora_checksum
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.client.weights.lora import lora_config_dict, lora_state_dict
+from diffusion_rollout.recipes.options import LORA_TARGETS, PROMPTS
+from diffusion_rollout.recipes.policy_update import train_iteration
+from diffusion_rollout.recipes.trainer import load_trainer_transformer
+from diffusion_rollout.rewards import load_reward
 from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 logger = logging.getLogger("examples.ray_colocated")

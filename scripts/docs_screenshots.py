@@ -3,7 +3,7 @@
     python scripts/docs_screenshots.py SITE_DIR OUT_DIR        # SITE_DIR from `mkdocs build -d SITE_DIR`
 
 Writes ``OUT_DIR/landing.png`` and ``OUT_DIR/api.png`` (1280x1600) and prints their paths. The
-suite runs it on its own build (``tests/test_docs_site.py``) when a Chromium is installed;
+suite runs it on its own build (``tests/docs/test_docs_site.py``) when a Chromium is installed;
 ``.ci/run`` installs one. Chromium runs with ``--no-sandbox``: the suite may run as root, where its
 sandbox refuses to start.
 """

@@ -6,9 +6,9 @@ python3 -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # Prefer the CPU-only torch wheel when the local wheel folder or index has one (no CUDA download).
 python3 -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || python3 -m pip install -q torch
 python3 -m pip install -q -e ".[test]"
-# torchao for tests/test_precompiled_blocks.py's FP8 test, beside the environment rather than in it:
-# installed, diffusers imports it in every process (0.3-0.4 s each here). Without it that one test
-# skips and says so.
+# torchao for tests/server/speed/test_precompiled_blocks.py's FP8 test, beside the environment
+# rather than in it: installed, diffusers imports it in every process (0.3-0.4 s each here). Without
+# it that one test skips and says so.
 python3 -m pip install -q --no-deps --upgrade --target .test-extras/torchao "torchao>=0.18" \
   || echo "torchao not installed under .test-extras: the FP8 precompile test will skip"
 ruff check .

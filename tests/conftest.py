@@ -22,7 +22,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Under pytest-xdist (scripts/test.sh runs two workers) every worker gets its own Ray temp dir: a
 # plain `ray.init()` joins the cluster named in `<RAY_TMPDIR>/ray/ray_current_cluster`, so without
-# this one worker's `ray start --head` (tests/test_cluster_multinode.py) would capture the other
+# this one worker's `ray start --head` (tests/cluster/test_cluster_multinode.py) would capture the other
 # worker's Ray tests. Short, because Ray's unix socket paths must fit 107 bytes.
 if os.environ.get("PYTEST_XDIST_WORKER") and "RAY_TMPDIR" not in os.environ:
     os.environ["RAY_TMPDIR"] = f"/tmp/dr-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
@@ -44,7 +44,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # a model, start Ray, or are marked slow. What stays is the step math, the wire, the protocol, the
 # rewards and the other units: a loop of well under a minute on two cores.
 _MODEL_FIXTURES = {"tiny_model_path", "served", "fresh_server", "demo_cache_dir", "cluster", "served_rewards"}
-# Files whose tests build their own models, servers or recipe runs (measured over 10 s in a fast run).
+# Files whose tests build their own models, servers or recipe runs (measured over 10 s in a fast run),
+# by file name: the names are unique across tests/'s folders.
 _INTEGRATION_FILES = {
     "test_benchmarks_smoke.py", "test_examples.py", "test_cli_serve.py", "test_scale_suite.py",
     "test_recipe_reporting.py", "test_docs_site.py", "test_vae_split.py", "test_ltx2_cp_plan.py",

@@ -1,4 +1,4 @@
-"""Checks the per-family HTTP tests (``tests/test_families_*.py``) make alike, written once.
+"""Checks the per-family HTTP tests (``tests/server/families/test_families_*.py``) make alike, written once.
 
 Each helper asserts exactly what the family tests asserted inline; a family passes its own request
 ``body`` builder, its stock-pipeline caller and its step count ``T``.
@@ -16,7 +16,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusion_rollout.client import RolloutClient, replay_steps
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
 from diffusion_rollout.scheduler_mixins import transition
-from tests.test_client_weights import trainer_transformer
+from tests.client.test_client_weights import trainer_transformer
 
 # What a replay needs back: the trajectory, the denoising env, the recorded model outputs and noise.
 REPLAY = {

@@ -2,8 +2,8 @@
 
 torchao refuses float8 without a GPU of compute capability 8.9+; its kernels run on the CPU once that
 check is bypassed. The bypass is process-wide, so each check runs in a process of its own:
-``run_check("tests.test_module", "function", *args)`` bypasses the check there and calls
-``tests.test_module.function(*args)`` (strings), and fails the calling test with the child's output.
+``run_check("tests.server.speed.test_module", "function", *args)`` bypasses the check there and calls
+that module's ``function(*args)`` (strings), and fails the calling test with the child's output.
 scripts/test.sh installs torchao beside the environment (``.test-extras/torchao``): installed in it,
 diffusers would import it in every process (0.3-0.7 s each). Without it the test skips and says so.
 """

@@ -5,7 +5,7 @@ two on one device, per rank, and lists the kernels each launches (issue #41's GP
     python -m benchmarks.investigations.lora_bits --device cuda --out $OUT
     python -m benchmarks.investigations.lora_bits --device cuda --model SD35_DIR --out $OUT   # the whole transformer
 
-With ``--model``, the trainer's side (``examples/_common.add_lora``, its adapter moved off zero) and the
+With ``--model``, the trainer's side (``diffusion_rollout.recipes.trainer.add_lora``, its adapter moved off zero) and the
 server's (a second copy given that adapter by the server's own ``LoraManager``) run one CFG batch,
 in grad mode and under ``inference_mode``; forward hooks name the first LoRA layer whose output differs.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,11 +114,10 @@ def case(device: str, dtype: torch.dtype, batch: int, tokens: int, hidden: int, 
 
 def model_case(folder: str, device: str, rank: int, batch: int, size: int) -> dict[str, Any]:
     """Trainer vs server copy of one transformer with the same rank-``rank`` adapter."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from _common import add_lora
     from diffusers import SD3Transformer2DModel
 
     from diffusion_rollout.client.weights.lora import lora_state_dict
+    from diffusion_rollout.recipes.trainer import add_lora
     from diffusion_rollout.server.weights.lora import LoraManager
     from diffusion_rollout.server.weights.lora_io import parse_lora_tensors
 

@@ -6,7 +6,7 @@ model output off the trainer's (``server_model_output_mismatches``). This runs t
 HTTP app, its loader, engine and lanes, default options) in a thread of this process, so that both
 forwards can be watched:
 
-1. the trainer's SD3 pipeline gets a PEFT adapter (``examples/_common.add_lora``) moved off zero, and
+1. the trainer's SD3 pipeline gets a PEFT adapter (``diffusion_rollout.recipes.trainer.add_lora``) moved off zero, and
    one group is sampled through ``ServedPipeline`` (which pushes the adapter first), with the debug
    tensors on;
 2. forward hooks record, during the server's own first transformer call, every LoRA layer's input
@@ -160,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from _common import add_lora
     from diffusers import StableDiffusion3Pipeline
 
     from diffusion_rollout.client import RolloutClient
@@ -170,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffusion_rollout.config import ServerConfig
     from diffusion_rollout.entrypoints.app import create_app
     from diffusion_rollout.entrypoints.http_server import make_server
+    from diffusion_rollout.recipes.trainer import add_lora
 
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32

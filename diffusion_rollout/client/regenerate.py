@@ -13,7 +13,7 @@ exact. Everything random about an output is named by fields the server already t
 and drops what made the screen inexact. The regenerated outputs draw the same x_T and the same step
 noise as the candidates; their model arithmetic is that of the new call (a batch of
 ``len(chosen)``), so they equal bit for bit a direct exact rollout of those seeds
-(tests/test_shared_prefix.py), not the candidates' last bits.
+(tests/server/core/test_shared_prefix.py), not the candidates' last bits.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tiny zoo's family names, importable without diffusers (``make-tiny-model --help`` lists them).
 
-``tiny._SPECS`` builds exactly these families (tests/test_cli_help.py checks that the two agree).
+``tiny._SPECS`` builds exactly these families (tests/entrypoints/test_cli_help.py checks that the two agree).
 """
 
 from __future__ import annotations

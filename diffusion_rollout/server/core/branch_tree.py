@@ -17,7 +17,7 @@ How:
   cost ``sum over steps of (nodes at that step)`` transformer rows, not ``T * G``.
 - **Replay.** The answer names each leaf's ``branch_path`` and the request's ``rollout_branch``; the
   client's ``ReplayBatch`` narrows a tree's steps the same way, so the trainer's model outputs are
-  the server's bit for bit and the PPO ratio is exactly 1 (tests/test_branch_tree.py). A tree
+  the server's bit for bit and the PPO ratio is exactly 1 (tests/server/core/test_branch_tree.py). A tree
   replays as one batch, all its leaves in order.
 - **What is exact, and what not.** Every node's computation is that of a call at the narrowed batch
   (its node count); a leaf is therefore not the last bits of the same path sampled alone at batch 1

@@ -17,7 +17,7 @@ How, and why this way:
   ``x_k`` is the latent a batch-1 run of the prefix computes, bit for bit, and the steps from ``k``
   on run at batch ``G`` as before. So each output equals, bit for bit, the output of two stock
   calls: the prefix alone at batch 1, then the group at batch ``G`` from that ``x_k`` with the
-  remaining sigmas (tests/test_shared_prefix.py proves it on the CPU for SD3 and Qwen-Image, with
+  remaining sigmas (tests/server/core/test_shared_prefix.py proves it on the CPU for SD3 and Qwen-Image, with
   and without guidance). It is **not** in general equal to the same group run without sharing: a
   transformer's last bits depend on its batch size (measured on the CPU, float32, tiny SD3 and
   Qwen-Image: batch 1 and batch 4 rows differ), so the option is opt-in, and the answer says it

@@ -3,7 +3,7 @@
 ``server/parallel/context_parallel.py`` enables diffusers' Ulysses attention on every rank's denoisers through
 :func:`enable_plan`; for most classes that is diffusers' shipped ``_cp_plan`` unchanged. LTX-2
 (``LTX2VideoTransformer3DModel``, family ``ltx2``) needs its own: diffusers 0.42.1's plan does not run
-on it (``tests/test_ltx2_cp_plan.py``: its 4-D split RoPE is left whole, ``cross_attn_rope`` is not
+on it (``tests/server/parallel/test_ltx2_cp_plan.py``: its 4-D split RoPE is left whole, ``cross_attn_rope`` is not
 split, and the text mask has every head while Ulysses attends heads / k).
 
 LTX-2's plan (:func:`ltx2_plan`, :func:`localize_ltx2_attentions`):

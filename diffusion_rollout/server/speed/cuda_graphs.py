@@ -9,7 +9,7 @@ Design decisions:
 - **Same kernels as eager.** The graph records the module's own eager ``forward`` (no compile, no
   fusion); inputs are copied into static buffers before each replay and the output is cloned out
   after it, so nothing but the launch mechanism changes. The ODE regression gate and the replay
-  ratio test (``tests/test_cuda_graphs.py``, GPU only) check this with ``torch.equal``.
+  ratio test (``tests/server/speed/test_cuda_graphs.py``, GPU only) check this with ``torch.equal``.
 - **One bucket per call signature.** The key is the shape, dtype, stride and device of every tensor
   argument plus the value of every other argument (a scale baked into the graph must be part of its
   key). The first call of a new key runs eager (which also creates the cuBLAS handles before any
