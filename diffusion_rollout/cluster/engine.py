@@ -32,7 +32,7 @@ Design decisions:
   another replica (a request either produced all its outputs or none, so a retry loses nothing and
   never mixes versions), then ``recovery.recover`` loads the model on the new process and, under the admin
   lock, copies the current weights, adapters and version from a serving peer
-  (``cluster/resync.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
+  (``server/weights/replica_state.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
   Ray gave up on is ``dead``; with no serving peer to copy from it stays ``stale``. Update groups
   (NCCL) do not survive a restart: the trainer joins a new group.
 """

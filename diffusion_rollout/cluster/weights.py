@@ -8,19 +8,19 @@ Design decisions:
   ``weight_version`` to the replicas: the trainer's, else the front's count of updates + 1. All
   replicas therefore report the same version, which becomes the front's after the update.
 - **Full weights: all or nothing.** Disk, HTTP upload (final part), IPC tensors and broadcasts run
-  in two phases (``cluster/transactions.py``): every replica reads and validates (rollouts keep
+  in two phases (the transports' prepare / commit / rollback, ``server/weights/transports``): every replica reads and validates (rollouts keep
   running); if any refuses, none applies and the first refusal is the answer (400). Then, with the
   dispatch gate closed, every replica applies; if one fails, the replicas that applied roll back
   to the exact previous bytes and version, and the failure is the answer.
 - **Serving replicas.** Operations reach the replicas that serve; one that is restarting copies
-  the result from a serving peer before it serves again (``cluster/resync.py``), so it never
+  the result from a serving peer before it serves again (``server/weights/replica_state.py``), so it never
   misses an update. Forming an update group needs every replica (a collective needs every rank).
 - **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
   A part whose body the front did not receive whole reaches no replica; ``refuse_part`` tells every
   serving replica to drop its upload, as the single manager does (400, nothing applied anywhere).
 - **LoRA changes: all or nothing.** Loads (path, upload, tensors, ``lora_merge``), activation, mode
   switches and unloads run on every replica at once with the dispatch gate closed, each replica
-  first keeping what the change can touch (``cluster/lora_transactions.py``). They validate before
+  first keeping what the change can touch (``server/weights/lora_transactions.py``). They validate before
   changing anything and replicas hold the same model, so a refusal is the same everywhere and is
   the answer (400). If the change fails on only some replicas (a device fault), every replica puts
   back its adapters, their tensors, activation, mode (merged base weights included) and version,
@@ -53,8 +53,7 @@ from diffusion_rollout.errors import (
     WeightApplyError,
     WeightUpdateError,
 )
-from diffusion_rollout.server.weights.manager_core import validate_targets
-from diffusion_rollout.server.weights.receive import BufferPool, Lease
+from diffusion_rollout.server.weights import BufferPool, Lease, validate_targets
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """A module's LoRA state captured and put back exactly: adapters, their tensors, activation, mode.
 
 Two users need the same thing: a cluster undoes a LoRA change on the replicas that applied it when
-another replica failed (``cluster/lora_transactions.py``), and a restarted replica takes a serving
-peer's adapters (``cluster/resync.py``).
+another replica failed (``lora_transactions.py``), and a restarted replica takes a serving
+peer's adapters (``replica_state.py``).
 
 Design decisions:
 
