@@ -27,6 +27,7 @@ from diffusion_rollout.server.weights.manager import WeightManager, get_weight_m
 from diffusion_rollout.server.weights.manager_core import DEFAULT_TARGETS, Version, validate_targets
 from diffusion_rollout.server.weights.receive import BufferPool, Lease, unpooled
 from diffusion_rollout.server.weights.replica_state import export_state, import_state
+from diffusion_rollout.server.weights.torch_blob import decode_named_tensors
 from diffusion_rollout.server.weights.transports import TRANSPORTS, WeightTransactions, WeightTransport
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "WeightManager",
     "WeightTransactions",
     "WeightTransport",
+    "decode_named_tensors",
     "export_state",
     "get_weight_manager",
     "import_state",
