@@ -252,3 +252,21 @@ def test_distributed_transport_prepare_commit_and_rollback(server, tmp_path):
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait(10)
+
+
+def test_the_single_engine_path_gives_upload_buffers_back_to_the_pool(server):
+    """``update`` (prepare, commit, finish) drops its views into the receive buffers before it gives
+    them back, so the pool keeps them for the next upload instead of deferring them."""
+    manager = get_weight_manager(server.engine)
+    master = new_weights(server, 5)
+    body = save({n: t.contiguous() for n, t in master.items()})
+    pool = manager.receive_buffers.stats
+    deferred = pool.deferred
+    for i in range(2):
+        lease = manager.receive_buffers.lease(len(body))
+        lease.writable()[:] = memoryview(body)
+        out = run(manager.upload_part(lease, target_module="transformer", weight_version=f"pool-{i}"))
+        assert out["weight_version"] == f"pool-{i}" and out["upload_id"] == f"pool-{i}"
+    assert pool.deferred == deferred and pool.reused >= 1
+    after = live(server)
+    assert_same({n: after[n] for n in master}, master)

@@ -175,6 +175,9 @@ class WeightTransactions:
         self._applied.pop(txn, None)
         on_finish = prepared.staged.on_finish if prepared is not None else self._finishing.pop(txn, None)
         self._finishing.pop(txn, None)
+        # The plan's tensors may be views into receive buffers: they go first, so the pool takes
+        # the buffers back.
+        del prepared
         if on_finish is not None:
             on_finish()
 
@@ -194,9 +197,8 @@ class WeightTransactions:
             extra = self._prepared[txn].staged.extra
             await self.commit(txn, weight_version)
             applied = self._applied[txn]
+            summary, mib, seconds = applied.plan.summary(), applied.plan.num_bytes / 2**20, applied.seconds
+            del applied  # its tensors may be views into receive buffers, given back by finish
         finally:
             self.finish(txn)
-        mib = applied.plan.num_bytes / 2**20
-        return self.manager.result(
-            f"updated {applied.plan.summary()} ({mib:.1f} MiB in {applied.seconds:.3f} s)", **extra
-        )
+        return self.manager.result(f"updated {summary} ({mib:.1f} MiB in {seconds:.3f} s)", **extra)
