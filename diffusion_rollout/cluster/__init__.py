@@ -8,7 +8,9 @@ server never imports it. Modules, one job each:
   the dispatch gate, state, ``/server_info`` replicas and merged ``/metrics``.
 - ``weights``: ``ClusterWeights``, the weight-manager facade that fans every update out to every
   replica (full weights in two phases, LoRA changes with undo: all or nothing), checks checksums
-  agree, forms one update group of the trainer and every replica.
+  agree, forms one update group of the trainer and every replica; ``lora_fanout`` holds its LoRA
+  changes (all or nothing, with undo) and ``fanout`` the plumbing both share (serving replicas,
+  gathering answers, bytes in the object store once).
 - ``replica``: ``ReplicaServer``, the actor body (one ``Engine`` + its ``WeightManager``), and
   ``replica_actor_class`` to make it a Ray actor with given resources.
 - ``routing``: least-outstanding choice, IPC entry per replica GPU, update-group ranks (pure).
