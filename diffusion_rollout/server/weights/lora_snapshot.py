@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from diffusion_rollout.errors import WeightApplyError
-from diffusion_rollout.server.weights.lora import AdapterRecord, LoraManager, Mode
+from diffusion_rollout.server.weights.lora import LoraManager
 from diffusion_rollout.server.weights.lora_io import parse_lora_tensors
+from diffusion_rollout.server.weights.lora_layers import AdapterRecord, Mode
 
 
 @dataclass
