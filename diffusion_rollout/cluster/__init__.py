@@ -13,6 +13,7 @@ server never imports it. Modules, one job each:
   gathering answers, bytes in the object store once).
 - ``replica``: ``ReplicaServer``, the actor body (one ``Engine`` + its ``WeightManager``), and
   ``replica_actor_class`` to make it a Ray actor with given resources.
+- ``placement``: the resource check before replicas are created, and ``--placement``'s group.
 - ``routing``: least-outstanding choice, IPC entry per replica GPU, update-group ranks (pure).
 - ``metrics_merge``: totals plus per-replica series (a ``replica`` label) in one exposition text.
 
