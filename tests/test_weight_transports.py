@@ -270,3 +270,16 @@ def test_the_single_engine_path_gives_upload_buffers_back_to_the_pool(server):
     assert pool.deferred == deferred and pool.reused >= 1
     after = live(server)
     assert_same({n: after[n] for n in master}, master)
+
+
+@pytest.mark.parametrize("source", CPU_TRANSPORTS)
+def test_the_single_engine_path_refuses_in_its_one_worker_job_and_changes_nothing(server, source, tmp_path):
+    """``update`` validates inside the commit's worker job: a refusal there still changes nothing."""
+    manager = get_weight_manager(server.engine)
+    before, version, count = live(server), server.engine.weight_version, manager.updates_applied
+    for request, data, words in failing_requests(server, source, tmp_path):
+        with pytest.raises(WeightUpdateError, match=words):
+            run(manager.transactions.update(source, request, data=data, weight_version="never"))
+    assert_same(live(server), before)
+    assert server.engine.weight_version == version and manager.updates_applied == count
+    assert manager.staging.ids() == [] and manager.receive_buffers.stats.abandoned == 0

@@ -12,7 +12,8 @@ rollback. The single engine and each replica of a cluster go through the same st
    a cluster whose other replica failed; :meth:`~WeightTransactions.finish` drops the kept values
    and gives the receive buffers back.
 
-:meth:`~WeightTransactions.update` is the single engine's path: prepare, commit, finish.
+:meth:`~WeightTransactions.update` is the single engine's path: prepare, commit, finish, with the
+validation and the copies in one worker job between batches.
 
 Memory: the kept previous values are the backups ``apply_copies`` makes anyway; they live until
 ``finish`` (at once in one process, after the last replica's commit in a cluster).
@@ -61,7 +62,7 @@ def transport_for(source: str) -> WeightTransport:
 
 @dataclass
 class _Prepared:
-    plan: UpdatePlan
+    plan: UpdatePlan | None  # None: validated in the commit's worker job
     flush_cache: bool
     staged: Staged
 
@@ -91,23 +92,28 @@ class WeightTransactions:
         *,
         data: Any = None,
         flush_cache: bool = True,
+        validate_now: bool = True,
     ) -> str:
-        """Receive the update through ``source``, validate it and keep the plan; returns its summary."""
+        """Receive the update through ``source``, validate it and keep the plan; returns its summary.
+
+        ``validate_now=False``: the validation against the live model runs in the commit's worker
+        job instead (the single engine: one job between batches, so an update waits for at most
+        one batch in flight); a cluster validates every replica before any commits."""
         transport = transport_for(source) if isinstance(source, str) else source
         staged = await transport.prepare(self.manager, request, data)
         try:
             self.manager.targets(list(staged.payload))
-            plan = await self.manager._exclusive(
-                lambda: plan_update(
-                    self.manager.engine.pipe, staged.payload, check_finite=not staged.finite_checked
-                )
-            )
+            plan = await self.manager._exclusive(lambda: self._plan(staged)) if validate_now else None
         except BaseException:
             if staged.on_finish is not None:
                 staged.on_finish()
             raise
         self._prepared[txn] = _Prepared(plan, flush_cache, staged)
-        return plan.summary()
+        return plan.summary() if plan is not None else "received"
+
+    def _plan(self, staged: Staged) -> UpdatePlan:
+        """On the worker: every staged tensor checked against the live model and cast; no change."""
+        return plan_update(self.manager.engine.pipe, staged.payload, check_finite=not staged.finite_checked)
 
     def _merge_suspended(self, stack: contextlib.ExitStack, plan: UpdatePlan) -> None:
         pipe = self.manager.engine.pipe
@@ -123,6 +129,8 @@ class WeightTransactions:
                 raise WeightUpdateError(f"no prepared update {txn!r} on this replica")
             self._finishing[txn] = prepared.staged.on_finish
             t0 = time.perf_counter()
+            if prepared.plan is None:
+                prepared.plan = self._plan(prepared.staged)  # a refusal here has changed nothing
             previous = self.manager.engine.weight_version
             with contextlib.ExitStack() as stack:
                 self._merge_suspended(stack, prepared.plan)
@@ -193,7 +201,7 @@ class WeightTransactions:
         """One engine's whole update: prepare, commit, finish; the success answer."""
         txn = uuid.uuid4().hex
         try:
-            await self.prepare(txn, source, request, data=data, flush_cache=flush_cache)
+            await self.prepare(txn, source, request, data=data, flush_cache=flush_cache, validate_now=False)
             extra = self._prepared[txn].staged.extra
             await self.commit(txn, weight_version)
             applied = self._applied[txn]
