@@ -21,7 +21,7 @@ The rule:
   re-pushes its current weights with its current version after a restart (it must, the weights
   are gone) and asks for the latest version it pushed; versions from before the restart are not
   held and are waited for. A restarted cluster replica copies the sequence with the weights from a
-  serving peer (``cluster/resync.py``).
+  serving peer (``server/weights/replica_state.py``).
 
 The check is made when the request is queued: it then runs on the held version or a later one
 (weight updates queue behind the rollouts already queued, never under a running batch).

@@ -158,3 +158,38 @@ def test_downward_and_same_layer_imports_pass(tmp_path):
         "wire.py": "from diffusion_rollout.safetensors_layout import layout\n",
     })  # fmt: skip
     assert violations(root) == []
+
+
+# Weight sync is one subsystem behind a facade: the layers above the server (the cluster, the HTTP
+# layer) import ``server.weights`` and its transport interface, never a module inside it.
+WEIGHTS = "diffusion_rollout.server.weights"
+WEIGHTS_FACADE = {WEIGHTS, f"{WEIGHTS}.transports"}
+
+
+def weights_facade_violations(root: Path, package: str = "diffusion_rollout") -> list[str]:
+    """Every import of a ``server.weights`` internal from ``cluster`` or ``entrypoints``, one line each."""
+    out = []
+    for unit in ("cluster", "entrypoints"):
+        for path in sorted((root / package / unit).rglob("*.py")):
+            for line, module in _imports(path, root, package):
+                if module.startswith(WEIGHTS + ".") and module not in WEIGHTS_FACADE:
+                    where = f"{path.relative_to(root / package)}:{line} imports {module}"
+                    out.append(f"{where}: use {WEIGHTS} or its transports")
+    return out
+
+
+def test_cluster_and_http_reach_weight_sync_through_its_facade():
+    assert weights_facade_violations(ROOT) == []
+
+
+def test_an_import_past_the_weights_facade_is_reported(tmp_path):
+    root = _package(tmp_path, {
+        "cluster/weights.py": "from diffusion_rollout.server.weights import Lease\n"
+                              "from diffusion_rollout.server.weights.transports import WeightTransactions\n",
+        "cluster/replica.py": "def f():\n    from ..server.weights.manager_core import validate_targets\n",
+        "entrypoints/upload.py": "from diffusion_rollout.server.weights.receive import Lease\n",
+    })  # fmt: skip
+    found = weights_facade_violations(root)
+    where = [f.split(" imports ")[0] for f in found]
+    assert where == ["cluster/replica.py:2", "entrypoints/upload.py:1"], found
+    assert "server.weights.manager_core" in found[0]

@@ -8,14 +8,18 @@ server never imports it. Modules, one job each:
   the dispatch gate, state, ``/server_info`` replicas and merged ``/metrics``.
 - ``weights``: ``ClusterWeights``, the weight-manager facade that fans every update out to every
   replica (full weights in two phases, LoRA changes with undo: all or nothing), checks checksums
-  agree, forms one update group of the trainer and every replica.
+  agree, forms one update group of the trainer and every replica; ``lora_fanout`` holds its LoRA
+  changes (all or nothing, with undo) and ``fanout`` the plumbing both share (serving replicas,
+  gathering answers, bytes in the object store once).
 - ``replica``: ``ReplicaServer``, the actor body (one ``Engine`` + its ``WeightManager``), and
   ``replica_actor_class`` to make it a Ray actor with given resources.
-- ``transactions``: prepare / commit / rollback / finish of a full-weight update on one replica.
-- ``lora_transactions``: a LoRA change on one replica that can be rolled back until finished.
+- ``placement``: the resource check before replicas are created, and ``--placement``'s group.
 - ``routing``: least-outstanding choice, IPC entry per replica GPU, update-group ranks (pure).
 - ``metrics_merge``: totals plus per-replica series (a ``replica`` label) in one exposition text.
-- ``resync``: a restarted replica copies the current weights, adapters and version from a peer.
+
+Weight sync itself (transports, prepare / commit / rollback on one replica, LoRA undo, a restarted
+replica's copy of a peer's state) is the server's weights subsystem; the cluster reaches it only
+through its facade, ``diffusion_rollout.server.weights`` and ``server.weights.transports``.
 
 Trainers already on Ray place the replicas themselves and call them without HTTP::
 

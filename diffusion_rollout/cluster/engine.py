@@ -32,7 +32,7 @@ Design decisions:
   another replica (a request either produced all its outputs or none, so a retry loses nothing and
   never mixes versions), then ``recovery.recover`` loads the model on the new process and, under the admin
   lock, copies the current weights, adapters and version from a serving peer
-  (``cluster/resync.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
+  (``server/weights/replica_state.py``) before the replica serves again (``syncing`` -> ``serving``). A replica
   Ray gave up on is ``dead``; with no serving peer to copy from it stays ``stale``. Update groups
   (NCCL) do not survive a restart: the trainer joins a new group.
 """
@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffusion_rollout.cluster.placement import Placement
 from diffusion_rollout.cluster.ray_support import (
     ReplicaRestartedError,
     import_ray,
@@ -67,9 +68,6 @@ from diffusion_rollout.server.core.params import GenerateParams, SampleResult
 from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)
-
-# How long ``--placement`` waits for Ray to reserve every replica's bundle.
-PLACEMENT_TIMEOUT_S = 300.0
 
 
 class ReplicaLostError(ServiceUnavailableError):
@@ -149,7 +147,7 @@ class ClusterEngine:
         self.user_paused = False
         self._weight_version: Any = 0
         self._owns_ray = False
-        self._placement_group: Any = None  # config.placement's group, removed on stop
+        self.placement = Placement(config)  # config.placement's group, removed on stop
         self._shutdown_deadline: float | None = None
         self._admin_lock: asyncio.Lock | None = None
         self._model_info: dict[str, Any] = {}
@@ -208,8 +206,8 @@ class ClusterEngine:
         actors: list[Any] = list(self._adopted or [])
         try:
             if self._adopted is None:
-                self._check_resources(ray, n, gpus)
-                options = self._placement_options(ray, n, gpus)
+                self.placement.check_resources(ray, n, gpus)
+                options = self.placement.options(ray, n, gpus)
                 actors = [
                     actor_cls.options(**options[i]).remote(
                         rcfg, i, self.pipeline_factory, self.upload_listener
@@ -222,7 +220,7 @@ class ClusterEngine:
             for actor in actors if self._adopted is None else []:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
-            self._remove_placement_group(ray)
+            self.placement.remove()
             if self._owns_ray:
                 ray.shutdown()
             raise
@@ -243,62 +241,6 @@ class ClusterEngine:
                 info["node"],
                 info["device"],
                 info["pid"],
-            )
-
-    def _placement_options(self, ray, n: int, gpus: float) -> list[dict[str, Any]]:
-        """Each replica actor's ``.options``: none (Ray's default scheduling) unless
-        ``config.placement`` asks for a placement group of one bundle per replica, with Ray's
-        ``SPREAD`` (bundles on as many nodes as possible) or ``PACK`` (as few) strategy. Both are
-        best effort: ``pack`` spreads what one node cannot hold, ``spread`` doubles up when there are
-        fewer nodes than replicas. A replica restarted by Ray comes back in its own bundle (which Ray
-        moves to another node if its node died)."""
-        placement = self.config.placement
-        if placement is None:
-            return [{} for _ in range(n)]
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = {k: v for k, v in (("CPU", self.config.cpus_per_replica), ("GPU", gpus)) if v > 0}
-        if not bundle:
-            raise ValueError(
-                f"placement={placement} needs each replica to reserve a CPU or a GPU; "
-                "set --cpus-per-replica or --gpus-per-replica above 0"
-            )
-        pg = placement_group([dict(bundle) for _ in range(n)], strategy=placement.upper())
-        self._placement_group = pg
-        try:
-            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise ValueError(
-                f"Ray could not place {n} bundles of {bundle} ({placement}) within {PLACEMENT_TIMEOUT_S:g} s: "
-                "no node has room for one replica's bundle; lower --gpus-per-replica or --cpus-per-replica"
-            ) from None
-        logger.info("replicas placed in a %s placement group of %d bundles %s", placement.upper(), n, bundle)
-        return [
-            {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-            for i in range(n)
-        ]
-
-    def _remove_placement_group(self, ray) -> None:
-        pg, self._placement_group = self._placement_group, None
-        if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
-
-    def _check_resources(self, ray, n: int, gpus: float) -> None:
-        """Fail at once (instead of waiting forever for actors Ray cannot place) when the cluster
-        has fewer GPUs or CPUs in total than the replicas ask for."""
-        total = ray.cluster_resources()
-        need = {"GPU": n * gpus, "CPU": n * self.config.cpus_per_replica}
-        short = {k: v for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
-        if short:
-            have = ", ".join(f"{k} {total.get(k, 0.0):g}" for k in short)
-            want = ", ".join(f"{k} {v:g}" for k, v in short.items())
-            raise ValueError(
-                f"{n} replicas need {want} but the Ray cluster has {have}; lower --replicas, "
-                "--gpus-per-replica or --cpus-per-replica, or add hosts (ray start --address=...)"
             )
 
     def begin_shutdown(self, grace_s: float | None = None) -> float:
@@ -329,7 +271,7 @@ class ClusterEngine:
             with contextlib.suppress(Exception):
                 ray.kill(r.actor)
         self.replicas = []
-        self._remove_placement_group(ray)
+        self.placement.remove()
         if self._owns_ray:
             ray.shutdown()
         logger.info("cluster stopped")

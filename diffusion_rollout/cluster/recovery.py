@@ -2,7 +2,7 @@
 
 The front (``engine.py``) notices the death (``replica_died``) and starts :func:`recover` as a task.
 Under the front's admin lock, so that no update runs meanwhile, the new process copies the current
-weights, adapters and version history from a serving peer (``resync.py``), takes the front's
+weights, adapters and version history from a serving peer (``server/weights/replica_state.py``), takes the front's
 pause and memory state, and serves again (``mark_synced``: until then the new process refuses
 work, even work Ray hands it before the front heard of the death). A replica with no peer to copy from after updates were
 applied stays out of service (``stale``) rather than serve old weights.

@@ -14,14 +14,14 @@ Design decisions:
   returned as they are (CPU tensors), so the front's HTTP encoding is the single server's.
 - Weight operations: everything but full-weight updates is a plain call on the manager
   (:meth:`ReplicaServer.manager_call`, a fixed list of names); full-weight updates go through
-  :class:`~diffusion_rollout.cluster.transactions.FullUpdateTransactions` (prepare / commit /
-  rollback / finish) so the front can apply them on all replicas or on none; LoRA changes go through
-  :class:`~diffusion_rollout.cluster.lora_transactions.LoraTransactions` (``lora_change`` /
+  the weight-sync interface, ``server.weights.transports`` (a transport's prepare, then commit /
+  rollback / finish, one call each) so the front can apply them on all replicas or on none; LoRA
+  changes go through :class:`~diffusion_rollout.server.weights.LoraTransactions` (``lora_change`` /
   ``lora_rollback`` / ``lora_finish``) for the same reason. Bytes the front put in
   the object store once (HTTP uploads) arrive as the ``data`` argument: Ray resolves a top-level
   ``ObjectRef`` argument to its value in this process.
 - Restarts: Ray re-runs ``__init__`` in a new process; the front calls ``start`` again and then
-  ``import_state`` with a serving peer's ``export_state`` (``cluster/resync.py``) and ``mark_synced``.
+  ``import_state`` with a serving peer's ``export_state`` (``server/weights/replica_state.py``) and ``mark_synced``.
   Until then a restarted process (Ray says so: ``was_current_actor_reconstructed``) refuses rollouts
   and weight calls with ``ReplicaRestartedError``: Ray routes calls to it as soon as it is up, maybe
   before the front learnt of the death, and it holds the model folder's weights, not the cluster's.
@@ -38,16 +38,19 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from diffusion_rollout.cluster.lora_transactions import LoraTransactions
 from diffusion_rollout.cluster.ray_support import ReplicaRestartedError
-from diffusion_rollout.cluster.resync import export_state, import_state
-from diffusion_rollout.cluster.transactions import FullUpdateTransactions
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.server.core.engine import Engine
 from diffusion_rollout.server.core.params import GenerateParams, SampleResult
-from diffusion_rollout.server.weights import get_weight_manager
-from diffusion_rollout.server.weights.receive import Lease, unpooled
+from diffusion_rollout.server.weights import (
+    Lease,
+    LoraTransactions,
+    export_state,
+    get_weight_manager,
+    import_state,
+    unpooled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +78,6 @@ MANAGER_CALLS = frozenset(
 )
 # Which keyword a ``data`` argument fills, per method.
 DATA_KEYWORD = {"upload_part": "body", "load_lora": "data"}
-# Full-weight sources of ``prepare``.
-SOURCES = ("disk", "upload", "tensor", "distributed")
 
 
 def _gpu_uuids() -> list[str]:
@@ -135,7 +136,7 @@ class ReplicaServer:
         self.upload_listener_class = upload_listener
         self.engine = Engine(config)
         self.manager = get_weight_manager(self.engine)
-        self.transactions = FullUpdateTransactions(self.manager)
+        self.transactions = self.manager.transactions
         self.lora_transactions = LoraTransactions(self.manager)
         self._lora_fault = False  # inject_lora_fault
         self.upload_listener = None  # this replica's own upload port (with --upload-port)
@@ -275,26 +276,13 @@ class ReplicaServer:
         return await getattr(self.manager, method)(**kwargs)
 
     async def prepare(self, txn: str, source: str, kwargs: dict[str, Any], data: Any = None) -> str:
-        """Read a full-weight update from ``source`` and validate it; nothing is applied."""
+        """Receive a full-weight update through the transport ``source`` and validate it; nothing
+        is applied."""
         self._admit("weight updates")
-        m = self.manager
+        kwargs = dict(kwargs)
         flush_cache = kwargs.pop("flush_cache", True)
-        if source == "disk":
-            payload = await m.disk_payload(kwargs["model_path"], kwargs.get("target_modules"))
-        elif source == "upload":
-            staged = await m.stage_upload_part(self._lease(data), final=True, **kwargs)
-            # Staged parts were cast and checked finite on arrival; their buffers go back at finish.
-            return await self.transactions.prepare(
-                txn, staged.payload, flush_cache=flush_cache, finite_checked=True, on_finish=staged.release,
-                received_sha256=staged.digests,
-            )  # fmt: skip
-        elif source == "tensor":
-            payload = await m.tensor_payload(**kwargs)
-        elif source == "distributed":
-            payload = await m.receive_distributed(**kwargs)
-        else:
-            raise WeightUpdateError(f"unknown update source {source!r}; one of {SOURCES}")
-        return await self.transactions.prepare(txn, payload, flush_cache=flush_cache)
+        lease = self._lease(data) if data is not None else None
+        return await self.transactions.prepare(txn, source, kwargs, data=lease, flush_cache=flush_cache)
 
     async def commit(self, txn: str, weight_version: Any) -> Any:
         return await self.transactions.commit(txn, weight_version)

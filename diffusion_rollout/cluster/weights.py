@@ -8,19 +8,19 @@ Design decisions:
   ``weight_version`` to the replicas: the trainer's, else the front's count of updates + 1. All
   replicas therefore report the same version, which becomes the front's after the update.
 - **Full weights: all or nothing.** Disk, HTTP upload (final part), IPC tensors and broadcasts run
-  in two phases (``cluster/transactions.py``): every replica reads and validates (rollouts keep
+  in two phases (the transports' prepare / commit / rollback, ``server/weights/transports``): every replica reads and validates (rollouts keep
   running); if any refuses, none applies and the first refusal is the answer (400). Then, with the
   dispatch gate closed, every replica applies; if one fails, the replicas that applied roll back
   to the exact previous bytes and version, and the failure is the answer.
 - **Serving replicas.** Operations reach the replicas that serve; one that is restarting copies
-  the result from a serving peer before it serves again (``cluster/resync.py``), so it never
+  the result from a serving peer before it serves again (``server/weights/replica_state.py``), so it never
   misses an update. Forming an update group needs every replica (a collective needs every rank).
 - **HTTP bodies once.** Upload and LoRA bodies are ``ray.put`` once; each replica reads the object.
   A part whose body the front did not receive whole reaches no replica; ``refuse_part`` tells every
   serving replica to drop its upload, as the single manager does (400, nothing applied anywhere).
-- **LoRA changes: all or nothing.** Loads (path, upload, tensors, ``lora_merge``), activation, mode
+- **LoRA changes: all or nothing** (``cluster/lora_fanout.py``). Loads (path, upload, tensors, ``lora_merge``), activation, mode
   switches and unloads run on every replica at once with the dispatch gate closed, each replica
-  first keeping what the change can touch (``cluster/lora_transactions.py``). They validate before
+  first keeping what the change can touch (``server/weights/lora_transactions.py``). They validate before
   changing anything and replicas hold the same model, so a refusal is the same everywhere and is
   the answer (400). If the change fails on only some replicas (a device fault), every replica puts
   back its adapters, their tensors, activation, mode (merged base weights included) and version,
@@ -38,13 +38,13 @@ Design decisions:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from diffusion_rollout.cluster.ray_support import import_ray, replica_lost, unwrap
+from diffusion_rollout.cluster.fanout import Version, first_error
+from diffusion_rollout.cluster.lora_fanout import ClusterLoraOps
 from diffusion_rollout.cluster.routing import ipc_entry_for, replica_ranks
 from diffusion_rollout.errors import (
     DiffusionRolloutError,
@@ -53,25 +53,12 @@ from diffusion_rollout.errors import (
     WeightApplyError,
     WeightUpdateError,
 )
-from diffusion_rollout.server.weights.manager_core import validate_targets
-from diffusion_rollout.server.weights.receive import BufferPool, Lease
+from diffusion_rollout.server.weights import BufferPool, Lease
 
 logger = logging.getLogger(__name__)
 
-Version = str | int | None
 
-
-def _first_error(results: Sequence[Any]) -> BaseException | None:
-    return next((r for r in results if isinstance(r, BaseException)), None)
-
-
-def _refusal(exc: BaseException) -> bool:
-    """A 4xx: the request was refused by validation, before the replica changed anything. Any other
-    failure (device fault, 5xx, a dead actor) may have left a change half-applied."""
-    return isinstance(exc, DiffusionRolloutError) and exc.status_code < 500
-
-
-class ClusterWeights:
+class ClusterWeights(ClusterLoraOps):
     """Fan-out of every ``WeightOps`` call to the replicas of a ``ClusterEngine``."""
 
     def __init__(self, cluster) -> None:
@@ -83,136 +70,6 @@ class ClusterWeights:
         # replica restarted since (a new process) is no member, and a collective without it would wait
         # for it until the group's timeout: such a broadcast is refused before any replica is asked.
         self._groups: dict[str, dict[int, Any]] = {}
-
-    # ------------------------------------------------------------------ plumbing
-    @property
-    def weight_version(self) -> Any:
-        return self.cluster.weight_version
-
-    def module_names(self) -> list[str]:
-        return list(self.cluster.module_names)
-
-    def targets(self, target_modules: Sequence[str] | None) -> list[str]:
-        return validate_targets(target_modules, self.cluster.module_names)
-
-    def result(self, message: str, **extra: Any) -> dict[str, Any]:
-        return {"success": True, "message": message, "weight_version": self.weight_version, **extra}
-
-    def _next_version(self, weight_version: Version) -> Any:
-        return weight_version if weight_version is not None else self.cluster.updates_applied + 1
-
-    def _replicas(self):
-        """The serving replicas: a restarting one copies the result from a peer when it is back."""
-        replicas = self.cluster.serving()
-        if not replicas:
-            raise ServiceUnavailableError("no replica is serving; weight operations need at least one")
-        return replicas
-
-    async def _gather(self, replicas, call) -> list[Any]:
-        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
-        out = []
-        for r, res in zip(replicas, results, strict=True):
-            if isinstance(res, BaseException) and replica_lost(res):
-                self.cluster.replica_died(r, res)
-            out.append(unwrap(res) if isinstance(res, BaseException) else res)
-        return out
-
-    @staticmethod
-    def _put(data: bytes | Lease | None):
-        """Bytes (or a receive buffer, given back here) into the object store once, for every replica."""
-        if data is None:
-            return None
-        if isinstance(data, Lease):
-            try:
-                return import_ray().put(data.data.numpy())
-            finally:
-                data.release()
-        return import_ray().put(data)
-
-    async def _fanout(
-        self,
-        method: str,
-        kwargs: Mapping[str, Any] | None = None,
-        *,
-        per_replica: Sequence[Mapping[str, Any]] | None = None,
-        data: bytes | Lease | None = None,
-        replicas: Sequence[Any] | None = None,
-    ) -> list[Any]:
-        """``method(**kwargs)`` on every serving replica's manager (``per_replica``: arguments by
-        replica id); raises unless every one succeeded. For operations that change no weights or
-        adapters (LoRA changes go through :meth:`_lora_change`)."""
-        replicas = list(replicas) if replicas is not None else self._replicas()
-        ref = self._put(data)
-        args = per_replica or {r.replica_id: kwargs or {} for r in replicas}
-        results = await self._gather(
-            replicas, lambda r: r.actor.manager_call.remote(method, dict(args[r.replica_id]), ref)
-        )
-        refused = _first_error(results)
-        if refused is not None:
-            raise refused
-        return results
-
-    async def _lora_change(
-        self,
-        method: str,
-        per_replica: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
-        *,
-        data: bytes | Lease | None = None,
-    ) -> dict[str, Any]:
-        """A LoRA change on every serving replica, all or nothing (see the module docstring);
-        ``per_replica``: arguments by replica id, each with the version the front chose."""
-        replicas = self._replicas()
-        ref = self._put(data)
-        txn = uuid.uuid4().hex
-        try:
-            async with self.cluster.gate.closed():
-                results = await self._gather(
-                    replicas,
-                    lambda r: r.actor.lora_change.remote(txn, method, dict(per_replica[r.replica_id]), ref),
-                )
-                failed = [
-                    (r.replica_id, res)
-                    for r, res in zip(replicas, results, strict=True)
-                    if isinstance(res, BaseException)
-                ]
-                if len(failed) == len(replicas) and all(_refusal(e) for _, e in failed):
-                    # Refused everywhere alike (validation runs before any change): nothing changed.
-                    raise failed[0][1]
-                if failed:
-                    # Every replica, the failed ones too: a change that failed half-way comes back as well.
-                    undone = await self._gather(replicas, lambda r: r.actor.lora_rollback.remote(txn))
-                    rid, exc = failed[0]
-                    msg = getattr(exc, "message", str(exc))
-                    stuck = [
-                        r.replica_id
-                        for r, u in zip(replicas, undone, strict=True)
-                        if isinstance(u, BaseException)
-                    ]
-                    if stuck:
-                        raise ReplicasDivergedError(
-                            f"{method} failed on replica {rid} ({msg}) and rolling back failed on replica(s) "
-                            f"{stuck} ({_first_error(undone)}); the replicas may differ: reload the adapters"
-                        ) from exc
-                    raise WeightApplyError(
-                        f"{method} failed on replica {rid} ({msg}); every replica was rolled back to "
-                        f"version {self.weight_version}"
-                    ) from exc
-        finally:
-            await self._gather(replicas, lambda r: r.actor.lora_finish.remote(txn))
-        return results[0]
-
-    async def _changing(
-        self, method: str, kwargs: dict[str, Any], *, data: bytes | Lease | None = None
-    ) -> dict:
-        """A version-bumping LoRA change: explicit version, front version set after."""
-        async with self.cluster.admin_lock:
-            version = self._next_version(kwargs.get("weight_version"))
-            args = {**kwargs, "weight_version": version}
-            result = await self._lora_change(
-                method, {r.replica_id: args for r in self.cluster.replicas}, data=data
-            )
-            self.cluster.set_weight_version(version)
-        return {**result, "weight_version": self.weight_version}
 
     async def _full(
         self,
@@ -236,7 +93,7 @@ class ClusterWeights:
                         txn, source, {**per_replica[r.replica_id], "flush_cache": flush_cache}, ref
                     ),
                 )
-                refused = _first_error(prepared)
+                refused = first_error(prepared)
                 if refused is not None:
                     raise refused
                 version = self._next_version(weight_version)
@@ -507,32 +364,6 @@ class ClusterWeights:
             if isinstance(res, BaseException):
                 raise res
         return self.result(f"{results[0]['message']} on {len(replicas)} replicas")
-
-    # ------------------------------------------------------------------ LoRA
-    async def load_lora(self, *, data: bytes | Lease | None = None, **kwargs: Any) -> dict[str, Any]:
-        return await self._changing("load_lora", kwargs, data=data)
-
-    async def load_lora_tensors(self, **kwargs: Any) -> dict[str, Any]:
-        return await self._changing("load_lora_tensors", kwargs)
-
-    async def activate_lora(self, **kwargs: Any) -> dict[str, Any]:
-        return await self._changing("activate_lora", kwargs)
-
-    async def set_lora_mode(self, **kwargs: Any) -> dict[str, Any]:
-        return await self._changing("set_lora_mode", kwargs)
-
-    async def unload_lora(self, **kwargs: Any) -> dict[str, Any]:
-        return await self._changing("unload_lora", kwargs)
-
-    async def describe_lora(self) -> dict[str, Any]:
-        # Replicas apply the same changes in the same order; replica 0 speaks for all.
-        replica = self._replicas()[0]
-        [described] = await self._gather(
-            [replica], lambda r: r.actor.manager_call.remote("describe_lora", {})
-        )
-        if isinstance(described, BaseException):
-            raise described
-        return described
 
     # ------------------------------------------------------------------ pause and memory
     async def pause_generation(self) -> dict[str, Any]:

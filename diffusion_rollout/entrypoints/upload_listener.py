@@ -81,7 +81,7 @@ from diffusion_rollout.entrypoints.upload_wire import (
 )
 from diffusion_rollout.errors import DiffusionRolloutError, ServiceUnavailableError, WeightUpdateError
 from diffusion_rollout.logging_utils import request_id_var
-from diffusion_rollout.server.weights.receive import Lease, unpooled
+from diffusion_rollout.server.weights import Lease, unpooled
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.weights.receive import Lease
+from diffusion_rollout.server.weights import Lease
 
 UPLOAD_PATH = "/update_weights"
 

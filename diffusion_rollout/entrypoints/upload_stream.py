@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from diffusion_rollout.entrypoints.upload_part import truncated_body_error
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.weights.receive import BufferPool, Lease, unpooled
+from diffusion_rollout.server.weights import BufferPool, Lease, unpooled
 
 
 async def receive_body(request: Request, pool: BufferPool) -> Lease:

@@ -128,7 +128,7 @@ def test_placement_spread_and_pack_on_two_nodes(tiny_model_path):
                 assert all(r["state"] == "serving" for r in replicas(client))
                 outs = [generate(client, {**BODY, "seed": s})[0] for s in (1, 2)]
                 assert [o["seed"] for o in outs] == [1, 2]
-                pg = engine._placement_group
+                pg = engine.placement.group
                 assert pg is not None and pg.bundle_specs == [{"CPU": 1.0}] * 2
                 assert client.get("/server_info").json()["placement"] == placement
             # stop() gave the group back: all 4 CPUs free for the next front.

@@ -33,7 +33,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     require_api_key,
 )
 from diffusion_rollout.entrypoints.routers.lora import sglang_targets
-from diffusion_rollout.server.weights.torch_blob import decode_named_tensors
+from diffusion_rollout.server.weights import decode_named_tensors
 
 router = APIRouter()
 

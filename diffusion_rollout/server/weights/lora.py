@@ -23,6 +23,7 @@ Design decisions:
   module structure, parameter names and checksums return to exactly what they were.
 - The active adapter's weights require grad, like the trainer's: ``torch.matmul`` picks its kernel
   path by that flag (``_apply_activation`` says why), so the served forward is the trainer's to the bit.
+- The PEFT layer structure and the adapter records are in ``lora_layers.py``.
 - This class does no locking and no versioning: the manager calls it on the engine's worker thread.
 """
 
@@ -31,10 +32,9 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,103 +42,21 @@ from torch import nn
 from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.errors import NotFoundError, WeightApplyError, WeightUpdateError
 from diffusion_rollout.server.weights.lora_io import LoraPayload, inferred_lora_config
+from diffusion_rollout.server.weights.lora_layers import (
+    MODES,
+    AdapterRecord,
+    Mode,
+    TargetState,
+    base_layer_of,
+    canonical_module_paths,
+    config_key,
+    expected_lora_shapes,
+    peft_classes,
+    tuner_layers,
+)
 from diffusion_rollout.server.weights.updater import PlannedCopy, apply_copies, describe_names, finite_flags
 
 logger = logging.getLogger(__name__)
-
-Mode = Literal["dynamic", "merged"]
-MODES = ("dynamic", "merged")
-
-_TARGETING_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
-_LAYOUT_FIELDS = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias", "fan_in_fan_out")  # fmt: skip
-
-
-def _peft():
-    import peft
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    return peft, LoraLayer, check_target_module_exists
-
-
-# ---------------------------------------------------------------------------- module structure
-def tuner_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(path, LoraLayer)`` for every PEFT LoRA layer in ``module``."""
-    _, LoraLayer, _ = _peft()
-    for path, sub in module.named_modules():
-        if isinstance(sub, LoraLayer):
-            yield path, sub
-
-
-def canonical_module_paths(module: nn.Module) -> dict[str, nn.Module]:
-    """Paths of ``module``'s submodules as an unwrapped model names them (wrappers at their path)."""
-    out: dict[str, nn.Module] = {}
-
-    def walk(mod: nn.Module, prefix: str) -> None:
-        for name, child in mod._modules.items():
-            if child is None:
-                continue
-            path = prefix + name
-            out[path] = child
-            base = getattr(child, "base_layer", None)
-            if isinstance(base, nn.Module) and hasattr(child, "adapter_layer_names"):
-                walk(base, path + ".")
-            else:
-                walk(child, path + ".")
-
-    walk(module, "")
-    return out
-
-
-def _base(layer: nn.Module) -> nn.Module:
-    return layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-
-
-def _expected_shapes(base: nn.Module, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(lora_A, lora_B)`` weight shapes PEFT creates for a plain Linear; None for other layers."""
-    if isinstance(base, nn.Linear):
-        return (rank, base.in_features), (base.out_features, rank)
-    return None
-
-
-# ---------------------------------------------------------------------------- state
-@dataclass
-class AdapterRecord:
-    name: str
-    config: Any
-    layers: tuple[str, ...]
-    source: str | None
-    strength: float = 1.0
-    loads: int = 1
-
-    def layout(self) -> tuple:
-        return (self.layers, *(_freeze(getattr(self.config, f)) for f in _LAYOUT_FIELDS))
-
-
-def _config_key(config: Any) -> tuple:
-    """What decides which layers a config wraps and how: equal keys wrap the same way."""
-    return tuple(_freeze(getattr(config, f, None)) for f in (*_LAYOUT_FIELDS, *_TARGETING_FIELDS))
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, set, tuple)):
-        return tuple(sorted(map(str, value)))
-    return value
-
-
-@dataclass
-class TargetState:
-    adapters: dict[str, AdapterRecord] = field(default_factory=dict)
-    active: str | None = None
-    mode: Mode = "dynamic"
-    merge_dtype: torch.dtype | None = None
-    merged_copies: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def merged(self) -> bool:
-        return bool(self.merged_copies)
 
 
 class LoraManager:
@@ -181,7 +99,7 @@ class LoraManager:
             same = (
                 old is not None
                 and tuple(payload.layers) == old.layers
-                and _config_key(config) == _config_key(old.config)
+                and config_key(config) == config_key(old.config)
             )
             layers = self._validate(
                 target, module, payload, config, wrapped=list(old.layers) if same else None
@@ -222,7 +140,7 @@ class LoraManager:
         config: Any,
         wrapped: list[str] | None = None,
     ) -> list[str]:
-        _, _, check_target = _peft()
+        _, _, check_target = peft_classes()
         paths = canonical_module_paths(module)
         unknown = [layer for layer in payload.layers if layer not in paths]
         if len(unknown) == len(payload.layers):
@@ -251,7 +169,7 @@ class LoraManager:
             if layer in unknown:
                 continue
             rank = int(a.shape[0]) if a.dim() >= 1 else -1
-            expected = _expected_shapes(_base(paths[layer]), rank)
+            expected = expected_lora_shapes(base_layer_of(paths[layer]), rank)
             ok = a.dim() >= 2 and b.dim() >= 2 and b.shape[1] == rank
             if expected is not None:
                 ok = ok and tuple(a.shape) == expected[0] and tuple(b.shape) == expected[1]
@@ -276,7 +194,7 @@ class LoraManager:
         return wrapped
 
     def _inject(self, target, module, name, payload, config, layers) -> None:
-        peft, _, _ = _peft()
+        peft, _, _ = peft_classes()
         was_training = module.training
         try:
             with warnings.catch_warnings():
@@ -397,9 +315,9 @@ class LoraManager:
         with torch.no_grad():
             try:
                 for path, layer in layers:
-                    copies[path] = _base(layer).weight.detach().clone()
+                    copies[path] = base_layer_of(layer).weight.detach().clone()
                 for _, layer in layers:
-                    weight = _base(layer).weight
+                    weight = base_layer_of(layer).weight
                     dtype = state.merge_dtype or weight.dtype
                     delta = layer.get_delta_weight(name)
                     weight.data.copy_((weight.to(dtype) + delta.to(dtype)).to(weight.dtype))
@@ -407,7 +325,7 @@ class LoraManager:
             except Exception as exc:
                 for path, layer in layers:
                     if path in copies:
-                        _base(layer).weight.data.copy_(copies[path])
+                        base_layer_of(layer).weight.data.copy_(copies[path])
                     layer.merged_adapters = []
                 raise WeightApplyError(
                     f"merging adapter {name!r} failed ({exc}); base weights restored"
@@ -420,7 +338,7 @@ class LoraManager:
         with torch.no_grad():
             for path, saved in state.merged_copies.items():
                 layer = module.get_submodule(path)
-                _base(layer).weight.data.copy_(saved)
+                base_layer_of(layer).weight.data.copy_(saved)
                 layer.merged_adapters = []
         state.merged_copies = {}
 
@@ -520,7 +438,7 @@ def _nothing():
 
 def _is_wrappable(module: nn.Module) -> bool:
     """Leaf layer types PEFT's LoRA can wrap (wrappers themselves count, by their base layer)."""
-    base = _base(module)
+    base = base_layer_of(module)
     return (
         isinstance(base, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding))
         or type(base).__name__ == "Conv1D"

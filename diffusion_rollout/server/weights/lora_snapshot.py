@@ -1,8 +1,8 @@
 """A module's LoRA state captured and put back exactly: adapters, their tensors, activation, mode.
 
 Two users need the same thing: a cluster undoes a LoRA change on the replicas that applied it when
-another replica failed (``cluster/lora_transactions.py``), and a restarted replica takes a serving
-peer's adapters (``cluster/resync.py``).
+another replica failed (``lora_transactions.py``), and a restarted replica takes a serving
+peer's adapters (``replica_state.py``).
 
 Design decisions:
 
@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from diffusion_rollout.errors import WeightApplyError
-from diffusion_rollout.server.weights.lora import AdapterRecord, LoraManager, Mode
+from diffusion_rollout.server.weights.lora import LoraManager
 from diffusion_rollout.server.weights.lora_io import parse_lora_tensors
+from diffusion_rollout.server.weights.lora_layers import AdapterRecord, Mode
 
 
 @dataclass

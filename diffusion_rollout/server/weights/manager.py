@@ -3,15 +3,14 @@
 Design decisions:
 
 - **Split by responsibility, one object.** The state and plumbing live in ``manager_core``
-  (versioning, exclusive execution on the engine's worker, target validation), full-weight
-  transports and checks in ``full_ops``, adapters in ``lora_ops``; :class:`WeightManager` combines
-  them and adds only what belongs to neither: SGLang's ``update_weights_from_tensor`` (one payload
-  format that carries either full weights or LoRA pairs, so it dispatches between the two) and
-  releasing memory and pausing generation.
+  (versioning, exclusive execution on the engine's worker, target validation, the full-weight
+  transactions of ``transports/``), full-weight entry points and checks in ``full_ops``, upload
+  staging in ``upload_ops``, adapters in ``lora_ops``; :class:`WeightManager` combines them and adds
+  only what belongs to none: SGLang's ``update_weights_from_tensor`` (one payload format that
+  carries either full weights or LoRA pairs, so it dispatches between the IPC transport and an
+  adapter load) and releasing memory and pausing generation.
 - The engine knows nothing of weights management: the manager is attached to an engine lazily by
   :func:`get_weight_manager` (a weak map, so the engine needs no attribute for it).
-- The names this module held before the split (``read_disk_update``, ``parse_safetensors``,
-  ``DEFAULT_TARGETS``) are re-exported from their new homes.
 - Generation is paused while the user asked for it or while memory is released; admin jobs still
   run while paused, so ``pause_generation`` returns once the batch in flight has finished.
 """
@@ -29,10 +28,12 @@ from diffusion_rollout.server.weights.full_ops import FullWeightOps
 from diffusion_rollout.server.weights.lora_ops import LoraOps
 from diffusion_rollout.server.weights.manager_core import Version
 from diffusion_rollout.server.weights.safe_pickle import FdPolicy
+from diffusion_rollout.server.weights.upload_ops import UploadOps
 
 
-class WeightManager(FullWeightOps, LoraOps):
-    """The engine's weight manager; see the module docstrings of ``full_ops`` and ``lora_ops``."""
+class WeightManager(FullWeightOps, UploadOps, LoraOps):
+    """The engine's weight manager; see the module docstrings of ``full_ops``, ``upload_ops`` and
+    ``lora_ops``."""
 
     # ------------------------------------------------------------------ SGLang tensor payloads
     _decoder: ipc.PayloadDecoder | None = None
@@ -58,16 +59,17 @@ class WeightManager(FullWeightOps, LoraOps):
         flush_cache: bool = True,
     ) -> dict[str, Any]:
         targets = self.targets(target_modules)
-        payload = await self.tensor_payload(
-            serialized_named_tensors,
-            load_format=load_format,
-            target_modules=targets,
-            payload_gpu_uuids=payload_gpu_uuids,
-        )
+        request = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "target_modules": targets,
+            "payload_gpu_uuids": payload_gpu_uuids,
+        }
         if weight_update_mode is None:
-            return await self.apply_named_tensors(
-                payload, weight_version=weight_version, flush_cache=flush_cache
+            return await self.transactions.update(
+                "tensor", request, weight_version=weight_version, flush_cache=flush_cache
             )
+        payload = await self.tensor_payload(**request)
         if weight_update_mode != "lora_merge":
             raise WeightUpdateError(
                 f"unknown weight_update_mode {weight_update_mode!r}; use null or 'lora_merge'",

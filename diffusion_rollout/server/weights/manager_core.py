@@ -3,7 +3,8 @@
 Design decisions:
 
 - The engine knows nothing of weights management: the manager keeps its own state here (LoRA
-  adapters, staged uploads, update groups, released memory, the pause flag, cached tensor specs)
+  adapters, staged uploads, update groups, released memory, the pause flag, cached tensor specs,
+  the full-weight transactions)
   and reaches the engine only through ``engine.pipe``, ``engine.run_exclusive``,
   ``engine.weight_version``, ``engine.prompt_cache``, ``engine.worker``, ``engine.device``,
   ``engine.status`` and ``engine.config`` (for the upload buffers' bound).
@@ -34,6 +35,7 @@ from diffusion_rollout.server.weights.memory import MemoryOccupation
 from diffusion_rollout.server.weights.receive import BufferPool
 from diffusion_rollout.server.weights.received_digests import ReceivedDigests
 from diffusion_rollout.server.weights.staging import StagingArea
+from diffusion_rollout.server.weights.transports import WeightTransactions
 from diffusion_rollout.server.weights.updater import (
     BeforeCopy,
     TensorSpec,
@@ -84,6 +86,8 @@ class ManagerCore:
         self.receive_buffers = BufferPool(
             pin=str(engine.device).startswith("cuda"), keep_bytes=engine.config.upload_buffer_keep_bytes
         )
+        # Every full-weight update: a transport's prepare, then commit or rollback (transports/).
+        self.transactions = WeightTransactions(self)
 
     # ------------------------------------------------------------------ plumbing
     async def _exclusive(self, fn: Callable[[], T]) -> T:

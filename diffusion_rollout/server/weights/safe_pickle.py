@@ -24,6 +24,8 @@ Design decisions:
   key)}``: never by calling it) and the bucket metadata class. Nothing else resolves; every other
   rebuild function (meta tensors, the ``file_system`` strategy's shared-memory manager, events,
   sparse and nested tensors) is refused by name.
+- The stand-ins and the recipe builders are in ``pickle_recipes.py``; this module resolves globals
+  to them, checks the recipes and builds the tensors.
 - **CPU descriptors are off unless enabled** (:class:`FdPolicy`, ``allow_cpu_ipc`` in the config).
   Descriptors can only travel between processes that share the multiprocessing authkey (a parent
   and the child it spawned, or one process), so a real trainer on a GPU host uses CUDA IPC and the
@@ -51,215 +53,33 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.server.weights.pickle_recipes import (
+    BUCKET_METADATA_CLASS,
+    PARAMETER,
+    SGLANG_CUDA_REBUILD,
+    TENSOR,
+    TYPED_STORAGE,
+    UNTYPED_STORAGE,
+    ClassToken,
+    CudaTensorRecipe,
+    EmptyStorage,
+    FdStorage,
+    FdTicket,
+    InlineStorage,
+    TensorRecipe,
+    TypedStorageRecipe,
+    allowed_dtype,
+    as_int,
+    checked_view,
+    rebuild_cuda_tensor_recipe,
+    rebuild_storage_empty,
+    rebuild_storage_fd,
+    rebuild_tensor_recipe,
+    rebuild_typed_storage,
+    refuse,
+)
 from diffusion_rollout.server.weights.shared_fd import map_shared_storage
 from diffusion_rollout.weight_transport import FlattenedTensorMetadata
-
-BUCKET_METADATA_CLASS = "FlattenedTensorMetadata"
-SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
-MAX_NDIM = 16  # more dimensions than any weight has: a cheap bound on what a recipe may claim
-
-_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool}
-_INT_DTYPES |= {d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64")) if d is not None}
-
-
-def allowed_dtype(dtype: object) -> bool:
-    """Plain numeric dtypes only: floats (fp8 included), complex, integers, bool; no quantized types."""
-    return isinstance(dtype, torch.dtype) and (
-        dtype.is_floating_point or dtype.is_complex or dtype in _INT_DTYPES
-    )
-
-
-def _refuse(message: str) -> WeightUpdateError:
-    return WeightUpdateError(f"tensor payload refused: {message}")
-
-
-# ---------------------------------------------------------------------------- inert stand-ins
-@dataclass(frozen=True)
-class ClassToken:
-    """Stands for a tensor or storage class named by the pickle; not callable, so never built."""
-
-    name: str
-
-
-TENSOR = ClassToken("Tensor")
-PARAMETER = ClassToken("Parameter")
-UNTYPED_STORAGE = ClassToken("UntypedStorage")
-TYPED_STORAGE = ClassToken("TypedStorage")
-
-
-class FdTicket:
-    """``multiprocessing.resource_sharer.DupFd`` as data: the sharer's address and key, nothing more.
-
-    A real payload builds it with NEWOBJ (no arguments) and BUILD (state ``{"_id": (address, key)}``).
-    Calling it with arguments (REDUCE) would, on the real class, duplicate a descriptor of this
-    process: refused here.
-    """
-
-    __slots__ = ("address", "key")
-
-    def __new__(cls, *args: Any) -> FdTicket:
-        if args:
-            raise _refuse("DupFd may not be constructed with arguments")
-        ticket = object.__new__(cls)
-        ticket.address = None
-        ticket.key = None
-        return ticket
-
-    def __init__(self, *args: Any) -> None:
-        if args:
-            raise _refuse("DupFd may not be constructed with arguments")
-
-    def __setstate__(self, state: Any) -> None:
-        ident = state.get("_id") if isinstance(state, dict) and set(state) == {"_id"} else None
-        if not (isinstance(ident, tuple) and len(ident) == 2):
-            raise _refuse("DupFd state must be {'_id': (address, key)}")
-        address, key = ident
-        if not isinstance(key, int) or isinstance(key, bool):
-            raise _refuse("DupFd key must be an integer")
-        if not isinstance(address, str):
-            # A tuple would be a TCP address: descriptors never travel over the network.
-            raise _refuse(f"DupFd address must be a local AF_UNIX path, got {type(address).__name__}")
-        self.address, self.key = address, key
-
-
-@dataclass(frozen=True, eq=False)
-class FdStorage:
-    ticket: FdTicket
-    nbytes: int
-
-
-@dataclass(frozen=True, eq=False)
-class EmptyStorage:
-    nbytes: int = 0
-
-
-@dataclass(frozen=True, eq=False)
-class InlineStorage:
-    """Bytes carried inside the payload (``torch.save`` archives)."""
-
-    data: bytes
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-
-@dataclass(frozen=True, eq=False)
-class TypedStorageRecipe:
-    storage: FdStorage | EmptyStorage | InlineStorage
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, eq=False)
-class TensorRecipe:
-    """A CPU tensor: a view ``(offset, size, stride)`` in elements of ``dtype`` over ``storage``."""
-
-    storage: FdStorage | EmptyStorage | InlineStorage
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class CudaTensorRecipe:
-    """torch's ``rebuild_cuda_tensor`` arguments, checked; the device may be a GPU UUID (SGLang)."""
-
-    args: tuple
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_nbytes: int
-
-
-def _int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _refuse(f"{what} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM:
-        raise _refuse(f"{what} must be a tuple of at most {MAX_NDIM} integers")
-    return tuple(_int(v, what) for v in value)
-
-
-def _dtype(value: Any) -> torch.dtype:
-    if not allowed_dtype(value):
-        raise _refuse(f"dtype {value!r} is not a plain numeric dtype")
-    return value
-
-
-def _view(size: Any, stride: Any, offset: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    size, stride, offset = _ints(size, "size"), _ints(stride, "stride"), _int(offset, "storage offset")
-    if len(size) != len(stride):
-        raise _refuse(f"size {size} and stride {stride} differ in length")
-    return size, stride, offset
-
-
-# ---------------------------------------------------------------------------- recipe builders
-def _rebuild_storage_fd(cls: Any, df: Any, size: Any) -> FdStorage:
-    if cls is not UNTYPED_STORAGE:
-        raise _refuse("rebuild_storage_fd must name torch.UntypedStorage")
-    if not isinstance(df, FdTicket) or df.address is None:
-        raise _refuse("rebuild_storage_fd needs a DupFd descriptor holder")
-    return FdStorage(df, _int(size, "storage size"))
-
-
-def _rebuild_storage_empty(cls: Any) -> EmptyStorage:
-    if cls is not UNTYPED_STORAGE:
-        raise _refuse("rebuild_storage_empty must name torch.UntypedStorage")
-    return EmptyStorage()
-
-
-def _rebuild_typed_storage(storage: Any, dtype: Any) -> TypedStorageRecipe:
-    if not isinstance(storage, (FdStorage, EmptyStorage)):
-        raise _refuse("rebuild_typed_storage needs a storage")
-    return TypedStorageRecipe(storage, _dtype(dtype))
-
-
-def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> TensorRecipe:
-    if cls not in (TENSOR, PARAMETER):
-        raise _refuse("rebuild_tensor must name torch.Tensor or Parameter")
-    if not isinstance(storage, TypedStorageRecipe):
-        raise _refuse("rebuild_tensor needs a typed storage")
-    if not (isinstance(metadata, tuple) and len(metadata) == 4):
-        raise _refuse("rebuild_tensor metadata must be (offset, size, stride, requires_grad)")
-    offset, size, stride, _requires_grad = metadata
-    size, stride, offset = _view(size, stride, offset)
-    return TensorRecipe(storage.storage, storage.dtype, offset, size, stride)
-
-
-_CUDA_ARGS = 15  # torch's rebuild_cuda_tensor signature
-
-
-def _rebuild_cuda_tensor(*args: Any) -> CudaTensorRecipe:
-    if len(args) != _CUDA_ARGS:
-        raise _refuse(f"rebuild_cuda_tensor takes {_CUDA_ARGS} arguments, got {len(args)}")
-    (
-        cls, size, stride, offset, storage_cls, dtype, device, handle, nbytes, storage_offset_bytes,
-        _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
-    ) = args  # fmt: skip
-    if cls not in (TENSOR, PARAMETER) or storage_cls not in (TYPED_STORAGE, UNTYPED_STORAGE):
-        raise _refuse("rebuild_cuda_tensor must name tensor and storage classes")
-    if not (isinstance(device, str) or (isinstance(device, int) and not isinstance(device, bool))):
-        raise _refuse("rebuild_cuda_tensor device must be an index or a GPU UUID")
-    # None is what torch sends for an empty storage (it then builds an empty one, nothing opened).
-    for value, what in ((handle, "storage"), (ref_counter_handle, "ref-counter"), (event_handle, "event")):
-        if not (value is None or isinstance(value, bytes)):
-            raise _refuse(f"rebuild_cuda_tensor {what} handle must be bytes")
-    _int(storage_offset_bytes, "storage offset bytes")
-    _int(ref_counter_offset, "ref-counter offset")
-    if not isinstance(event_sync_required, bool):
-        raise _refuse("rebuild_cuda_tensor event_sync_required must be a bool")
-    size, stride, offset = _view(size, stride, offset)
-    real_storage_cls = torch.storage.TypedStorage if storage_cls is TYPED_STORAGE else torch.UntypedStorage
-    real = (torch.Tensor, size, stride, offset, real_storage_cls, *args[5:])
-    # Without a handle torch builds an empty storage whatever size is claimed: check against that.
-    nbytes = 0 if handle is None else _int(nbytes, "storage size")
-    return CudaTensorRecipe(real, _dtype(dtype), offset, size, stride, nbytes)
 
 
 # ---------------------------------------------------------------------------- the unpickler
@@ -271,11 +91,11 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
 _GLOBALS: dict[tuple[str, str], Any] = {
-    (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
-    (_REDUCTIONS, "rebuild_typed_storage"): _rebuild_typed_storage,
-    (_REDUCTIONS, "rebuild_storage_fd"): _rebuild_storage_fd,
-    (_REDUCTIONS, "rebuild_storage_empty"): _rebuild_storage_empty,
-    (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    (_REDUCTIONS, "rebuild_tensor"): rebuild_tensor_recipe,
+    (_REDUCTIONS, "rebuild_typed_storage"): rebuild_typed_storage,
+    (_REDUCTIONS, "rebuild_storage_fd"): rebuild_storage_fd,
+    (_REDUCTIONS, "rebuild_storage_empty"): rebuild_storage_empty,
+    (_REDUCTIONS, "rebuild_cuda_tensor"): rebuild_cuda_tensor_recipe,
     ("torch", "Tensor"): TENSOR,
     ("torch._tensor", "Tensor"): TENSOR,
     ("torch.nn.parameter", "Parameter"): PARAMETER,
@@ -303,7 +123,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         if name == BUCKET_METADATA_CLASS:
             return FlattenedTensorMetadata  # SGLang's dataclass, wherever the sender defined it
         if name == SGLANG_CUDA_REBUILD:
-            return _rebuild_cuda_tensor  # the device is a UUID, resolved when materialized
+            return rebuild_cuda_tensor_recipe  # the device is a UUID, resolved when materialized
         obj = _GLOBALS.get((module, name))
         if obj is not None:
             return obj
@@ -348,11 +168,11 @@ def decode_base64(entry: Any, field: str) -> bytes:
 def iter_recipes(obj: Any, depth: int = 0) -> Iterator[Any]:
     """Every recipe inside a decoded structure (lists, tuples, dicts, bucket metadata)."""
     if depth > 32:
-        raise _refuse("payload nests deeper than 32 levels")
+        raise refuse("payload nests deeper than 32 levels")
     if isinstance(obj, (TensorRecipe, CudaTensorRecipe)):
         yield obj
     elif isinstance(obj, (FdStorage, EmptyStorage, TypedStorageRecipe, FdTicket, ClassToken)):
-        raise _refuse(f"a bare {type(obj).__name__} is not a tensor")
+        raise refuse(f"a bare {type(obj).__name__} is not a tensor")
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from iter_recipes(item, depth + 1)
@@ -371,7 +191,7 @@ def check_extent(
     else:
         end = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
     if end * itemsize > nbytes:
-        raise _refuse(
+        raise refuse(
             f"tensor of size {list(size)}, stride {list(stride)} at offset {offset} reaches byte "
             f"{end * itemsize} of a storage of {nbytes} bytes"
         )
@@ -396,10 +216,10 @@ def check_recipes(obj: Any, policy: FdPolicy) -> list[Any]:
         if isinstance(r, CudaTensorRecipe):
             check_extent(r.size, r.stride, r.offset, r.dtype.itemsize, r.storage_nbytes)
             if not torch.cuda.is_available():
-                raise _refuse("the payload holds CUDA IPC handles but this server has no GPU")
+                raise refuse("the payload holds CUDA IPC handles but this server has no GPU")
             continue
         if isinstance(r.storage, FdStorage) and not policy.allow_cpu_ipc:
-            raise _refuse(
+            raise refuse(
                 "CPU tensors shared by file descriptor are disabled on this server (allow_cpu_ipc=false); "
                 "send CUDA tensors from a trainer on this GPU host, or use POST /update_weights"
             )
@@ -413,9 +233,9 @@ def _cuda_device_index(device: int | str) -> int:
         for index in range(torch.cuda.device_count()):
             if str(torch.cuda.get_device_properties(index).uuid) == device:
                 return index
-        raise _refuse(f"payload tensor lives on GPU {device}, which this server cannot see")
+        raise refuse(f"payload tensor lives on GPU {device}, which this server cannot see")
     if not 0 <= device < torch.cuda.device_count():
-        raise _refuse(f"payload tensor lives on cuda:{device}, which this server cannot see")
+        raise refuse(f"payload tensor lives on cuda:{device}, which this server cannot see")
     return device
 
 
@@ -473,8 +293,8 @@ def decode_tensor_pickle(data: bytes, policy: FdPolicy) -> Any:
 # ---------------------------------------------------------------------------- torch.save archives
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRecipe:
     if not isinstance(storage, InlineStorage):
-        raise _refuse("_rebuild_tensor_v2 needs a storage of the archive")
-    size, stride, offset = _view(size, stride, offset)
+        raise refuse("_rebuild_tensor_v2 needs a storage of the archive")
+    size, stride, offset = checked_view(size, stride, offset)
     return TensorRecipe(storage, storage.dtype, offset, size, stride)
 
 
@@ -514,20 +334,20 @@ def decode_torch_save(data: bytes, *, max_tensors: int = 100_000) -> Any:
 
         def persistent_load(self, pid: Any) -> Any:
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                raise _refuse("unknown persistent id in the archive")
+                raise refuse("unknown persistent id in the archive")
             _, cls, key, _location, numel = pid
             if not isinstance(key, str) or (key not in storages and len(storages) >= max_tensors):
-                raise _refuse("too many storages in the archive")
+                raise refuse("too many storages in the archive")
             if key not in storages:
                 if not isinstance(cls, _LegacyStorage):
-                    raise _refuse("unknown storage class in the archive")
+                    raise refuse("unknown storage class in the archive")
                 dtype = cls.dtype
                 try:
                     raw = archive.read(f"{prefix}data/{key}")
                 except KeyError as exc:
-                    raise _refuse(f"storage {key!r} missing from the archive") from exc
-                if len(raw) != _int(numel, "storage numel") * dtype.itemsize:
-                    raise _refuse(f"storage {key!r} holds {len(raw)} bytes, not {numel} x {dtype}")
+                    raise refuse(f"storage {key!r} missing from the archive") from exc
+                if len(raw) != as_int(numel, "storage numel") * dtype.itemsize:
+                    raise refuse(f"storage {key!r} holds {len(raw)} bytes, not {numel} x {dtype}")
                 storages[key] = InlineStorage(raw, dtype)
             return storages[key]
 

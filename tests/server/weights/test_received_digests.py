@@ -16,7 +16,7 @@ import torch
 from diffusion_rollout.checksums import tensor_sha256, tensors_sha256
 from diffusion_rollout.client import ChecksumMismatchError, RolloutClient, push_weights, push_weights_ipc
 from diffusion_rollout.client.exceptions import ServerWeightUpdateError
-from diffusion_rollout.server.weights import full_ops
+from diffusion_rollout.server.weights import full_ops, upload_ops
 
 
 def perturbed(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -33,7 +33,8 @@ def live_hashes(monkeypatch):
         calls.append(set(tensors))
         return tensors_sha256(tensors)
 
-    monkeypatch.setattr(full_ops, "tensors_sha256", watched)
+    monkeypatch.setattr(full_ops, "tensors_sha256", watched)  # the checker
+    monkeypatch.setattr(upload_ops, "tensors_sha256", watched)  # the parts, on arrival
     return calls
 
 
@@ -91,7 +92,7 @@ def test_bytes_altered_on_the_way_fail_verification(fresh_server, monkeypatch):
     server = fresh_server("sd3")
     c = RolloutClient("http://testserver", http_client=server.client)
     master = perturbed(server.engine.pipe.transformer, 1)
-    real = full_ops.parse_received
+    real = upload_ops.parse_received
     hit: list[str] = []
     lock = threading.Lock()  # parts in flight are parsed on several threads at once
 
@@ -105,7 +106,7 @@ def test_bytes_altered_on_the_way_fail_verification(fresh_server, monkeypatch):
             parsed = {**parsed, hit[0]: parsed[hit[0]] + 1}
         return parsed, rest
 
-    monkeypatch.setattr(full_ops, "parse_received", corrupting)
+    monkeypatch.setattr(upload_ops, "parse_received", corrupting)
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch for 1 tensor"):
         push_weights(c, master, max_part_bytes=64 * 1024, weight_version="v1")
     assert hit
