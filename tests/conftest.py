@@ -51,6 +51,7 @@ _INTEGRATION_FILES = {
     "test_recipe_reporting.py", "test_docs_site.py", "test_vae_split.py", "test_ltx2_cp_plan.py",
     "test_pipeline_lanes.py", "test_hunyuanvideo15_cp_plan.py", "test_cp_scaling.py",
     "test_ring_attention_diagnosis.py", "test_outside_window.py", "test_flow_grpo_minimal.py",
+    "test_zoo_defaults.py", "test_flow_grpo_dropin.py",
 }  # fmt: skip
 
 
