@@ -122,7 +122,7 @@ def _broadcast(
     srv: LoopbackServer, engine, n: int, tensors: dict[str, torch.Tensor], device: str
 ) -> dict[str, Any]:
     from diffusion_rollout.client import RolloutClient, WeightBroadcaster
-    from diffusion_rollout.weight_transport import join_group  # noqa: F401  (fails early if torch lacks it)
+    from diffusion_rollout.protocol.weight_transport import join_group  # noqa: F401  (fails early if torch lacks it)
 
     row: dict[str, Any] = {"phase": "broadcast", "replicas": n}
     backend, trainer_device = "gloo", "cpu"

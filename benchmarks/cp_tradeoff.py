@@ -234,7 +234,7 @@ def timed_request(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]],
     import httpx
 
     from benchmarks.remote_clients import post_rollout
-    from diffusion_rollout import lean
+    from diffusion_rollout.protocol import lean
 
     with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0)) as http:
         t0 = time.perf_counter()

@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import save
 
 from benchmarks.report import document, write_json
-from diffusion_rollout import wire
+from diffusion_rollout.protocol import wire
 from diffusion_rollout.testing import free_port, start_cli_server
 
 API_KEY = "load-api-key"

@@ -94,9 +94,9 @@ class RemoteClients:
 def post_rollout(client, body: dict[str, Any]) -> tuple[Any, int]:
     """``POST /rollout/generate`` read as the project's clients read it (the msgpack body into one
     buffer of its Content-Length, ``client/receive.py``), then decoded; (decoded body, bytes)."""
-    from diffusion_rollout import wire
     from diffusion_rollout.client.receive import decode_answer, read_body
     from diffusion_rollout.client.segments import SEGMENTS
+    from diffusion_rollout.protocol import wire
 
     with SEGMENTS.lease(str(client.base_url)) as answer:
         headers = {"Accept": wire.MSGPACK, **answer.headers}
@@ -153,11 +153,10 @@ def _clients_main(url: str) -> int:
     """The client process of :class:`RemoteClients`."""
     import httpx
 
-    from diffusion_rollout import lean
-
     # post_rollout's own imports (they pull in diffusers): a trainer has them loaded before its first
     # request, so the first answer's seconds must not include them.
     from diffusion_rollout.client import receive  # noqa: F401
+    from diffusion_rollout.protocol import lean
 
     pool: list[httpx.Client] = []
 

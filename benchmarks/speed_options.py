@@ -582,8 +582,8 @@ def grpo_profile(model: BenchModel, *, group: int, groups: int) -> list[dict[str
 # 2/3. Batch-1 full rollout, eager and graphed, ODE gate, replay ratio
 # ---------------------------------------------------------------------------------------------
 def _decode_outputs(results: list[dict[str, Any]], body: dict[str, Any]):
-    from diffusion_rollout import lean
     from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
+    from diffusion_rollout.protocol import lean
 
     settings = ReplaySettings.from_request(body)
     return [RolloutOutput.from_dict(d, settings) for d in lean.from_lean(results)]

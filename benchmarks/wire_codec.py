@@ -50,8 +50,8 @@ from benchmarks.facts import REPO_ROOT
 from benchmarks.remote_clients import post_rollout
 from benchmarks.report import document, log, print_table, write_json
 from benchmarks.timing import median, spread
-from diffusion_rollout import lean, wire
 from diffusion_rollout.client.receive import decode_answer
+from diffusion_rollout.protocol import lean, wire
 from diffusion_rollout.testing import free_port, start_cli_server, stop_session
 
 SHAPES = {  # SD3.5-medium, 512x512, 10 steps, groups of 16

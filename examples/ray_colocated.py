@@ -47,11 +47,11 @@ import torch
 from diffusion_rollout.client import group_advantages, lora_checksum
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.client.weights.lora import lora_config_dict, lora_state_dict
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 from diffusion_rollout.recipes.options import LORA_TARGETS, PROMPTS
 from diffusion_rollout.recipes.policy_update import train_iteration
 from diffusion_rollout.recipes.trainer import load_trainer_transformer
 from diffusion_rollout.rewards import load_reward
-from diffusion_rollout.safetensors_layout import SafetensorsBody
 
 logger = logging.getLogger("examples.ray_colocated")
 

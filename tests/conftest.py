@@ -160,7 +160,7 @@ class ServedModel:
 
     def generate(self, body: dict, *, accept: str = "application/msgpack", expect: int = 200):
         """POST /rollout/generate and decode; asserts the status code."""
-        from diffusion_rollout import wire
+        from diffusion_rollout.protocol import wire
 
         r = self.client.post("/rollout/generate", json=body, headers={"Accept": accept})
         assert r.status_code == expect, r.text[:2000]

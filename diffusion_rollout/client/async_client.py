@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 
-from diffusion_rollout import wire
 from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
 from diffusion_rollout.client.calls import (
     _abort_call,
@@ -55,7 +54,8 @@ from diffusion_rollout.client.receive import aread_body
 from diffusion_rollout.client.results import RolloutOutput, UpdateResult
 from diffusion_rollout.client.segments import SEGMENTS
 from diffusion_rollout.client.stream import AsyncRolloutStream
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 __all__ = ["AsyncRolloutClient"]
 

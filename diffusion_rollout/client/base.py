@@ -50,7 +50,6 @@ from typing import Any, Literal
 
 import httpx
 
-from diffusion_rollout import wire
 from diffusion_rollout.client import calls
 from diffusion_rollout.client.calls import Retry, _Call
 from diffusion_rollout.client.exceptions import (
@@ -60,6 +59,7 @@ from diffusion_rollout.client.exceptions import (
     error_from_response,
 )
 from diffusion_rollout.client.results import UpdateResult
+from diffusion_rollout.protocol import wire
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -28,11 +28,11 @@ from typing import Any, Literal
 
 import httpx
 
-from diffusion_rollout import lean, wire
 from diffusion_rollout.client.exceptions import RolloutConnectionError
 from diffusion_rollout.client.receive import decode_answer
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol import lean, wire
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 Retry = Literal["idempotent", "refused", "never"]
 Auth = Literal["api", "admin", "none"]

@@ -3,7 +3,7 @@
 ``httpx`` gathers a body as a list of 64 KB reads and joins them: the whole answer is copied once
 more into fresh memory after it has arrived (a Flow-GRPO answer is tens of MB, and on a loaded host
 fresh pages are slow). Here the buffer is allocated once from the ``Content-Length`` and each read
-is copied straight into it; :func:`diffusion_rollout.wire.decode` takes that buffer as it is. Used
+is copied straight into it; :func:`diffusion_rollout.protocol.wire.decode` takes that buffer as it is. Used
 by both clients and by the benchmarks' trainer process, so the three cannot drift apart.
 
 - A new buffer comes from ``numpy.empty``, not ``bytearray(n)``, which zero-fills: the memory is only
@@ -36,8 +36,8 @@ import httpx
 import numpy as np
 import torch
 
-from diffusion_rollout import wire
 from diffusion_rollout.client.exceptions import RolloutConnectionError
+from diffusion_rollout.protocol import wire
 
 __all__ = ["POOL_MIN_BYTES", "ReceivePool", "aread_body", "decode_answer", "host_bytes", "read_body"]
 

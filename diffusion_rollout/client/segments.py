@@ -1,4 +1,4 @@
-"""The client's side of same-host answers (``diffusion_rollout.answer_segments``).
+"""The client's side of same-host answers (``diffusion_rollout.protocol.answer_segments``).
 
 A rollout answer from a server on this host can be written by the server into a shared-memory file
 of this process instead of crossing TCP loopback: on an H200 host the loopback transfer was the last
@@ -40,7 +40,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from diffusion_rollout.answer_segments import (
+from diffusion_rollout.client.exceptions import RolloutConnectionError
+from diffusion_rollout.protocol.answer_segments import (
     DECLINED,
     HEADER,
     LENGTH_HEADER,
@@ -51,7 +52,6 @@ from diffusion_rollout.answer_segments import (
     WRITTEN,
     new_token,
 )
-from diffusion_rollout.client.exceptions import RolloutConnectionError
 
 __all__ = ["ENV", "ENV_MB", "MIN_BYTES", "AnswerSegments", "Lease"]
 

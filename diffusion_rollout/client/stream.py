@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from diffusion_rollout.client.calls import _merge_item
 from diffusion_rollout.errors import RequestAbortedError
-from diffusion_rollout.weight_versions import version_key
+from diffusion_rollout.protocol.weight_versions import version_key
 
 logger = logging.getLogger(__name__)
 

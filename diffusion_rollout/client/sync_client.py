@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from diffusion_rollout import wire
 from diffusion_rollout.client.base import DEFAULT_TIMEOUT, RetryPolicy, WireFormat, _ClientBase
 from diffusion_rollout.client.calls import (
     _NOT_FIELDS,
@@ -46,6 +45,7 @@ from diffusion_rollout.client.segments import SEGMENTS
 from diffusion_rollout.client.stream import RolloutStream
 from diffusion_rollout.client.sync_weights import SyncWeightsMixin
 from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
+from diffusion_rollout.protocol import wire
 
 if TYPE_CHECKING:
     import torch

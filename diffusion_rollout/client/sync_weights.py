@@ -31,7 +31,7 @@ from diffusion_rollout.client.calls import (
 )
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.results import UpdateResult
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 __all__ = ["SyncWeightsMixin"]
 

@@ -45,7 +45,7 @@ from diffusion_rollout.client.replay import (
     stack_envs,
 )
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
-from diffusion_rollout.row_sharing import branch_block, branch_path, shared_rows
+from diffusion_rollout.protocol.row_sharing import branch_block, branch_path, shared_rows
 from diffusion_rollout.scheduler_mixins import TransitionResult, joint_log_prob
 
 __all__ = [

@@ -62,10 +62,10 @@ from diffusion_rollout.errors import (
     RequestError,
     ServiceUnavailableError,
 )
+from diffusion_rollout.protocol.weight_versions import VersionGate
 from diffusion_rollout.server.core.engine_api import QueueStats
 from diffusion_rollout.server.core.metrics import Metrics
 from diffusion_rollout.server.core.params import GenerateParams, SampleResult
-from diffusion_rollout.weight_versions import VersionGate
 
 logger = logging.getLogger(__name__)
 

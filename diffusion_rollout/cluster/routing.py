@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from diffusion_rollout.errors import ServiceUnavailableError, WeightUpdateError
-from diffusion_rollout.weight_versions import Version, VersionHistory
+from diffusion_rollout.protocol.weight_versions import Version, VersionHistory
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A response whose body is a list of buffers, sent one ASGI message each under one Content-Length.
 
-The msgpack rollout answer arrives from :func:`diffusion_rollout.wire.encode_chunks` as packed
+The msgpack rollout answer arrives from :func:`diffusion_rollout.protocol.wire.encode_chunks` as packed
 pieces and memoryviews of the result tensors' host memory. Joining them into one ``bytes`` would
 copy the whole answer (tens of MB) into fresh memory first; here each buffer goes to the server as
 it is. The pieces are already coalesced by the encoder; a buffer larger than :data:`SEND_CHUNK` goes out

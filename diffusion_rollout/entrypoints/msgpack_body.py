@@ -19,9 +19,9 @@ from typing import Any
 
 import msgpack
 
-from diffusion_rollout import wire
 from diffusion_rollout.entrypoints.http_errors import error_body
 from diffusion_rollout.entrypoints.request_tensors import holding
+from diffusion_rollout.protocol import wire
 
 MSGPACK_PATHS = frozenset({"/rollout/generate"})
 

@@ -118,7 +118,7 @@ class GenerateRequest(BaseModel):
     rollout_video_dtype: Literal["float32", "uint8"] | None = None
     return_generated_output: bool = True
     max_sequence_length: int | None = Field(None, ge=1, le=4096)
-    # Relax/UniRL noise recipes (diffusion_rollout/noise_recipes.py); keys compare as strings.
+    # Relax/UniRL noise recipes (diffusion_rollout/protocol/noise_recipes.py); keys compare as strings.
     initial_noise_group_ids: list[NoiseKey] | None = Field(None, min_length=1)
     initial_noise_latent_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, min_length=1, max_length=8

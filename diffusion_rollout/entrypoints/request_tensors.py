@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import PlainValidator, WithJsonSchema
 
-from diffusion_rollout import wire
+from diffusion_rollout.protocol import wire
 
 _HELD: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
     "diffusion_rollout_request_tensors", default=None

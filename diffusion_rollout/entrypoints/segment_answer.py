@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffusion_rollout import wire
-from diffusion_rollout.answer_segments import SEGMENT_DIR, TOKEN_BYTES, token_matches, valid_name
+from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.answer_segments import SEGMENT_DIR, TOKEN_BYTES, token_matches, valid_name
 
 __all__ = ["SegmentWriter"]
 

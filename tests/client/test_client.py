@@ -299,7 +299,7 @@ def test_every_admin_call_against_the_real_app(fresh_server, tiny_model_path, tm
     new = {name: torch.full_like(param, 0.25)}
     res = c.update_weights(save(new), weight_version="up-1", partial=True)
     assert res.weight_version == "up-1" and c.model_info()["weight_version"] == "up-1"
-    from diffusion_rollout.checksums import tensor_sha256
+    from diffusion_rollout.protocol.checksums import tensor_sha256
 
     assert c.check_weights("transformer", {name: tensor_sha256(new[name])})["success"]
     with pytest.raises(ServerWeightUpdateError) as info:
@@ -501,8 +501,8 @@ def test_non_json_error_bodies_still_map():
 def test_async_admin_calls_against_the_real_app(fresh_server, tiny_model_path):
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
-    from diffusion_rollout.checksums import tensor_sha256
     from diffusion_rollout.client import build_update_weights_from_tensor_request, lora_state_dict
+    from diffusion_rollout.protocol.checksums import tensor_sha256
     from tests.client.test_client_weights import trainer_transformer
 
     server = fresh_server("sd3", allow_cpu_ipc=True)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load, save_file
 
-from diffusion_rollout.checksums import module_checksum, trainer_weights_checksum
 from diffusion_rollout.client import (
     ChecksumMismatchError,
     RolloutClient,
@@ -27,6 +26,7 @@ from diffusion_rollout.client import (
     verify_weights_checksum,
 )
 from diffusion_rollout.client.exceptions import ServerWeightUpdateError
+from diffusion_rollout.protocol.checksums import module_checksum, trainer_weights_checksum
 from diffusion_rollout.testing import free_port
 
 ODE = {

@@ -406,8 +406,8 @@ def test_weights_follow_the_trainers_lora(fresh_server, tiny_model_path):
 
 
 def test_full_weights_follow_the_trainer(fresh_server, tiny_model_path):
-    from diffusion_rollout.checksums import module_checksum
     from diffusion_rollout.client.served_pipeline import ServedPipeline
+    from diffusion_rollout.protocol.checksums import module_checksum
 
     server = fresh_server("sd3")
     pipe = trainer_pipeline(tiny_model_path("sd3"))

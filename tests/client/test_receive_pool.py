@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion_rollout import wire
 from diffusion_rollout.client import RolloutClient, receive
 from diffusion_rollout.client.receive import ReceivePool
+from diffusion_rollout.protocol import wire
 from tests.protocol.test_wire_stream import assert_outputs_are_the_engines, recorded, rollout_fields  # noqa: F401
 from tests.reliability_helpers import live_server
 

@@ -12,12 +12,12 @@ import httpx
 import pytest
 import torch
 
-from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.client import RolloutClient, calls
 from diffusion_rollout.client.exceptions import RolloutConnectionError, RolloutHTTPError
 from diffusion_rollout.client.upload_transport import BodyPassthroughTransport
 from diffusion_rollout.client.weights.upload import push_weights
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 from tests.entrypoints.test_upload_listener import KEY, listener_of, new_weights
 from tests.reliability_helpers import live_server
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diffusion_rollout import wire
-from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 from diffusion_rollout.testing import free_port
 from tests.server.weights.test_lora import adapter
 

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from diffusion_rollout import wire
-from diffusion_rollout.checksums import trainer_weights_checksum
-from diffusion_rollout.weight_transport import serialize_named_tensors
+from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.weight_transport import serialize_named_tensors
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import torch
 
-from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.client import RolloutClient, push_weights
 from diffusion_rollout.client.exceptions import RolloutHTTPError
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 
 @pytest.fixture(scope="module")

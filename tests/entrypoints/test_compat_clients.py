@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from diffusion_rollout import weight_transport
-from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.models.tiny import FAMILIES
+from diffusion_rollout.protocol import weight_transport
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 
 T = 3
 IMAGE = {"width": 32, "height": 32, "num_inference_steps": T, "max_sequence_length": 16}

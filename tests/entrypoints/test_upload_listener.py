@@ -21,14 +21,14 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save
 
-from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.client import AsyncRolloutClient, RolloutClient
 from diffusion_rollout.client.weights.upload import push_weights, safetensors_parts
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.entrypoints.app import create_app
 from diffusion_rollout.entrypoints.cli import build_parser
 from diffusion_rollout.entrypoints.upload_wire import MAX_HEADER_LINE, MAX_HEADERS, MAX_REQUEST_LINE
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 from diffusion_rollout.server.weights import get_weight_manager
 from tests.reliability_helpers import PROBE, live_server, wait_until
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import torch
 
-from diffusion_rollout import answer_segments, wire
 from diffusion_rollout.client import AsyncRolloutClient, RolloutClient, async_client, segments, sync_client
 from diffusion_rollout.client.segments import AnswerSegments
 from diffusion_rollout.entrypoints.segment_answer import SegmentWriter
+from diffusion_rollout.protocol import answer_segments, wire
 from tests.protocol.test_wire_stream import assert_outputs_are_the_engines, recorded, rollout_fields  # noqa: F401
 from tests.reliability_helpers import live_server
 

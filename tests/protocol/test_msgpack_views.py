@@ -1,4 +1,4 @@
-"""The client's msgpack reader (diffusion_rollout/msgpack_views.py) reads what msgpack.unpackb reads,
+"""The client's msgpack reader (diffusion_rollout/protocol/msgpack_views.py) reads what msgpack.unpackb reads,
 with bin payloads left in the body as memoryviews, and refuses what is malformed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffusion_rollout import msgpack_views, wire
+from diffusion_rollout.protocol import msgpack_views, wire
 
 scalars = (
     st.none()

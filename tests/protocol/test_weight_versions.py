@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from diffusion_rollout.weight_versions import VersionHistory
+from diffusion_rollout.protocol.weight_versions import VersionHistory
 from tests.reliability_helpers import body, wait_until
 from tests.server.weights.test_lora import adapter, load_bytes
 

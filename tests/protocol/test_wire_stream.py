@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save as st_save
 
 from benchmarks.wire_codec import previous_decode, previous_encode
-from diffusion_rollout import lean, wire
 from diffusion_rollout.client import AsyncRolloutClient, RolloutClient, RolloutConnectionError
 from diffusion_rollout.client.receive import decode_answer, read_body
-from diffusion_rollout.safetensors_layout import SAFETENSORS_DTYPE
+from diffusion_rollout.protocol import lean, wire
+from diffusion_rollout.protocol.safetensors_layout import SAFETENSORS_DTYPE
 from tests.reliability_helpers import live_server
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64, torch.bool]

@@ -6,7 +6,7 @@ Design decisions:
   until the collective on this side has run too, so they go out on threads (one per server) while
   this thread joins the group, posts the broadcasts or destroys the group; the threads' answers are
   always collected, so no thread is left behind after a failure.
-- **Plain torch.** Joining goes through ``diffusion_rollout.weight_transport.join_group``, the same
+- **Plain torch.** Joining goes through ``diffusion_rollout.protocol.weight_transport.join_group``, the same
   code the server uses; ``backend="gloo"`` works on CPU tensors, ``"nccl"`` needs them on
   this rank's GPU. Tensors are cast on the trainer and broadcast in announcement order.
 - **Verification.** After the broadcast the server's per-tensor hashes are checked, per target
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffusion_rollout.checksums import hash_pool, tensor_sha256
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import NamedTensors, _cast, _check_manifest, _named
+from diffusion_rollout.protocol.checksums import hash_pool, tensor_sha256
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient
@@ -88,7 +88,7 @@ class WeightBroadcaster:
             pool.shutdown(wait=True)
 
     def init(self) -> WeightBroadcaster:
-        from diffusion_rollout.weight_transport import join_group
+        from diffusion_rollout.protocol.weight_transport import join_group
 
         if self.group is not None:
             raise RuntimeError("the group is already initialised")

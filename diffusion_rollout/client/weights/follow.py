@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import base_named_parameters
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.weights.lora import lora_checksum, push_lora
 from diffusion_rollout.client.weights.tensors import resolve_dtype
 from diffusion_rollout.client.weights.upload import push_weights, verify_weights_checksum
+from diffusion_rollout.protocol.checksums import base_named_parameters
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient

@@ -3,7 +3,7 @@
 Design decisions:
 
 - **The project's one encoder.** :func:`build_update_weights_from_tensor_request` builds SGLang's
-  body with ``diffusion_rollout.weight_transport.serialize_named_tensors``, the module the server's
+  body with ``diffusion_rollout.protocol.weight_transport.serialize_named_tensors``, the module the server's
   decoder shares, so the trainer and the server cannot disagree on the format. CUDA tensors travel
   as IPC handles, CPU tensors as shared-memory descriptors: the payload is only valid on the same
   host, and the caller keeps the tensors alive until the server has answered.
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffusion_rollout.checksums import tensor_sha256
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import (
     DTypeSpec,
@@ -29,6 +28,7 @@ from diffusion_rollout.client.weights.tensors import (
     _named,
     resolve_dtype,
 )
+from diffusion_rollout.protocol.checksums import tensor_sha256
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient
@@ -59,7 +59,7 @@ def build_update_weights_from_tensor_request(
     CUDA tensors travel as IPC handles, CPU tensors as shared-memory descriptors: the payload is
     only valid on the same host, and the tensors must stay alive until the server has answered.
     """
-    from diffusion_rollout.weight_transport import serialize_named_tensors
+    from diffusion_rollout.protocol.weight_transport import serialize_named_tensors
 
     pairs = list(named_tensors)
     gpu = _gpu_uuid(t for _, t in pairs)

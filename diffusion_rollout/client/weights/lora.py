@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.results import UpdateResult
 from diffusion_rollout.client.weights.tensors import DTypeSpec, resolve_dtype
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import weights_checksum
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient

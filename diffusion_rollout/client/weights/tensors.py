@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import base_named_parameters
 from diffusion_rollout.client.exceptions import ChecksumMismatchError, ServerWeightUpdateError
+from diffusion_rollout.protocol.checksums import base_named_parameters
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient

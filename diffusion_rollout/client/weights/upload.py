@@ -46,12 +46,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffusion_rollout.checksums import (
-    submit_tensors_sha256,
-    tensors_sha256,
-    trainer_weights_checksum,
-    weights_checksum,
-)
 from diffusion_rollout.client.calls import _upload_call
 from diffusion_rollout.client.exceptions import ChecksumMismatchError
 from diffusion_rollout.client.results import UpdateResult
@@ -63,7 +57,13 @@ from diffusion_rollout.client.weights.tensors import (
     _named,
     resolve_dtype,
 )
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import (
+    submit_tensors_sha256,
+    tensors_sha256,
+    trainer_weights_checksum,
+    weights_checksum,
+)
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 
 if TYPE_CHECKING:
     from diffusion_rollout.client.sync_client import RolloutClient

@@ -12,9 +12,9 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from diffusion_rollout import answer_segments, wire
 from diffusion_rollout.entrypoints.buffers_response import BuffersResponse
 from diffusion_rollout.errors import AuthenticationError, DiffusionRolloutError, PermissionDeniedError
+from diffusion_rollout.protocol import answer_segments, wire
 from diffusion_rollout.server.core.engine_api import RolloutEngine, WeightOps
 
 

@@ -23,7 +23,6 @@ import logging
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from diffusion_rollout import lean
 from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.protocol import GenerateRequest
 from diffusion_rollout.entrypoints.routers.common import (
@@ -33,6 +32,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     wire_response,
 )
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.protocol import lean
 from diffusion_rollout.server.core.reward_runner import check_reward_names
 
 logger = logging.getLogger(__name__)

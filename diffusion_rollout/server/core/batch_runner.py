@@ -30,7 +30,7 @@ from diffusion_rollout.errors import (
     ServiceUnavailableError,
 )
 from diffusion_rollout.logging_utils import request_id_var
-from diffusion_rollout.row_sharing import branch_block, branch_path, shared_rows
+from diffusion_rollout.protocol.row_sharing import branch_block, branch_path, shared_rows
 from diffusion_rollout.scheduler_mixins import RolloutSettings, make_rollout_state, rollout_context
 from diffusion_rollout.server.core.batch_split import split_batch
 from diffusion_rollout.server.core.delivery import deliver

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from diffusion_rollout import noise_recipes
 from diffusion_rollout.errors import RequestError
-from diffusion_rollout.row_sharing import branch_path
+from diffusion_rollout.protocol import noise_recipes
+from diffusion_rollout.protocol.row_sharing import branch_path
 from diffusion_rollout.server.core.shared_prefix import SUPPORTED_FAMILIES
 
 FIELD = "rollout_branch"

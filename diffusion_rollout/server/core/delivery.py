@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from diffusion_rollout import lean
 from diffusion_rollout.errors import GenerationError
+from diffusion_rollout.protocol import lean
 from diffusion_rollout.server.core.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -54,6 +54,7 @@ from diffusion_rollout.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from diffusion_rollout.protocol.weight_versions import VersionGate, VersionHistory
 from diffusion_rollout.server.core.batch_runner import BatchRunner
 from diffusion_rollout.server.core.engine_api import QueueStats
 from diffusion_rollout.server.core.images import probe_image_png
@@ -68,7 +69,6 @@ from diffusion_rollout.server.families import FamilyAdapter, adapter_for
 from diffusion_rollout.server.speed.compiled_start import CompiledStart
 from diffusion_rollout.server.speed.lanes import Lane, make_lane
 from diffusion_rollout.server.speed.options import SUPPORTED_CACHES
-from diffusion_rollout.weight_versions import VersionGate, VersionHistory
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -8,7 +8,7 @@ Per output ``i`` of a request (``plan.seeds[i]`` is its seed):
 - ``initial_noise_seed`` alone: every output shares one x_T, drawn by ``prepare_latents`` from a
   generator seeded ``initial_noise_seed``; the output's own generator feeds only its step noise.
 - ``initial_noise_group_ids`` (+ ``initial_noise_seed``, optional ``initial_noise_latent_shape``):
-  the Relax/UniRL recipe (:mod:`diffusion_rollout.noise_recipes`): outputs with the same group id
+  the Relax/UniRL recipe (:mod:`diffusion_rollout.protocol.noise_recipes`): outputs with the same group id
   share the x_T derived from the base seed and the id, drawn on the CPU in float32 in the unpacked
   shape, cast to the pipeline's latent dtype and packed as the pipeline packs its own noise.
 - ``initial_noise`` (UniRL's field, a tensor): the trainer's own x_T, ``[n, *noise_shape]`` or one
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_rollout import noise_recipes
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.protocol import noise_recipes
 from diffusion_rollout.server.core.params import GenerateParams
 from diffusion_rollout.server.families import CallSettings, FamilyAdapter
 

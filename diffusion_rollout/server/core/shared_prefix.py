@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import RequestError
-from diffusion_rollout.row_sharing import shared_rows
+from diffusion_rollout.protocol.row_sharing import shared_rows
 
 # Families whose transformer calls have been checked to take the batch on dimension 0 of every
 # per-row argument (tensors and per-row lists such as Qwen-Image's img_shapes), and tested.

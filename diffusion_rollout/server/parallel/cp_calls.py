@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
+from diffusion_rollout.protocol.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.server.parallel.cp_plans import enable_plan
 
 # A follower's stats array (shared memory, read by rank 0's ``stats()``): one slot each.

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
-from diffusion_rollout.weight_transport import join_group
+from diffusion_rollout.protocol.weight_transport import join_group
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diffusion_rollout.checksums import ALGORITHMS, module_checksum, tensors_sha256
 from diffusion_rollout.errors import NotFoundError, WeightUpdateError
+from diffusion_rollout.protocol.checksums import ALGORITHMS, module_checksum, tensors_sha256
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.updater import canonical_name, describe_names, get_module, live_tensors
 

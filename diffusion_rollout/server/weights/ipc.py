@@ -41,13 +41,13 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.server.weights.safe_pickle import FdPolicy, decode_base64, decode_tensor_pickle
-from diffusion_rollout.weight_transport import (  # noqa: F401  (re-exported: the trainer side)
+from diffusion_rollout.protocol.weight_transport import (  # noqa: F401  (re-exported: the trainer side)
     FlattenedTensorMetadata,
     flatten_bucket,
     serialize,
     serialize_named_tensors,
 )
+from diffusion_rollout.server.weights.safe_pickle import FdPolicy, decode_base64, decode_tensor_pickle
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.errors import NotFoundError, WeightApplyError, WeightUpdateError
+from diffusion_rollout.protocol.checksums import weights_checksum
 from diffusion_rollout.server.weights.lora_io import LoraPayload, inferred_lora_config
 from diffusion_rollout.server.weights.lora_layers import (
     MODES,

@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.safetensors_layout import MAX_HEADER_BYTES, HeaderError, itemsize, parse_header
+from diffusion_rollout.protocol.safetensors_layout import (
+    MAX_HEADER_BYTES,
+    HeaderError,
+    itemsize,
+    parse_header,
+)
 
 logger = logging.getLogger(__name__)
 

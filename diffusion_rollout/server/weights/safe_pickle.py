@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.protocol.weight_transport import FlattenedTensorMetadata
 from diffusion_rollout.server.weights.pickle_recipes import (
     BUCKET_METADATA_CLASS,
     PARAMETER,
@@ -79,7 +80,6 @@ from diffusion_rollout.server.weights.pickle_recipes import (
     refuse,
 )
 from diffusion_rollout.server.weights.shared_fd import map_shared_storage
-from diffusion_rollout.weight_transport import FlattenedTensorMetadata
 
 
 # ---------------------------------------------------------------------------- the unpickler

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import base_named_buffers, base_named_parameters
 from diffusion_rollout.errors import WeightApplyError, WeightUpdateError
+from diffusion_rollout.protocol.checksums import base_named_buffers, base_named_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from diffusion_rollout.checksums import base_named_parameters, tensors_sha256
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.protocol.checksums import base_named_parameters, tensors_sha256
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.receive import Lease, unpooled
 from diffusion_rollout.server.weights.receive import parse_safetensors as parse_received

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_rollout import wire
-from diffusion_rollout.row_sharing import branch_block, branch_path
+from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.row_sharing import branch_block, branch_path
 
 T = 5
 SIGMAS = [1.0, 0.85, 0.65, 0.45, 0.25]
@@ -127,7 +127,7 @@ def r_code(patch: dict) -> int:
 
 
 def test_a_lean_tree_sends_its_shared_trajectory_entries_once(served):
-    from diffusion_rollout import lean
+    from diffusion_rollout.protocol import lean
 
     srv = served("sd3")
     body = {**BASE, "rollout_return_denoising_env": True, "rollout_debug_mode": False}

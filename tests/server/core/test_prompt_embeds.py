@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_rollout import wire
 from diffusion_rollout.client import RolloutClient
 from diffusion_rollout.models import TINY_CALL_DEFAULTS
+from diffusion_rollout.protocol import wire
 from tests.family_helpers import stock_pipe
 
 ODE = {"rollout_sde_type": "ode", "rollout_log_prob_no_const": True}

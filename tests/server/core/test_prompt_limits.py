@@ -47,7 +47,7 @@ def _sd3_embeds(tokens: int) -> dict:
 
 
 def _post_embeds(server, embeds: dict, **extra):
-    from diffusion_rollout import wire
+    from diffusion_rollout.protocol import wire
 
     body = {**BODY, "prompt": "a cat", "guidance_scale": 4.5, "width": 32, "height": 32, **embeds, **extra}
     return server.client.post(

@@ -157,7 +157,7 @@ def test_failed_update_during_rollouts_keeps_the_old_weights(fresh_server):
             if r.status_code != 200:
                 errors.append(r.text)
             else:
-                from diffusion_rollout import wire
+                from diffusion_rollout.protocol import wire
 
                 outputs.extend(wire.decode(r.content, r.headers["content-type"]))
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-from diffusion_rollout import wire
 from diffusion_rollout.client.replay import replay_log_prob, replay_model_output
+from diffusion_rollout.protocol import wire
 from tests.batch_helpers import generate_together
 
 FAMILIES = ["sd3", "flux"]

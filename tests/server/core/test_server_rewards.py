@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from diffusion_rollout import wire
 from diffusion_rollout.client import RolloutClient
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import ServiceUnavailableError
+from diffusion_rollout.protocol import wire
 from diffusion_rollout.rewards import load_reward
 from diffusion_rollout.server.core.reward_runner import RewardLane, RewardRunner
 from tests.reliability_helpers import live_server

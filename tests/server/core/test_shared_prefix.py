@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_rollout import wire
+from diffusion_rollout.protocol import wire
 
 T = 4
 K = 2  # the first stochastic step: steps 0 and 1 are the shared prefix

@@ -311,7 +311,7 @@ def test_msgpack_body_carries_raw_image_bytes(image_server):
     """A remote trainer sends the image file's raw bytes in a msgpack body: the same request as base64."""
     import msgpack
 
-    from diffusion_rollout import wire
+    from diffusion_rollout.protocol import wire
 
     srv = image_server("wan-i2v")
     ref = srv.generate(body("wan-i2v", rollout=False, return_generated_output=False))[0]["generated_output"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from diffusion_rollout import wire
 from diffusion_rollout.config import ServerConfig
 from diffusion_rollout.errors import ContextParallelError
+from diffusion_rollout.protocol import wire
 from tests.conftest import ServedModel
 
 T = 3

@@ -84,7 +84,7 @@ class ServeProcess:
         return self.get("/server_info").json()
 
     def generate(self, n: int) -> list[dict]:
-        from diffusion_rollout import wire
+        from diffusion_rollout.protocol import wire
 
         body = {"prompt": "a red square", "seed": n, "num_outputs_per_prompt": n, "width": 32, "height": 32}
         body.update(num_inference_steps=2, guidance_scale=4.5, return_generated_output=False)

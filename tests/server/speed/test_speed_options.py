@@ -16,9 +16,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from diffusion_rollout import lean, wire
 from diffusion_rollout.client import RolloutClient, replay_steps
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.protocol import lean, wire
 from tests.client.test_replay import REPLAY, call_defaults, trainer_copy
 
 N = 3

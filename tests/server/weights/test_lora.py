@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save, save_file
 
-from diffusion_rollout.checksums import weights_checksum
 from diffusion_rollout.models import build_tiny_pipeline
+from diffusion_rollout.protocol.checksums import weights_checksum
 from diffusion_rollout.server.weights import get_weight_manager
 from diffusion_rollout.server.weights.lora import tuner_layers
 
@@ -203,7 +203,7 @@ def bf16_server(tiny_model_path):
 
 
 def _decode(r):
-    from diffusion_rollout import wire
+    from diffusion_rollout.protocol import wire
 
     assert r.status_code == 200, r.text
     return wire.decode(r.content, r.headers["content-type"])
@@ -257,7 +257,7 @@ def test_full_update_under_a_merged_adapter_keeps_the_base_exact(fresh_server):
     )
     assert r.status_code == 200, r.text
     server.client.post("/lora/unload", json={"name": "default"})
-    from diffusion_rollout.checksums import trainer_weights_checksum
+    from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 
     assert checksum(server) == trainer_weights_checksum(master.items(), torch.float32)
 

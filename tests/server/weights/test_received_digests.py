@@ -13,9 +13,9 @@ import threading
 import pytest
 import torch
 
-from diffusion_rollout.checksums import tensor_sha256, tensors_sha256
 from diffusion_rollout.client import ChecksumMismatchError, RolloutClient, push_weights, push_weights_ipc
 from diffusion_rollout.client.exceptions import ServerWeightUpdateError
+from diffusion_rollout.protocol.checksums import tensor_sha256, tensors_sha256
 from diffusion_rollout.server.weights import full_ops, upload_ops
 
 

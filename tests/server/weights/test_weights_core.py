@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from diffusion_rollout.checksums import (
+from diffusion_rollout.errors import WeightApplyError, WeightUpdateError
+from diffusion_rollout.models import build_tiny_pipeline
+from diffusion_rollout.protocol.checksums import (
     base_named_parameters,
     module_checksum,
     named_tensors_sha256,
@@ -18,8 +20,6 @@ from diffusion_rollout.checksums import (
     trainer_weights_checksum,
     weights_checksum,
 )
-from diffusion_rollout.errors import WeightApplyError, WeightUpdateError
-from diffusion_rollout.models import build_tiny_pipeline
 from diffusion_rollout.server.weights.staging import StagingArea
 from diffusion_rollout.server.weights.updater import apply_copies, plan_update
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 from diffusion_rollout.testing import free_port
 
 REPO = Path(__file__).resolve().parents[3]

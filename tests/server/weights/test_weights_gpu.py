@@ -34,7 +34,7 @@ IPC_TRAINER = r"""
 import json, sys, types
 import torch
 from torch.multiprocessing import reductions
-from diffusion_rollout.checksums import trainer_weights_checksum
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 from diffusion_rollout.server.weights import ipc
 
 for name in ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.patch_torch"]:
@@ -100,7 +100,7 @@ class GpuServer:
         self.client.__enter__()
 
     def generate(self, body: dict):
-        from diffusion_rollout import wire
+        from diffusion_rollout.protocol import wire
 
         r = self.client.post("/rollout/generate", json=body)
         assert r.status_code == 200, r.text
@@ -207,7 +207,7 @@ def test_nccl_group_from_a_trainer_on_another_gpu(gpu_server, tmp_path):
             },
         )
         assert r.status_code == 200, r.text
-        from diffusion_rollout.checksums import trainer_weights_checksum
+        from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 
         g = torch.Generator("cuda").manual_seed(5)
         expected = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from diffusion_rollout.checksums import trainer_named_tensors_sha256, trainer_weights_checksum
+from diffusion_rollout.protocol.checksums import trainer_named_tensors_sha256, trainer_weights_checksum
 from diffusion_rollout.server.weights import get_weight_manager
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"

@@ -22,9 +22,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 
-from diffusion_rollout.checksums import trainer_weights_checksum
 from diffusion_rollout.errors import WeightUpdateError
 from diffusion_rollout.models import build_tiny_pipeline
+from diffusion_rollout.protocol.checksums import trainer_weights_checksum
 from diffusion_rollout.server.weights import ipc
 from diffusion_rollout.server.weights.safe_pickle import FdPolicy
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from diffusion_rollout.checksums import trainer_named_tensors_sha256, trainer_weights_checksum
 from diffusion_rollout.client import RolloutClient
 from diffusion_rollout.client.weights.upload import push_weights, safetensors_parts
 from diffusion_rollout.errors import WeightUpdateError
-from diffusion_rollout.safetensors_layout import SafetensorsBody
+from diffusion_rollout.protocol.checksums import trainer_named_tensors_sha256, trainer_weights_checksum
+from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 from diffusion_rollout.server.weights import get_weight_manager
 from diffusion_rollout.server.weights.receive import BufferPool, parse_safetensors, unpooled
 from diffusion_rollout.server.weights.updater import finite_flags

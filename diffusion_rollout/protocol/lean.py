@@ -78,7 +78,7 @@ FROM_KEY = "latents_from"
 
 def _tree_trajectories(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``outputs`` with each tree leaf's trajectory entries shared with an earlier leaf referenced."""
-    from diffusion_rollout.row_sharing import branch_block
+    from diffusion_rollout.protocol.row_sharing import branch_block
 
     group = len(outputs)
     out = list(outputs)

@@ -12,7 +12,7 @@ Design decisions (a Flow-GRPO answer is tens of MB; every copy of it costs the t
   run, and every larger tensor's bytes follow as a memoryview of the tensor's own host memory.
   Nothing copies tensor data before the socket, and the bytes are exactly those of
   ``msgpack.packb(to_wire(obj))`` (the tests hold both side by side). Each envelope's file is
-  :class:`~diffusion_rollout.safetensors_layout.SafetensorsBody` (header plus a view), because
+  :class:`~diffusion_rollout.protocol.safetensors_layout.SafetensorsBody` (header plus a view), because
   ``safetensors.torch.save`` has no way to serialize without copying the data; for one tensor its
   header is byte for byte safetensors' own.
 - **Decoding makes each tensor with one copy** of its bytes. Envelopes become tensors while the
@@ -38,8 +38,13 @@ import msgpack
 import numpy as np
 import torch
 
-from diffusion_rollout import msgpack_views
-from diffusion_rollout.safetensors_layout import MAX_HEADER_BYTES, HeaderError, SafetensorsBody, parse_header
+from diffusion_rollout.protocol import msgpack_views
+from diffusion_rollout.protocol.safetensors_layout import (
+    MAX_HEADER_BYTES,
+    HeaderError,
+    SafetensorsBody,
+    parse_header,
+)
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
