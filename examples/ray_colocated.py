@@ -125,10 +125,11 @@ def rollout_body(args: argparse.Namespace, prompt: str, seed: int) -> dict[str, 
 
 async def rollouts(front, bodies: list[dict[str, Any]], it: int) -> list[list[RolloutOutput]]:
     """Every group at once through the front; outputs as the client's typed results."""
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
     async def one(k: int, body: dict[str, Any]) -> list[RolloutOutput]:
-        results = await front.generate(GenerateRequest(**body).to_params(f"it{it}-g{k}"))
+        results = await front.generate(to_params(GenerateRequest(**body), f"it{it}-g{k}"))
         settings = ReplaySettings.from_request(body)
         return [RolloutOutput.from_dict(r.to_dict(), settings) for r in results]
 

@@ -26,7 +26,8 @@ Trainers already on Ray place the replicas themselves and call them without HTTP
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from diffusion_rollout.cluster import ClusterEngine, replica_actor_class
     from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
     config = ServerConfig(model=path, replicas=len(bundles))
     front = ClusterEngine(config, actors=[
@@ -36,7 +37,7 @@ Trainers already on Ray place the replicas themselves and call them without HTTP
         for i in range(len(bundles))
     ])
     front.start()                                       # loads the model on every replica
-    outputs = await front.generate(GenerateRequest(prompt="...", seed=0).to_params("rid-0"))
+    outputs = await front.generate(to_params(GenerateRequest(prompt="...", seed=0), "rid-0"))
     await front.weights().update_from_distributed(...)  # every weight operation, fanned out
 
 ``front`` is what the HTTP app serves (``create_app(config, engine=front)`` gives the same endpoint);

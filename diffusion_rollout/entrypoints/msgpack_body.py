@@ -5,7 +5,7 @@ inline; in JSON they travel as base64 (a third larger), in a msgpack body as raw
 ASGI middleware reads a body sent with ``Content-Type: application/msgpack``, decodes it and hands
 the route the equivalent JSON body: loose bytes as base64 text, which ``image_data`` accepts, and
 each tensor envelope decoded into a tensor right away (one copy of its bytes, never base64) and
-replaced by a reference to it (``entrypoints/request_tensors.py``). The route's typed model then
+replaced by a reference to it (``protocol/request_tensors.py``). The route's typed model then
 validates both forms by the same rules (unknown fields, ranges, 422s). It sits inside the key gate
 and the body limits, so a refused or oversized body is never decoded. A body that is not msgpack,
 or not a map, or holds a malformed tensor envelope (named by its path), is a 400.
@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 
 from diffusion_rollout.entrypoints.http_errors import error_body
-from diffusion_rollout.entrypoints.request_tensors import holding
 from diffusion_rollout.protocol import wire
+from diffusion_rollout.protocol.request_tensors import holding
 
 MSGPACK_PATHS = frozenset({"/rollout/generate"})
 

@@ -1,6 +1,9 @@
 """What the server and the client agree on: the bottom layer of the package.
 
-The wire codec (``wire``, the lean answer form ``lean``, ``msgpack_views``, ``safetensors_layout``),
+The rollout request model (``requests``: ``GenerateRequest``, imported by the HTTP layer, the
+cluster and the client), its tensor fields (``request_tensors``) and the other dialects' fields it
+accepts with no effect (``dialects``);
+the wire codec (``wire``, the lean answer form ``lean``, ``msgpack_views``, ``safetensors_layout``),
 same-host answers (``answer_segments``), the weight formats and checks (``weight_transport``,
 ``checksums``, ``weight_versions``), which rows of a batch are computed once (``row_sharing``) and
 the trainer-side noise recipes (``noise_recipes``). Modules here import only each other,

@@ -623,7 +623,8 @@ def test_trainer_placed_actors_are_adopted_and_called_without_http(cluster, serv
 
     from diffusion_rollout.cluster import ClusterEngine, replica_actor_class
     from diffusion_rollout.config import ServerConfig
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
     ray = cluster.ray
     config = ServerConfig(
@@ -634,7 +635,7 @@ def test_trainer_placed_actors_are_adopted_and_called_without_http(cluster, serv
     front = ClusterEngine(config, actors=[actor])
     try:
         front.start()
-        params = GenerateRequest(**BODY).to_params("in-process")
+        params = to_params(GenerateRequest(**BODY), "in-process")
         [out] = asyncio.run(front.generate(params))
         [reference] = served("sd3").generate(BODY)
         assert torch.equal(out.generated_output, reference["generated_output"])
@@ -673,10 +674,11 @@ def test_a_sigkilled_replica_resyncs_lora_and_full_weights_before_it_serves(clus
     import json
     import signal
 
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
     client, engine, ray = cluster.client, cluster.engine, cluster.ray
-    params = GenerateRequest(**BODY).to_params("in-process")
+    params = to_params(GenerateRequest(**BODY), "in-process")
     [from_disk] = served("sd3").generate(BODY)
     reference = served("sd3").engine.pipe.transformer
     original = {n: p.detach().clone() for n, p in reference.named_parameters()}

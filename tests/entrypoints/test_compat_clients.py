@@ -427,9 +427,10 @@ def test_relax_pack_trajectory_sigmas_are_the_sigmas_used_on_every_family(served
 
 
 def _params(request: dict):
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
-    return GenerateRequest.model_validate(request).to_params("probe")
+    return to_params(GenerateRequest.model_validate(request), "probe")
 
 
 # ---------------------------------------------------------------------------- UniRL (NFT / ODE path)

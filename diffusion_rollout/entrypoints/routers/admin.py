@@ -24,8 +24,8 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from diffusion_rollout.entrypoints.dialects import set_noop_fields, with_ignored
 from diffusion_rollout.entrypoints.routers.common import get_engine, get_weights, require_admin_key
+from diffusion_rollout.protocol.dialects import set_noop_fields, with_ignored
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 

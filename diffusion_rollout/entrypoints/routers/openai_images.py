@@ -27,9 +27,9 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from diffusion_rollout.entrypoints.dialects import log_ignored_once
 from diffusion_rollout.entrypoints.routers.common import get_engine, require_api_key
 from diffusion_rollout.errors import RequestError
+from diffusion_rollout.protocol.dialects import log_ignored_once
 from diffusion_rollout.scheduler_mixins import RolloutSettings
 from diffusion_rollout.server.core.params import GenerateParams
 

@@ -23,8 +23,7 @@ import logging
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from diffusion_rollout.entrypoints.dialects import log_ignored_once
-from diffusion_rollout.entrypoints.protocol import GenerateRequest
+from diffusion_rollout.entrypoints.request_params import group_params
 from diffusion_rollout.entrypoints.routers.common import (
     get_engine,
     refuse_unknown_fields,
@@ -33,6 +32,8 @@ from diffusion_rollout.entrypoints.routers.common import (
 )
 from diffusion_rollout.errors import RequestError
 from diffusion_rollout.protocol import lean
+from diffusion_rollout.protocol.dialects import log_ignored_once
+from diffusion_rollout.protocol.requests import GenerateRequest
 from diffusion_rollout.server.core.reward_runner import check_reward_names
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
     # SGLang's rid, when the client sets one, names the request (POST /abort_request takes it).
     # A list prompt is one group per prompt (SGLang's in-process form): the groups run as requests
     # of their own, under the one request id, and answer in prompt order.
-    groups = body.group_params(body.rid or request.state.request_id)
+    groups = group_params(body, body.rid or request.state.request_id)
     ignored = body.ignored_fields
     if ignored:
         log_ignored_once("/rollout/generate", ignored)
@@ -97,7 +98,7 @@ async def rollout_generate(body: GenerateRequest, request: Request) -> Response:
         logger.info("client disconnected: request cancelled, its queued work dropped")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     outputs = [r.to_dict() for r in task.result()]
-    if ignored:  # fields of another dialect that changed nothing here (entrypoints/dialects.py)
+    if ignored:  # fields of another dialect that changed nothing here (protocol/dialects.py)
         outputs = [{**o, "ignored_fields": ignored} for o in outputs]
     if body.lean_response:  # shared conditioning once, referenced by the other outputs (lean.py)
         outputs = lean.to_lean(outputs)

@@ -24,7 +24,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from diffusion_rollout.entrypoints.dialects import set_noop_fields, with_ignored
 from diffusion_rollout.entrypoints.routers.common import (
     get_engine,
     get_weights,
@@ -33,6 +32,7 @@ from diffusion_rollout.entrypoints.routers.common import (
     require_api_key,
 )
 from diffusion_rollout.entrypoints.routers.lora import sglang_targets
+from diffusion_rollout.protocol.dialects import set_noop_fields, with_ignored
 from diffusion_rollout.server.weights import decode_named_tensors
 
 router = APIRouter()

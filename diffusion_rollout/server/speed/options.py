@@ -43,8 +43,8 @@ from diffusion_rollout.errors import RequestError
 # Attention backends whose kernels are the default dispatch's (None: diffusers' default, "native").
 EXACT_ATTENTION_BACKENDS = (None, "native")
 
-CACHE_KINDS = ("taylorseer", "first_block", "mag")
-# Family -> cache kinds checked to run on its denoiser with diffusers 0.42.1.
+# Family -> cache kinds checked to run on its denoiser with diffusers 0.42.1 (the kinds a request may
+# name are protocol/requests.py's CACHE_KINDS).
 SUPPORTED_CACHES: dict[str, tuple[str, ...]] = {
     "sd3": ("taylorseer",),
     "flux": ("taylorseer", "first_block", "mag"),

@@ -66,9 +66,10 @@ def unpack(srv, x: torch.Tensor) -> torch.Tensor:
 
 
 def _call(srv):
-    from diffusion_rollout.entrypoints.protocol import GenerateRequest
+    from diffusion_rollout.entrypoints.request_params import to_params
+    from diffusion_rollout.protocol.requests import GenerateRequest
 
-    return srv.engine.planner.plan(GenerateRequest(**BASE).to_params("t")).call
+    return srv.engine.planner.plan(to_params(GenerateRequest(**BASE), "t")).call
 
 
 def traj(out: dict) -> torch.Tensor:

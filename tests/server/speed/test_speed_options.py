@@ -18,7 +18,9 @@ from pydantic import ValidationError
 
 from diffusion_rollout.client import RolloutClient, replay_steps
 from diffusion_rollout.config import ServerConfig
+from diffusion_rollout.entrypoints.request_params import to_params
 from diffusion_rollout.protocol import lean, wire
+from diffusion_rollout.protocol.requests import GenerateRequest
 from tests.client.test_replay import REPLAY, call_defaults, trainer_copy
 
 N = 3
@@ -120,9 +122,7 @@ def test_results_are_compact_host_tensors(served):
     # does not carry the whole batch.
     server = served("sd3")
     outs = server.engine.generate_sync(
-        __import__("diffusion_rollout.entrypoints.protocol", fromlist=["GenerateRequest"])
-        .GenerateRequest(**sd3_body())
-        .to_params("compact-test")
+        to_params(GenerateRequest(**sd3_body()), "compact-test")
     )
     traj = outs[1].dit_trajectory["latents"]
     assert traj.untyped_storage().nbytes() == traj.numel() * traj.element_size()

@@ -1,4 +1,5 @@
-"""Pydantic models of the HTTP bodies (api.md), and their conversion to engine parameters.
+"""The rollout request (``POST /rollout/generate``, api.md): the one request model that the HTTP
+layer, the cluster and the client all import.
 
 Field names and defaults follow SGLang's diffusion post-training API. The rollout request accepts
 keys it does not know, as SGLang does (trainers send their own: Relax's ``_task``), and names every
@@ -6,36 +7,37 @@ one in the answer's ``ignored_fields``, so a misspelt field is reported, never s
 ``serve --strict-fields`` makes them a 422 (the router checks :attr:`GenerateRequest.unknown_fields`).
 The other bodies forbid unknown fields. ``extra_sampling_params`` is merged over the named fields
 before validation, so its keys obey the same rules. Fields that SGLang or its trainers' patches
-accept but that have no effect here are dropped first and reported too (``entrypoints/dialects.py``),
+accept but that have no effect here are dropped first and reported too (``protocol/dialects.py``),
 as is a ``rollout`` inside ``extra_sampling_params``: the top-level flag wins there, as in SGLang.
 
 Precomputed conditioning (``prompt_embeds``, ``pooled_prompt_embeds`` and their negatives) arrives
-as tensor envelopes (``entrypoints/request_tensors.py``); ``prompt`` is then optional and only a
+as tensor envelopes (``protocol/request_tensors.py``); ``prompt`` is then optional and only a
 label echoed back. Whether the tensors suit the loaded model is checked by the planner
 (``server/core/prompt_embeds.py``), a 400 naming the field and the expected shape.
+
+This module is pure data: it imports only the protocol package, the errors and the step math, so the
+client can validate a body with it before sending. Turning a validated request into the engine's
+``GenerateParams`` (and the checks that need them) is the HTTP layer's
+(``entrypoints/request_params.py``).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
-from diffusion_rollout.entrypoints.dialects import split_noop_sampling_fields
-from diffusion_rollout.entrypoints.request_tensors import WireTensor
-from diffusion_rollout.errors import RequestError
-from diffusion_rollout.scheduler_mixins import RolloutSettings
-from diffusion_rollout.server.core.params import GenerateParams
-from diffusion_rollout.server.speed.options import CACHE_KINDS, FeatureCacheSettings
+from diffusion_rollout.protocol.dialects import split_noop_sampling_fields
+from diffusion_rollout.protocol.request_tensors import WireTensor
 
 StepKind = Literal["sde", "dance", "cps", "ode"]
 LogProbForm = Literal["gaussian", "no_const", "scaled"]
 NoiseKey = Annotated[str, Field(max_length=1024)] | int
 # Most prompts (groups) one request may carry as a list; the outputs are bounded by the limits too.
 MAX_PROMPTS = 1024
+# The feature caches a request may ask for (``feature_cache.kind``); which families each one runs on
+# is the server's (server/speed/options.py).
+CACHE_KINDS = ("taylorseer", "first_block", "mag")
 EMBEDDING_FIELDS = (
     "prompt_embeds",
     "pooled_prompt_embeds",
@@ -54,9 +56,6 @@ class FeatureCacheRequest(BaseModel):
     interval: int = Field(2, ge=1, le=64)
     warmup_steps: int = Field(1, ge=0, le=1000)
     max_order: int = Field(1, ge=1, le=4)
-
-    def to_settings(self) -> FeatureCacheSettings:
-        return FeatureCacheSettings(**self.model_dump())
 
 
 class BranchPoint(BaseModel):
@@ -166,7 +165,7 @@ class GenerateRequest(BaseModel):
         ),
     )
 
-    # Fields of other dialects that have no effect here (entrypoints/dialects.py), by name.
+    # Fields of other dialects that have no effect here (protocol/dialects.py), by name.
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
 
     # Fields no dialect list names (a peer's own key such as Relax's ``_task``, or a typo).
@@ -230,181 +229,3 @@ class GenerateRequest(BaseModel):
         merged.update(extra)
         merged["extra_sampling_params"] = None
         return merged, ignored
-
-    def group_params(self, request_id: str) -> list[GenerateParams]:
-        """One ``GenerateParams`` per prompt group: one for a text ``prompt``; for a list, group
-        ``j`` holds ``num_outputs_per_prompt`` (``k``) outputs of ``prompt[j]``, in order. The
-        per-output lists (``seeds``, ``denoise_seeds``, ``initial_noise_group_ids``) and an
-        ``initial_noise`` of ``P * k`` rows are cut into the groups' slices; output ``n = j * k + i``
-        uses the seed ``seed + n`` (as one request of ``P * k`` outputs would), while ``seed`` stays
-        the base that ``denoise_seeds`` derive step noise from."""
-        if not isinstance(self.prompt, list):
-            return [self.to_params(request_id)]
-        k = self.num_outputs_per_prompt or 1
-        total = len(self.prompt) * k
-        if self.prompt_embeds is not None:
-            raise RequestError("send a list prompt or prompt_embeds, not both", field="prompt")
-
-        def part(name: str, values, j: int):
-            if values is None:
-                return None
-            if len(values) == total:
-                return values[j * k : (j + 1) * k]
-            if name != "seeds" and len(values) == 1:
-                return values
-            raise RequestError(
-                f"{name} has {len(values)} entries; with {len(self.prompt)} prompts of "
-                f"num_outputs_per_prompt={k} send {total} (one per output, in prompt order)",
-                field=name,
-            )
-
-        noise = self.initial_noise
-        if noise is not None and noise.ndim >= 1 and noise.shape[0] == total and total > 1:
-            noise_rows = [noise[j * k : (j + 1) * k] for j in range(len(self.prompt))]
-        else:
-            noise_rows = [noise] * len(self.prompt)
-        meta = self.reward_metadata
-        if isinstance(meta, list) and len(meta) != len(self.prompt):
-            raise RequestError(
-                f"reward_metadata has {len(meta)} entries for {len(self.prompt)} prompts: send one object "
-                "per prompt, in order (or one object for all)",
-                field="reward_metadata",
-            )
-        groups = []
-        for j, text in enumerate(self.prompt):
-            seeds = part("seeds", self.seeds, j)
-            if seeds is None and self.seed is not None:
-                seeds = [self.seed + j * k + i for i in range(k)]
-            sub = self.model_copy(
-                update={
-                    "prompt": text,
-                    "seeds": seeds,
-                    "denoise_seeds": part("denoise_seeds", self.denoise_seeds, j),
-                    "initial_noise_group_ids": part(
-                        "initial_noise_group_ids", self.initial_noise_group_ids, j
-                    ),
-                    "initial_noise": noise_rows[j],
-                    "reward_metadata": meta[j] if isinstance(meta, list) else meta,
-                }
-            )
-            groups.append(sub.to_params(request_id))
-        return groups
-
-    def to_params(self, request_id: str) -> GenerateParams:
-        if isinstance(self.prompt, list):
-            raise RequestError("a list prompt is several requests: use group_params", field="prompt")
-        for name in ("sigmas", "timesteps"):
-            vals = getattr(self, name)
-            if vals is not None and not all(math.isfinite(v) for v in vals):
-                raise RequestError(f"{name} must be finite", field=name)
-        image_data = _image_bytes(self.image_data) if self.image_data else None
-        form = self.rollout_log_prob_form or ("no_const" if self.rollout_log_prob_no_const else "gaussian")
-        settings = RolloutSettings(
-            kind=self.rollout_sde_type,
-            eta=float(self.rollout_noise_level),
-            log_prob_form=form,
-            sde_step_indices=tuple(self.rollout_sde_step_indices)
-            if self.rollout_sde_step_indices is not None
-            else None,
-            return_step_indices=tuple(self.rollout_return_step_indices)
-            if self.rollout_return_step_indices is not None
-            else None,
-            debug=self.rollout_debug_mode,
-            ode_solver=self.rollout_ode_solver,
-        )
-        embeds = {name: getattr(self, name) for name in EMBEDDING_FIELDS if getattr(self, name) is not None}
-        return GenerateParams(
-            prompt=self.prompt if self.prompt is not None else "",
-            embeds=embeds or None,
-            negative_prompt=self.negative_prompt,
-            seed=self.seed,
-            seeds=self.seeds,
-            initial_noise_seed=self.initial_noise_seed,
-            initial_noise_group_ids=_keys(self.initial_noise_group_ids),
-            initial_noise_latent_shape=self.initial_noise_latent_shape,
-            denoise_seeds=_keys(self.denoise_seeds),
-            initial_noise=self.initial_noise,
-            generator_device=self.generator_device,
-            width=self.width,
-            height=self.height,
-            num_inference_steps=self.num_inference_steps,
-            num_outputs_per_prompt=self.num_outputs_per_prompt or 1,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            guidance_scale_2=self.guidance_scale_2,
-            num_frames=self.num_frames,
-            fps=self.fps,
-            max_sequence_length=self.max_sequence_length,
-            rollout=self.rollout,
-            settings=settings,
-            return_denoising_env=self.rollout_return_denoising_env,
-            return_dit_trajectory=self.rollout_return_dit_trajectory,
-            return_generated_output=self.return_generated_output,
-            return_prompt_embeds=self.return_prompt_embeds,
-            return_negative_prompt_embeds=self.return_negative_prompt_embeds,
-            output_dtype=self.rollout_video_dtype or self.output_dtype,
-            sigmas=self.sigmas,
-            timesteps=self.timesteps,
-            sigmas_are_shifted=self.sigmas_are_shifted,
-            flow_shift=self.flow_shift,
-            feature_cache=self.feature_cache.to_settings() if self.feature_cache is not None else None,
-            allow_inexact=self.allow_inexact,
-            share_prefix=self.rollout_share_prefix,
-            outside_window_stride=self.rollout_outside_window_stride,
-            branch=tuple((b.step, b.factor) for b in self.rollout_branch) if self.rollout_branch else None,
-            image_path=[self.image_path] if isinstance(self.image_path, str) else self.image_path or None,
-            image_data=image_data,
-            min_weight_version=self.min_weight_version,
-            min_weight_version_wait=self.min_weight_version_wait,
-            rewards=self._rewards(),
-            reward_metadata=self._reward_metadata(),
-            return_output=self.return_output,
-            request_id=request_id,
-        )
-
-    def _rewards(self) -> tuple[str, ...]:
-        names = tuple(self.rewards or ())
-        if len(set(names)) != len(names):
-            raise RequestError(f"rewards: a name is given twice in {list(names)}", field="rewards")
-        if names and not self.return_generated_output:
-            raise RequestError(
-                "rewards are scored on the decoded output, and return_generated_output=false asks for "
-                "latents instead; send return_output=false to leave the pixels out of the answer",
-                field="return_generated_output",
-            )
-        return names
-
-    def _reward_metadata(self) -> dict[str, Any] | None:
-        meta = self.reward_metadata
-        if meta is None:
-            return None
-        if not self.rewards:
-            raise RequestError("reward_metadata is given, but no rewards are asked for", field="reward_metadata")
-        if isinstance(meta, dict):
-            return meta
-        if len(meta) != 1:
-            raise RequestError(
-                f"reward_metadata has {len(meta)} entries for one prompt: send one object",
-                field="reward_metadata",
-            )
-        return meta[0]
-
-
-def _keys(values: list[str | int] | None) -> list[str] | None:
-    # The recipes hash str(key): a JSON 5 and "5" are the same key, as in the trainers' patches.
-    return None if values is None else [str(v) for v in values]
-
-
-def _image_bytes(items: list[str | bytes]) -> list[bytes]:
-    """``image_data`` entries as file bytes: raw bytes as sent, text as base64 (optionally a data URI)."""
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, bytes):
-            out.append(item)
-            continue
-        text = item.split(",", 1)[1] if item.startswith("data:") else item
-        try:
-            out.append(base64.b64decode(text, validate=True))
-        except (binascii.Error, ValueError):
-            raise RequestError(f"image_data[{i}]: not valid base64", field="image_data") from None
-    return out
