@@ -22,6 +22,7 @@ from diffusion_rollout.client.async_client import AsyncRolloutClient
 from diffusion_rollout.client.base import RetryPolicy
 from diffusion_rollout.client.exceptions import (
     ChecksumMismatchError,
+    RequestValidationError,
     RolloutConnectionError,
     RolloutHTTPError,
     RolloutTimeoutError,
@@ -76,6 +77,7 @@ __all__ = [
     "ReplayBatch",
     "ReplaySettings",
     "ReplayedStep",
+    "RequestValidationError",
     "RetryPolicy",
     "RolloutClient",
     "RolloutConnectionError",

@@ -12,6 +12,9 @@ Design decisions:
   race a newer one); :class:`~diffusion_rollout.client.base.RetryPolicy` turns that into decisions.
 - **``None`` means "leave it out".** Optional fields are dropped, so the server's defaults apply;
   tensors and tuples are turned into JSON values (a schedule often arrives as a tensor).
+- **A rollout body is checked before it is sent** with the server's own model
+  (``protocol/requests.py``'s ``GenerateRequest``), so a bad field fails at once, naming the field,
+  without a round trip (:func:`_check_generate_body`); a valid body is sent exactly as built.
 - **Large bodies in slices.** Raw bodies over ``_UPLOAD_CHUNK`` go out as an iterator of slices
   with a ``Content-Length`` (see ``_ClientBase._request_kwargs``): httpcore re-slices one big
   ``bytes`` body after every socket write, which is quadratic for a multi-GB upload. Tests shrink
@@ -28,7 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
-from diffusion_rollout.client.exceptions import RolloutConnectionError
+from diffusion_rollout.client.exceptions import RequestValidationError, RolloutConnectionError
 from diffusion_rollout.client.receive import decode_answer
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.protocol import lean, wire
@@ -150,6 +153,7 @@ def _generate_call(prompt: str | None, fields: Mapping[str, Any], timeout) -> tu
     if body.get("rollout_return_denoising_env") and "lean_response" not in body:
         # This client understands the lean form (lean.py): the shared conditioning travels once.
         body["lean_response"] = True
+    _check_generate_body({**body, **tensors})
     settings = ReplaySettings.from_request(body)
     if tensors:  # a msgpack body: raw tensor bytes, no base64 (api.md, wire format)
         content = wire.encode({**body, **tensors})
@@ -161,6 +165,28 @@ def _generate_call(prompt: str | None, fields: Mapping[str, Any], timeout) -> tu
         return call, settings
     call = _Call("POST", "/rollout/generate", "api", "refused", json=body, timeout=timeout, decode="wire")
     return call, settings
+
+
+def _check_generate_body(body: dict[str, Any]) -> None:
+    """Validate a ``/rollout/generate`` body with the server's request model; a refusal is a
+    :class:`RequestValidationError` naming each field as the server's 422 does. Skipped where
+    pydantic cannot be imported. The body itself is not changed."""
+    try:
+        from pydantic import ValidationError
+
+        from diffusion_rollout.protocol.requests import GenerateRequest
+    except ImportError:  # pragma: no cover - pydantic is a dependency; a trimmed install may lack it
+        return
+    try:
+        GenerateRequest.model_validate(dict(body))
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        where = [".".join(str(x) for x in e.get("loc", ())) or "body" for e in errors]
+        message = "; ".join(f"{w}: {e.get('msg')}" for w, e in zip(where, errors, strict=True))
+        detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
+        raise RequestValidationError(
+            message or "invalid request body", field=where[0] if where else None, detail=detail
+        ) from None
 
 
 def _outputs(decoded: Any, settings: ReplaySettings) -> list[RolloutOutput]:

@@ -15,6 +15,9 @@ Design decisions:
   ``WeightApplyError``).
 - Failing to reach a server at all (refused connection, timeout) is a :class:`RolloutConnectionError`,
   which has no status code: the server never answered.
+- A rollout body that the server's own request model (``protocol/requests.py``) refuses is caught
+  before it is sent: a :class:`RequestValidationError`, a ``RequestError`` like the server's 422
+  (``except RequestError`` catches both), naming the field.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from diffusion_rollout.errors import (
 
 __all__ = [
     "ChecksumMismatchError",
+    "RequestValidationError",
     "RolloutConnectionError",
     "RolloutHTTPError",
     "RolloutTimeoutError",
@@ -93,6 +97,18 @@ class BadRequestError(RolloutHTTPError, RequestError):
 
 class ServerValidationError(RolloutHTTPError, RequestError):
     """422: malformed body or unknown field (``detail`` lists FastAPI's errors)."""
+
+
+class RequestValidationError(RequestError):
+    """A rollout body the request model refuses, found by the client before sending it (nothing was
+    sent). ``message`` names each field as the server's 422 would; ``detail`` is pydantic's list of
+    errors; ``field`` is the first one's."""
+
+    error_type = "validation_error"
+
+    def __init__(self, message: str, *, field: str | None = None, detail: list[dict[str, Any]] | None = None):
+        super().__init__(message, field=field)
+        self.detail = detail
 
 
 class ServerWeightUpdateError(BadRequestError, WeightUpdateError):

@@ -17,6 +17,7 @@ from diffusion_rollout.client import (
     AsyncRolloutClient,
     DitTrajectory,
     ReplaySettings,
+    RequestValidationError,
     RetryPolicy,
     RolloutClient,
     RolloutConnectionError,
@@ -50,7 +51,7 @@ from diffusion_rollout.errors import (
 SMALL = {"num_inference_steps": 2, "width": 32, "height": 32, "max_sequence_length": 16}
 EXPECTED_ALL = [
     "AsyncRolloutClient", "AsyncRolloutStream", "ChecksumMismatchError", "DitTrajectory", "ReplayBatch", "ReplaySettings",
-    "ReplayedStep", "RetryPolicy", "RolloutClient", "RolloutConnectionError", "RolloutHTTPError",
+    "ReplayedStep", "RequestValidationError", "RetryPolicy", "RolloutClient", "RolloutConnectionError", "RolloutHTTPError",
     "RolloutOutput", "RolloutStream", "RolloutTimeoutError", "StreamBatch", "StreamStats", "UpdateResult",
     "WeightBroadcaster",
     "build_update_weights_from_tensor_request", "clipped_policy_loss", "gaussian_kl", "group_advantages",
@@ -177,8 +178,38 @@ def test_plain_generation_and_filtered_trajectory(served):
         o.dit_trajectory.latent(0)
 
 
-def test_request_errors_carry_status_type_and_message(served):
+def _refuse_any_request(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"the client sent {request.method} {request.url.path}")
+
+
+def test_a_bad_rollout_field_fails_in_the_client_naming_it():
+    # The server's own request model checks the body first: nothing is sent (the transport fails
+    # on any request), and the error is a RequestError naming the field, as the server's 422 is.
+    transport = httpx.MockTransport(_refuse_any_request)
+    with RolloutClient("http://testserver", transport=transport) as c:
+        with pytest.raises(RequestValidationError) as info:
+            c.generate("x", rollout_noise_level=-1.0, seed=0)
+        err = info.value
+        assert isinstance(err, RequestError) and not isinstance(err, RolloutHTTPError)
+        assert err.field == "rollout_noise_level" and "rollout_noise_level" in str(err)
+        assert err.detail and err.detail[0]["loc"] == ("rollout_noise_level",)
+        with pytest.raises(RequestValidationError, match=r"feature_cache\.kind"):
+            c.generate("x", feature_cache={"kind": "no-such-cache"})
+        with pytest.raises(RequestValidationError, match="rollout_sde_type"):
+            c.generate("x", rollout_sde_type="langevin")
+
+    async def go():
+        async with AsyncRolloutClient("http://testserver", transport=transport) as ac:
+            with pytest.raises(RequestValidationError, match="width"):
+                await ac.generate("x", width=0)
+
+    asyncio.run(go())
+
+
+def test_request_errors_carry_status_type_and_message(served, monkeypatch):
     c = sync_client(served("sd3"))
+    # The server's 422 as the client maps it: the client's own check of the body is left out here.
+    monkeypatch.setattr("diffusion_rollout.client.calls._check_generate_body", lambda body: None)
     with pytest.raises(ServerValidationError) as info:
         c.generate("x", rollout_sde_type="langevin")
     err = info.value
@@ -233,8 +264,9 @@ def test_generate_many_keeps_order_and_bounds_concurrency(served):
         sync_client(server).generate_many([{"seed": 1}])
 
 
-def test_async_client_reads_and_errors(served):
+def test_async_client_reads_and_errors(served, monkeypatch):
     server = served("sd3")
+    monkeypatch.setattr("diffusion_rollout.client.calls._check_generate_body", lambda body: None)
 
     async def go():
         async with AsyncRolloutClient("http://test", transport=httpx.ASGITransport(app=server.app)) as c:
