@@ -13,7 +13,7 @@
   or ``merge``, the default) or dynamic (``dynamic``). Admin key.
 - ``GET /v1/model_info``, ``GET /weight_version``: SGLang's info routes (public, like ``/model_info``).
 
-Fields with no effect here are accepted and reported in ``ignored_fields`` (``entrypoints/dialects``).
+Fields with no effect here are accepted and reported in ``ignored_fields`` (``protocol/dialects.py``).
 """
 
 from __future__ import annotations
