@@ -37,7 +37,9 @@ cache of its own, ``WORK/compile-cache-remember`` (the ``remember_*`` runs, name
 6. ``remember_off``: a restart with ``--no-warmup-remembered-shapes``: the {size}² request compiles
    in the foreground again (the behaviour before the shapes were remembered).
 7. ``remember_warm``: a restart as a user starts it: its warm-up covers the default size and the
-   remembered {size}², and saves the {size}² blocks precompiled (once).
+   remembered {size}², and it saves the {size}² blocks precompiled (once) when first idle after
+   ready: the run leaves it idle after its throughput, as a trainer's training phase does, until the
+   save ends (``idle_save_wait_s``).
 8. ``remember_warm2``: the same again: every remembered shape loads precompiled::
 
     python -m benchmarks.fast_start --device cuda --runs remember_cold --out $OUT
@@ -152,6 +154,9 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
                 )
                 row["images_per_s"] = args.in_flight * args.group / reply["seconds"]
                 row["server_info"] = c.get("/server_info").json().get("speed")
+                if _save_pending(row["server_info"]):  # a restart saves new blocks once idle
+                    row["idle_save_wait_s"] = _wait_for_idle_save(c, args.ready_timeout_s)
+                    row["server_info"] = c.get("/server_info").json().get("speed")
         finally:
             stop_session(proc)
             if profile is not None:  # few files back from a GPU machine: the raw profiles stay in --work
@@ -168,12 +173,28 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
         row["remembered_shapes"] = ",".join(compile_info["warmup"].get("remembered_shapes") or [])
         pre = compile_info.get("precompiled") or {}
         row["precompiled_loaded"] = pre.get("loaded")  # blocks a restart runs without Dynamo's tracing
-        row["precompiled_save_s"] = pre.get("save_s")  # what the cold start paid to save them
+        row["precompiled_save_s"] = pre.get("save_s")  # what the save took (a restart: after ready, idle)
         if compile_info["warmup"].get("profile"):
             row["warmup_profile"] = str(profile)
     log(f"{name}: ready {row['start_to_ready_s']:.1f} s, first answer {row['start_to_first_answer_s']:.1f} s, "
         f"{row['images_per_s']:.2f} img/s")  # fmt: skip
     return row
+
+
+def _save_pending(speed: dict[str, Any] | None) -> bool:
+    pre = ((speed or {}).get("compile") or {}).get("precompiled") or {}
+    return "save" in pre or ("save_s" not in pre and pre.get("saved", 0) > 0)
+
+
+def _wait_for_idle_save(c: Any, timeout_s: float) -> float:
+    """Leave the server idle, as a trainer's loss and optimizer step do, until its put-off save of
+    precompiled blocks ends (server/speed/idle_save.py); the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not _save_pending(c.get("/server_info").json().get("speed")):
+            return time.monotonic() - t0
+        time.sleep(1.0)
+    raise RuntimeError(f"the precompiled blocks were not saved within {timeout_s:.0f} s of idle time")
 
 
 def stock_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:

@@ -38,6 +38,7 @@ Reliability (quality.md):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -198,6 +199,8 @@ class Engine:
             logger.warning("warmup_profile set, but this server does not compile: no warm-up to profile")
         self.status = "ready"
         logger.info("engine ready: %s (%s) on %s, %s", self.family, self.model_path, self.device, self.dtype)
+        if self.loaded.speed.compile:
+            self.compiled.after_ready(self)
 
     def begin_shutdown(self, grace_s: float | None = None) -> float:
         """From now on new rollouts get 503; returns the monotonic deadline for in-flight work."""
@@ -387,8 +390,11 @@ class Engine:
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread between batches (weight updates, memory moves)."""
-        fut = self.worker.submit(Job(payload=self._between_lanes(fn), batch_key=None))
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(self.submit_exclusive(fn))
+
+    def submit_exclusive(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Queue ``fn`` to run on the worker thread between batches; its future."""
+        return self.worker.submit(Job(payload=self._between_lanes(fn), batch_key=None))
 
     def _between_lanes(self, fn: Callable[[], T]) -> Callable[[], T]:
         """``fn`` fenced off from the lanes' streams: with several lanes, the kernels they queued may

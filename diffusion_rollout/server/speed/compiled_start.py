@@ -2,11 +2,11 @@
 
 Design decisions:
 
-- The engine holds one :class:`CompiledStart` and calls it at five points: ``load`` (open the keyed
+- The engine holds one :class:`CompiledStart` and calls it at six points: ``load`` (open the keyed
   cache before anything compiles, and start inductor's compile workers, ``server/speed/compile_workers.py``,
   so that they come up while the weights load), ``start`` (wait for the workers, warm up, then mark
-  the graphs compiled so far as the
-  baseline for recompiles), each pipeline call (a shape the warm-up did not cover is logged once),
+  the graphs compiled so far as the baseline for recompiles), ``after_ready`` (a restart's save of
+  new precompiled blocks, put off until the server is idle: server/speed/idle_save.py), each pipeline call (a shape the warm-up did not cover is logged once),
   each finished compiled call (its shape is remembered in the cache for the next start's warm-up),
   and the reports (``/server_info``, ``/health``, ``/metrics``). The how of each lives in
   ``server/speed/warmup.py``, ``server/speed/compile_cache.py`` and ``server/speed/served_shapes.py``; this module only
@@ -26,6 +26,7 @@ import torch
 
 from diffusion_rollout.server.speed.compile_cache import CompileCache, cache_key
 from diffusion_rollout.server.speed.compile_workers import CompileWorkers
+from diffusion_rollout.server.speed.idle_save import run_when_idle
 from diffusion_rollout.server.speed.precompiled_blocks import FOLDER, PrecompiledBlocks
 from diffusion_rollout.server.speed.served_shapes import ServedShapes
 from diffusion_rollout.server.speed.warmup import (
@@ -108,7 +109,9 @@ class CompiledStart:
             if self.warmup.skipped and self.served is not None:  # remembered shapes that failed to warm
                 failed = {skip["shape"] for skip in self.warmup.skipped}
                 self.served.forget([s for s in shapes if str(s) in failed])
-            if self.precompiled is not None and self.precompiled.captured():
+            if self.precompiled is not None and self.precompiled.captured() and self.precompiled.loaded:
+                self.precompiled.hold_capture()  # a restart: saved once idle after ready (idle_save.py)
+            elif self.precompiled is not None and self.precompiled.captured():
                 self.warmup.stage = "saving precompiled blocks for the next start"
                 self.precompiled.save()  # the next start loads them: its warm-up traces none
                 self.warmup.stage = None
@@ -119,6 +122,22 @@ class CompiledStart:
         stats = engine.loaded.speed.compile_stats
         if stats is not None:
             stats.graphs_at_ready = stats.graphs
+
+    def after_ready(self, engine: Engine) -> None:
+        """A save the warm-up put off runs once the server is idle (server/speed/idle_save.py)."""
+        blocks = self.precompiled
+        if blocks is None or not blocks.save_pending:
+            return
+
+        def save() -> None:
+            if blocks.save_pending:  # a weight change may have dropped it while it was queued
+                blocks.save()
+                if self.cache is not None:
+                    self.cache.save(self.warmup.seconds)  # with what the save compiled
+
+        run_when_idle(
+            engine, save, lambda: blocks.save_pending, "precompiled blocks: saving for the next start"
+        )
 
     def _shapes(self, engine: Engine) -> list[Shape]:
         """What the warm-up compiles: ``--warmup-shapes`` when given (``none``: nothing); else the

@@ -1,10 +1,9 @@
 """Blocks precompiled ahead of time, so a restart skips Dynamo's tracing.
 
-Why: on an H100 a fast-tier restart on a warm compile cache still spent 4.8 s of its 10.8-s warm-up in
-Dynamo tracing the three kinds of SD3.5 block again, and 3.7 s more loading their graphs: the compile
-cache holds inductor's output, not Dynamo's. ``torch.compile(...).forward.aot_compile`` traces a
-block once and saves the whole result (bytecode, guards, the compiled graph); loading it skips the
-tracing.
+Why: a fast-tier restart on a warm compile cache still has Dynamo trace every kind of block again,
+then load its graphs (the compile cache holds inductor's output, not Dynamo's): most of its warm-up.
+``torch.compile(...).forward.aot_compile`` traces a block once and saves the whole result (bytecode,
+guards, the compiled graph); loading it skips the tracing (benchmarks/RESULTS.md#fast-start-warm).
 
 Design decisions:
 
@@ -15,7 +14,9 @@ Design decisions:
   A restart loads them before its warm-up, and a block call whose signature has an artifact runs it;
   every other call (a new shape, a failed guard) goes to the ordinary compiled path. A restart's
   warm-up that makes a kind of call with no artifact (a shape an earlier start served, remembered in
-  ``served_shapes.json``: server/speed/served_shapes.py) saves that kind after it, beside those loaded.
+  ``served_shapes.json``: server/speed/served_shapes.py) saves that kind beside those loaded, once
+  the server is first idle after ready (server/speed/idle_save.py), so that the restart is not
+  kept from serving while it saves.
 - **Our own guard on top of torch's.** Saving needs torch's guards filtered to the portable ones
   (tensor and shape guards: identity guards on modules cannot be saved), so what those drop is checked
   here: the block's structure (module and parameter names, classes, shapes and dtypes, attention
@@ -32,14 +33,10 @@ Design decisions:
 - **Nothing stops the server.** A torch without ``aot_compile``, a block with a graph break, a file
   that does not load: logged, reported, and the blocks run as before. A cold start that saved none
   leaves the reason in the folder (``NOT_SAVED``), so restarts on that cache key do not pay again.
-- **FP8 weights.** On an H200 (torch 2.11, torchao 0.18), saving blocks with torchao's
-  ``Float8Tensor`` weights failed in Dynamo's guard serializer after 34 s of tracing, as the subclass
-  has no ``empty_like``; on a CPU, past that, the instance ``extra_repr`` that ``quantize_`` binds to
-  each linear could not be pickled, and on an H100 the padded forward bound to each FP8 linear could
-  not be named. ``fast_tier.fp8_precompilable`` mends the first two and allows the subclass here;
-  ``fast_tier.PaddedLinear`` makes the padding a class. An SD3.5 restart then loaded all three kinds
-  of block and its warm-up took 1.9 s (H100, benchmarks/RESULTS.md#fast-start-warm). Weights of any
-  other tensor subclass are skipped up front (``why_not``).
+- **FP8 weights.** torchao's ``Float8Tensor`` weights need two mends to be saved (the subclass's
+  ``empty_like`` for Dynamo's guard serializer, a picklable ``extra_repr`` and a named padded forward
+  on each linear): ``fast_tier.fp8_precompilable`` and ``fast_tier.PaddedLinear`` make them, and the
+  subclass is allowed here. Weights of any other tensor subclass are skipped up front (``why_not``).
 """
 
 from __future__ import annotations
@@ -189,6 +186,8 @@ class PrecompiledBlocks:
         self.calls = 0
         self.why_not: str | None = None
         self.off_because: str | None = None
+        self._held: dict | None = None  # captured kinds kept for a save once idle (idle_save.py)
+        self.save_pending = False
 
     # ------------------------------------------------------------------ wiring
     def attach(self, blocks: Iterable[torch.nn.Module]) -> None:
@@ -233,14 +232,25 @@ class PrecompiledBlocks:
 
     def captured(self) -> int:
         """Kinds of call captured so far without an artifact (what :meth:`save` would save)."""
-        return len(self._examples or {})
+        return len(self._examples or self._held or {})
 
     def stop_capture(self) -> None:
         """No warm-up to save after (``warmup_shapes=none``): nothing more is recorded."""
         self._examples = None
 
+    def hold_capture(self) -> None:
+        """Keep the kinds captured so far for a save after ready, and capture no more."""
+        self._held, self._examples = self._examples, None
+        self.save_pending = True
+
     def turn_off(self, why: str) -> None:
-        """The weights or modules changed: the ordinary compiled path serves every call from now on."""
+        """The weights or modules changed: the ordinary compiled path serves every call from now on
+        (and a save still pending is dropped: it would trace the changed blocks)."""
+        if self.save_pending:
+            self.save_pending, self.not_saved = False, self.captured()
+            self._held = None
+            logger.info("precompiled blocks: %d kind(s) not saved (%s before the server was idle)",
+                        self.not_saved, why)  # fmt: skip
         if self.active:
             self.active = False
             self.off_because = why
@@ -306,7 +316,8 @@ class PrecompiledBlocks:
     def save(self) -> int:
         """Compile ahead of time each kind of call the warm-up made that has no artifact yet, and save
         it (the graphs come from inductor's cache, filled by the warm-up). Returns how many were saved."""
-        examples, self._examples = self._examples or {}, None
+        examples, self._examples, self._held = self._examples or self._held or {}, None, None
+        self.save_pending = False
         if not examples:
             return 0
         try:
@@ -422,6 +433,8 @@ class PrecompiledBlocks:
         if self.save_s is not None:
             out["save_s"] = round(self.save_s, 3)
             out["not_saved"] = self.not_saved
+        if self.save_pending:
+            out["save"] = f"{self.captured()} kind(s) pending, saved when the server is first idle"
         if self.max_rel_diff is not None:
             out["max_rel_diff"] = self.max_rel_diff  # 0.0: every saved artifact bit-identical
         if self.why_not is not None:

@@ -7,8 +7,10 @@ with a warning; ``--warmup-shapes`` wins over the remembered shapes and
 ``--no-warmup-remembered-shapes`` turns them off; a remembered shape whose warm-up fails is skipped
 and forgotten; the precompiled blocks capture, while loaded, the kinds of call they have no artifact
 for. Integration (slow): two real ``serve --speed fast`` processes on one ``--compile-cache``, neither
-given ``--warmup-shapes``: the first serves a 48x32 request, the second warms 48x32 before ready and
-answers it without compiling.
+given ``--warmup-shapes``: the first serves a 48x32 request, the second warms 48x32 before ready,
+answers it without compiling and saves its precompiled blocks once idle after ready
+(server/speed/idle_save.py), and a third loads them all. Units of that put-off save: a weight change
+drops it, released memory and a busy worker delay it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -272,6 +275,104 @@ def test_loaded_precompiled_blocks_still_capture_the_calls_they_have_no_artifact
     assert blocks.captured() == 0
 
 
+def _captured_blocks(tmp_path):
+    from diffusion_rollout.server.speed.precompiled_blocks import PrecompiledBlocks
+
+    block = torch.nn.Linear(4, 4)
+    block._compiled_call_impl = block.forward
+    blocks = PrecompiledBlocks(tmp_path / "blocks")
+    blocks.attach([block])
+    blocks.active, blocks.loaded, blocks._examples = True, 1, {}  # a restart: load() found artifacts
+    with torch.no_grad():
+        block(torch.zeros(2, 5, 4))
+    return block, blocks
+
+
+def test_a_held_capture_records_nothing_more_and_a_weight_change_drops_its_save(tmp_path, caplog):
+    block, blocks = _captured_blocks(tmp_path)
+    blocks.hold_capture()  # ready: the captured kind waits for the first idle moment
+    with torch.no_grad():
+        block(torch.zeros(2, 7, 4))  # served after ready: not captured
+    assert blocks.captured() == 1 and blocks.save_pending
+    assert blocks.report()["save"].startswith("1 kind(s) pending")
+    with caplog.at_level(logging.INFO, logger="diffusion_rollout"):
+        blocks.turn_off("the weights changed")
+    assert not blocks.save_pending and blocks.captured() == 0 and blocks.not_saved == 1
+    assert "save" not in blocks.report() and "1 kind(s) not saved (the weights changed" in caplog.text
+    assert blocks.save() == 0 and not (tmp_path / "blocks").exists()  # nothing left to save
+
+
+class _IdleEngine:
+    """What run_when_idle reads of an engine: status, the worker's queue, and an exclusive job."""
+
+    def __init__(self) -> None:
+        self.status = "ready"
+        self.worker = SimpleNamespace(depth=0, busy=False)
+        self.ran: list[float] = []
+
+    def submit_exclusive(self, fn):
+        import concurrent.futures
+
+        fut = concurrent.futures.Future()
+        fut.set_result(fn())
+        return fut
+
+
+def _wait(cond, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("busy_for_s", [0.0, 1.0])
+def test_the_put_off_save_runs_once_the_worker_has_been_idle(monkeypatch, busy_for_s):
+    import time
+
+    from diffusion_rollout.server.speed import idle_save
+
+    monkeypatch.setattr(idle_save, "IDLE_S", 0.5)
+    monkeypatch.setattr(idle_save, "POLL_S", 0.02)
+    engine = _IdleEngine()
+    engine.worker.busy = busy_for_s > 0
+    t0 = time.monotonic()
+    idle_save.run_when_idle(engine, lambda: engine.ran.append(time.monotonic() - t0), lambda: True, "test")
+    time.sleep(busy_for_s)
+    engine.worker.busy = False
+    _wait(lambda: engine.ran)
+    assert len(engine.ran) == 1 and engine.ran[0] >= busy_for_s + 0.5  # idle 0.5 s after the last work
+
+
+@pytest.mark.parametrize("change", ["dropped", "stopping", "released then back"])
+def test_the_put_off_save_waits_out_released_memory_and_never_runs_once_dropped_or_stopping(
+    monkeypatch, change
+):
+    import time
+
+    from diffusion_rollout.server.speed import idle_save
+
+    monkeypatch.setattr(idle_save, "IDLE_S", 0.3)
+    monkeypatch.setattr(idle_save, "POLL_S", 0.02)
+    engine, wanted = _IdleEngine(), [True]
+    engine.status = "released" if change == "released then back" else "ready"
+    engine.worker.depth = 1  # a queued rollout: not idle yet
+    idle_save.run_when_idle(engine, lambda: engine.ran.append(1), lambda: wanted[0], "test")
+    if change == "dropped":
+        wanted[0] = False
+    elif change == "stopping":
+        engine.status = "stopping"
+    engine.worker.depth = 0
+    time.sleep(1.0)
+    if change == "released then back":
+        assert engine.ran == []  # offloaded weights are not idle time
+        engine.status = "ready"
+        _wait(lambda: engine.ran)
+        assert engine.ran == [1]
+    else:
+        assert engine.ran == []
+
+
 # --------------------------------------------------------------------------- two real servers
 @pytest.mark.slow
 def test_a_restart_warms_the_shape_the_last_process_served(tiny_model_path, tmp_path):
@@ -309,7 +410,29 @@ def test_a_restart_warms_the_shape_the_last_process_served(tiny_model_path, tmp_
         assert warm["warmup"]["shapes"] == [*default, "48x32"], warm["warmup"]
         assert warm["warmup"]["remembered_shapes"] == ["48x32"]
         assert "also the 1 shape(s) earlier starts served" in second.log.read_text()
+        # Its 48x32 blocks had no artifact: the save waited for ready and then for the idle server.
+        pre = warm["precompiled"]
+        assert pre["loaded"] > 0 and pre["saved"] == 0, pre
         generate(second)
         assert second.info()["speed"]["compile"]["recompiles"] == 0
+        deadline = time.monotonic() + 120
+        while "save_s" not in (pre := second.info()["speed"]["compile"]["precompiled"]):  # the save's end
+            assert time.monotonic() < deadline, pre
+            time.sleep(0.5)
+        assert "save" not in pre and pre["not_saved"] == 0, pre
+        log = second.log.read_text()
+        assert (
+            log.index("engine ready") < log.index("the server has been idle") < log.index("artifact(s) saved")
+        )
     finally:
         second.stop()
+
+    third = ServeProcess(model, cache, tmp_path / "serve-2.log", warmup_shapes=None)
+    try:
+        info = third.info()["speed"]["compile"]
+        assert info["precompiled"]["loaded"] == pre["loaded"] + pre["saved"], info["precompiled"]
+        assert info["precompiled"]["saved"] == 0 and "save" not in info["precompiled"]  # nothing left to save
+        generate(third)
+        assert third.info()["speed"]["compile"]["recompiles"] == 0
+    finally:
+        third.stop()
