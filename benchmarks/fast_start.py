@@ -183,7 +183,7 @@ def serve_run(name: str, args: argparse.Namespace, folder: Path, flags: list[str
 
 def _save_pending(speed: dict[str, Any] | None) -> bool:
     pre = ((speed or {}).get("compile") or {}).get("precompiled") or {}
-    return "save" in pre or ("save_s" not in pre and pre.get("saved", 0) > 0)
+    return "save" in pre
 
 
 def _wait_for_idle_save(c: Any, timeout_s: float) -> float:

@@ -317,13 +317,12 @@ class PrecompiledBlocks:
         """Compile ahead of time each kind of call the warm-up made that has no artifact yet, and save
         it (the graphs come from inductor's cache, filled by the warm-up). Returns how many were saved."""
         examples, self._examples, self._held = self._examples or self._held or {}, None, None
-        self.save_pending = False
         if not examples:
             return 0
         try:
             from torch.compiler import keep_portable_guards_unsafe
         except ImportError as exc:
-            self.why_not = f"this torch cannot save compiled functions ({exc})"
+            self.why_not, self.save_pending = f"this torch cannot save compiled functions ({exc})", False
             return 0
         make_private_dirs(self.folder)
         t0 = time.perf_counter()
@@ -376,7 +375,7 @@ class PrecompiledBlocks:
             except Exception as exc:  # a graph break, an unsupported torch: that kind keeps tracing
                 self.why_not = f"{type(block).__name__}: {type(exc).__name__}: {str(exc)[:300]}"
                 logger.warning("precompiled blocks: %s not saved (%s)", name, self.why_not)
-        self.save_s = time.perf_counter() - t0
+        self.save_s, self.save_pending = time.perf_counter() - t0, False  # pending until saved (report)
         self.not_saved = len(examples) - self.saved
         if not self.saved and self.why_not and not self.loaded:  # never hides the artifacts that load
             write_private(self.folder / NOT_SAVED, self.why_not + "\n")
@@ -434,7 +433,7 @@ class PrecompiledBlocks:
             out["save_s"] = round(self.save_s, 3)
             out["not_saved"] = self.not_saved
         if self.save_pending:
-            out["save"] = f"{self.captured()} kind(s) pending, saved when the server is first idle"
+            out["save"] = "pending: saved once the server has been idle (or saving now)"
         if self.max_rel_diff is not None:
             out["max_rel_diff"] = self.max_rel_diff  # 0.0: every saved artifact bit-identical
         if self.why_not is not None:

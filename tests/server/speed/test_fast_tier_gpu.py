@@ -127,8 +127,12 @@ def test_a_restart_runs_precompiled_blocks_matching_the_traced_ones(
     ordinary compiled path it takes once they are off (as after any weight change). On 4x H200 (torch
     2.11) without FP8, the save's batch check refused one of the tiny SD3's kinds ("its output at
     batch 5 differs"), and the restart compiled that one graph; with FP8 (H100) this test passed with
-    every kind saved. Where the save accepted a rounding difference (``max_rel_diff`` > 0: SD3.5-medium
-    with FP8 on an H100), the rollouts match within a relative L2 of 5e-2, else bit for bit."""
+    every kind saved. The rollouts match within a relative L2 of 5e-2, not bit for bit, even where every
+    saved artifact equalled the ordinary path (``max_rel_diff`` 0): the path the restart falls back to
+    is a new trace, compiled for the calls it now sees, and on a GPU inductor may pick other kernels for
+    it than for the graph the save was checked against (one H200, torch 2.11: the images differed in
+    their last bf16 bits). A wrong batch assumption, what the save's check exists for, gets whole rows
+    wrong (a relative L2 near 1). On the CPU the two are equal (tests/server/speed/test_compile_warmup.py)."""
     config = dict(device="cuda", dtype="bfloat16", compile=True, compile_cache=str(tmp_path))
     if quantize:
         _need(fast_tier_checks.FP8_MIN_CAPABILITY, "torchao")
@@ -150,12 +154,11 @@ def test_a_restart_runs_precompiled_blocks_matching_the_traced_ones(
     server.engine.invalidate_captures()  # what every weight or LoRA change calls
     assert server.client.get("/server_info").json()["speed"]["compile"]["precompiled"]["active"] is False
     traced = server.generate(body)
-    exact = saved.get("max_rel_diff", 0.0) == 0.0
     for a, b in zip(precompiled, traced, strict=True):
         tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
         assert tensors, a.keys()
         for k in tensors:
-            if exact or not a[k].is_floating_point():
+            if not a[k].is_floating_point():
                 assert torch.equal(a[k], b[k]), k
             else:
-                assert rel_diff(a[k], b[k]) <= 5e-2, (k, rel_diff(a[k], b[k]))
+                assert rel_diff(a[k], b[k]) <= 5e-2, (k, rel_diff(a[k], b[k]), saved.get("max_rel_diff"))
