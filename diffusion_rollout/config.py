@@ -8,15 +8,14 @@ from these fields, and environment variables are read here and nowhere else
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from diffusion_rollout import config_checks
+
 ENV_PREFIX = "DIFFUSION_ROLLOUT_"
-_SHAPE = r"\d+x\d+(?:x\d+)?"
-_WARMUP_SHAPES = re.compile(rf"\s*(?:none|{_SHAPE}(?:\s*,\s*{_SHAPE})*)\s*", re.IGNORECASE)
 
 
 def default_cache_dir() -> Path:
@@ -365,25 +364,12 @@ class ServerConfig(BaseModel):
     @field_validator("reward", mode="before")
     @classmethod
     def _reward_list(cls, value: object) -> object:
-        if isinstance(value, str):  # the environment variable: one string, ';' between rewards
-            value = [v for v in value.split(";") if v.strip()]
-        if isinstance(value, list) and value:
-            from diffusion_rollout.rewards import parse_named_reward
-
-            names = [parse_named_reward(str(v))[0] for v in value]
-            twice = sorted({n for n in names if names.count(n) > 1})
-            if twice:
-                raise ValueError(f"reward: the name(s) {twice} are given more than once")
-        return value
+        return config_checks.reward_list(value)
 
     @field_validator("reward_gpus")
     @classmethod
     def _reward_gpus(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
-            raise ValueError(
-                f"reward_gpus={value!r}: expected CUDA device indices separated by commas (e.g. 1,2)"
-            )
-        return value
+        return config_checks.gpu_indices("reward_gpus", value)
 
     def reward_specs(self) -> dict[str, str]:
         """The configured rewards, ``{NAME: SPEC}`` in the order given."""
@@ -396,28 +382,12 @@ class ServerConfig(BaseModel):
     @field_validator("warmup_shapes")
     @classmethod
     def _warmup_shapes_parse(cls, value: str | None) -> str | None:
-        if value is not None and not _WARMUP_SHAPES.fullmatch(value):
-            raise ValueError(
-                f"warmup_shapes={value!r}: expected WIDTHxHEIGHT[xFRAMES] sizes separated by commas "
-                "(e.g. 512x512,1024x768), or none"
-            )
-        return value
+        return config_checks.warmup_shapes(value)
 
     @field_validator("warmup_profile")
     @classmethod
     def _warmup_profile_folder(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        from diffusion_rollout.own_files import make_private_dirs
-
-        folder = Path(value).expanduser()
-        try:
-            make_private_dirs(folder)
-        except OSError as exc:
-            raise ValueError(f"warmup_profile={value!r}: cannot make the folder ({exc})") from None
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"warmup_profile={value!r}: the folder is not writable")
-        return str(folder.resolve())
+        return config_checks.writable_folder("warmup_profile", value)
 
     # What --speed chose (speed_presets.py), set once by _apply_speed_preset.
     _speed_choice: object = PrivateAttr(None)
@@ -457,76 +427,8 @@ class ServerConfig(BaseModel):
         return self.compile_cache or str(Path(self.cache_dir) / "compile")
 
     @model_validator(mode="after")
-    def _upload_port_differs(self) -> ServerConfig:
-        # Both sockets bind the same host: the same fixed port would fail at start-up, less clearly.
-        if self.upload_port and self.upload_port == self.port:
-            raise ValueError(f"upload_port={self.upload_port} is the main port; pick another one, or 0")
-        return self
-
-    @model_validator(mode="after")
-    def _speed_options_fit_the_device(self) -> ServerConfig:
-        # A clear start-up error rather than a server that loads and then fails every request.
-        if self.cuda_graphs:
-            device = self.resolved_device()
-            if not device.startswith("cuda"):
-                raise ValueError(f"cuda_graphs needs a CUDA device; this server runs on {device!r}")
-            if self.compile:
-                raise ValueError("cuda_graphs replays the eager denoiser; it cannot be combined with compile")
-        if self.pipeline_lanes > 1:
-            # Graph replays share static buffers, compiled blocks and the ranks' collectives their
-            # caller: two calls at once on them would race.
-            for name in ("compile", "cuda_graphs"):
-                if getattr(self, name):
-                    raise ValueError(f"pipeline_lanes={self.pipeline_lanes} cannot be combined with {name}")
-            if self.context_parallel > 1:
-                raise ValueError(
-                    f"pipeline_lanes={self.pipeline_lanes} cannot be combined with "
-                    f"context_parallel={self.context_parallel}"
-                )
-        if self.context_parallel > 1:
-            # Followers run the plain eager transformer; a compiled or graph-replayed rank 0 would not
-            # call it through the hook that hands each call to them.
-            for name in ("compile", "cuda_graphs"):
-                if getattr(self, name):
-                    raise ValueError(
-                        f"context_parallel={self.context_parallel} cannot be combined with {name}"
-                    )
-            gpus = self.gpus_per_replica
-            if self.replicas is not None and gpus is not None and 0 < gpus < self.context_parallel:
-                raise ValueError(
-                    f"context_parallel={self.context_parallel} needs gpus_per_replica >= "
-                    f"{self.context_parallel} (got {gpus:g})"
-                )
-        return self
-
-    @model_validator(mode="after")
-    def _context_parallel_vae_needs_ranks(self) -> ServerConfig:
-        if self.context_parallel_vae == "split" and self.context_parallel < 2:
-            raise ValueError(
-                "context_parallel_vae=split spreads the VAE decode over the context-parallel ranks; it "
-                f"needs context_parallel > 1 (got context_parallel={self.context_parallel})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _context_parallel_layout_fits(self) -> ServerConfig:
-        ring = self.context_parallel_ring_degree
-        if ring is not None and self.context_parallel_mode != "hybrid":
-            # Refused rather than ignored: a ring degree given with ring mode (where it is k) or with
-            # ulysses would otherwise look applied in the config and mean nothing.
-            raise ValueError(
-                f"context_parallel_ring_degree={ring} applies to context_parallel_mode=hybrid only "
-                f"(got context_parallel_mode={self.context_parallel_mode}; ring mode's degree is "
-                "context_parallel)"
-            )
-        if self.context_parallel_mode == "hybrid":
-            ring, k = self.context_parallel_degrees()[0], self.context_parallel
-            if not 1 < ring < k or k % ring:
-                raise ValueError(
-                    f"context_parallel_mode=hybrid needs 1 < context_parallel_ring_degree < context_parallel "
-                    f"and context_parallel divisible by it (got context_parallel_ring_degree={ring}, "
-                    f"context_parallel={k}); for one ring over every rank use context_parallel_mode=ring"
-                )
+    def _options_fit_together(self) -> ServerConfig:
+        config_checks.check_options(self)
         return self
 
     def context_parallel_degrees(self) -> tuple[int, int]:
@@ -538,50 +440,6 @@ class ServerConfig(BaseModel):
             ring = self.context_parallel_ring_degree or 2
             return ring, max(k // ring, 1)
         return 1, k
-
-    @model_validator(mode="after")
-    def _fast_tier_can_run(self) -> ServerConfig:
-        # quantize / attention_backend=fa4 (server/speed/fast_tier.py): refused at start-up where they cannot
-        # run, in one line, rather than failing at load or on every request.
-        fa4 = self.attention_backend is not None and self.attention_backend.lower() == "fa4"
-        if self.quantize is None and not fa4:
-            return self
-        names = [
-            n
-            for n, on in ((f"quantize={self.quantize}", self.quantize), ("attention_backend=fa4", fa4))
-            if on
-        ]
-        if self.context_parallel > 1:
-            raise ValueError(f"{names[0]} cannot be combined with context_parallel={self.context_parallel}")
-        if self.quantize is not None and self.cuda_graphs:
-            raise ValueError(f"quantize={self.quantize} cannot be combined with cuda_graphs (not tried yet)")
-        from diffusion_rollout.fast_tier_checks import unsupported_reason
-
-        # A Ray front may see no GPU: then only the device name is checked here, each replica's
-        # loader checks the GPU and the packages.
-        reason = unsupported_reason(
-            quantize=self.quantize,
-            attention_backend=self.attention_backend,
-            device=self.resolved_device(),
-            check_hardware=self.replicas is None,
-        )
-        if reason:
-            raise ValueError(reason)
-        return self
-
-    @model_validator(mode="after")
-    def _placement_needs_replicas(self) -> ServerConfig:
-        if self.placement is None:
-            return self
-        if self.replicas is None:
-            raise ValueError(f"placement={self.placement} places Ray replicas; set replicas too")
-        if self.cpus_per_replica == 0 and self.gpus_per_replica == 0:
-            # A placement group bundle must reserve something.
-            raise ValueError(
-                f"placement={self.placement} needs each replica to reserve a CPU or a GPU "
-                "(cpus_per_replica and gpus_per_replica are both 0)"
-            )
-        return self
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

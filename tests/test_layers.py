@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {"protocol", "errors", "scheduler_mixins"},
     ),
     ("support", {"logging_utils", "own_files", "fast_tier_checks", "speed_presets", "rewards", "models", "testing"}),
-    ("config", {"config", "config_options"}),
+    ("config", {"config", "config_options", "config_checks"}),
     ("server", {"server"}),
     ("cluster", {"cluster"}),
     ("entrypoints", {"entrypoints"}),
