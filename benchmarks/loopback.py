@@ -11,12 +11,10 @@ user starts it (a subprocess) goes through ``diffusion_rollout.testing`` instead
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from typing import Any
 
 from benchmarks.remote_clients import TRAINERS, RemoteClients, post_rollout
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, serve_in_thread
 
 
 class LoopbackServer:
@@ -43,13 +41,8 @@ class LoopbackServer:
             http=config.http_parser,
         )
         self._server = uvicorn.Server(uv_config)
-        self._thread = threading.Thread(target=self._server.run, name="bench-uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        self._serving = contextlib.ExitStack()
+        self._serving.enter_context(serve_in_thread(self._server, name="bench-uvicorn", stop_timeout_s=10))
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(1200.0))
         self._remotes: dict[str, RemoteClients] = {}
 
@@ -96,8 +89,7 @@ class LoopbackServer:
         self._remotes.clear()
         with contextlib.suppress(Exception):
             self.client.close()
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._serving.close()
 
 
 def byte_slices(data: bytes, size: int = 2**20):

@@ -1,19 +1,25 @@
 """Harness for starting servers in tests, examples and benchmarks: a free port, a CLI server
-started and waited for until ready, and a stop that takes its whole process group with it.
+started and waited for until ready, a stop that takes its whole process group with it, and an app
+served by uvicorn in a thread of this process.
 
 One copy, so that readiness, logs and shutdown behave the same wherever a server is started. It
-imports nothing of the package above its own layer (it runs ``serve`` as a subprocess).
+imports nothing of the package above its own layer: it runs ``serve`` as a subprocess, and the
+in-thread server is built by the caller (``entrypoints.http_server.make_server`` or a plain
+``uvicorn.Server``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,3 +76,26 @@ def stop_session(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: fl
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    server: Any, *, name: str = "uvicorn", start_timeout_s: float = 30.0, stop_timeout_s: float = 30.0
+) -> Iterator[None]:
+    """Run ``server`` (a ``uvicorn.Server``) in a daemon thread until the block ends; the block starts
+    once it listens. In a thread, not a process: the caller keeps the engine within reach (tests
+    that hook the pipeline, benchmarks that time stock pipelines on the same weights). It is stopped as
+    uvicorn stops on a signal (``should_exit``), so the app's shutdown, and the engine's drain, run."""
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:.0f} s")
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(stop_timeout_s)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from diffusion_rollout.entrypoints.http_server import DrainingServer, make_server
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, serve_in_thread
 
 BASE = {"prompt": "a red cat", "width": 32, "height": 32, "num_inference_steps": 4, "max_sequence_length": 16}
 
@@ -36,15 +36,8 @@ def live_server(served, *, stop_timeout: float = 30.0) -> Iterator[tuple[str, Dr
     """``served.app`` behind uvicorn on 127.0.0.1:<free port>; yields (base URL, server)."""
     config = served.config.model_copy(update={"host": "127.0.0.1", "port": free_port()})
     server = make_server(served.app, config)
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), 30, "uvicorn to start")
-    assert server.started, "uvicorn did not start"
-    try:
+    with serve_in_thread(server, name="test-uvicorn", stop_timeout_s=stop_timeout):
         yield f"http://127.0.0.1:{config.port}", server
-    finally:
-        server.should_exit = True
-        thread.join(stop_timeout)
 
 
 def slow_transformer(served, seconds: float):

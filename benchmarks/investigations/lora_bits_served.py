@@ -24,17 +24,17 @@ forwards can be watched:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import secrets
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.report import document, log, write_json
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, serve_in_thread
 
 
 def meta(t: torch.Tensor) -> dict[str, Any]:
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     app = create_app(config)
     server = make_server(app, config)
-    thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
-    thread.start()
+    serving = contextlib.ExitStack()
+    serving.enter_context(serve_in_thread(server, name="rollout-server"))
     row: dict[str, Any] = {"rank": args.rank, "group": args.group, "size": args.size, "server_options": extra}
     try:
         with RolloutClient(f"http://127.0.0.1:{port}", admin_key=key) as client:
@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 server_v = torch.as_tensor(debug["rollout_model_outputs"][0]).to(v.device)
                 row["debug_model_output_equal_trainer"] = torch.equal(server_v.to(v.dtype), v[0])
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        serving.close()
         tmp.cleanup()
     log(str(row))
     write_json(args.out, "lora_bits_served", document("lora_bits_served", args.device, vars(args), [row]))

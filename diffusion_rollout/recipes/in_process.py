@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -161,7 +160,7 @@ class EngineSampler:
         from diffusion_rollout.entrypoints.http_server import make_server
         from diffusion_rollout.server.core.engine import Engine
         from diffusion_rollout.server.core.loader import prepare_pipeline
-        from diffusion_rollout.testing import free_port
+        from diffusion_rollout.testing import free_port, serve_in_thread
 
         dtype = next(transformer.parameters()).dtype
         pipe = DiffusionPipeline.from_pretrained(str(model_path), transformer=transformer, dtype=dtype)
@@ -172,8 +171,8 @@ class EngineSampler:
         )  # fmt: skip
         self.engine = Engine(config, loaded=prepare_pipeline(pipe, device=str(device)))
         self._server = make_server(create_app(config, self.engine), config)
-        self._thread = threading.Thread(target=self._server.run, name="in-process-engine", daemon=True)
-        self._thread.start()
+        self._serving = contextlib.ExitStack()
+        self._serving.enter_context(serve_in_thread(self._server, name="in-process-engine"))
         self.client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=key)
         self.client.wait_until_ready(timeout_s=600)
         self.weight_version: Any = None
@@ -184,6 +183,5 @@ class EngineSampler:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self._serving.close()
         self.engine.stop()

@@ -22,7 +22,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import torch
 
 from diffusion_rollout.recipes.ranks import Ranks
 from diffusion_rollout.recipes.reward import server_rewards
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, serve_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +57,8 @@ def _thread_server(
         admin_key=admin_key, max_batch_size=max_batch_size, log_level="warning", shutdown_grace_s=5.0,
         reward=list(rewards),
     )  # fmt: skip
-    server = make_server(create_app(config), config)
-    thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
-    thread.start()
-    try:
+    with serve_in_thread(make_server(create_app(config), config), name="rollout-server"):
         yield
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def server_visible_devices(gpus: Sequence[int], visible: str | None) -> str:

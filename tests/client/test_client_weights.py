@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from diffusion_rollout.client import (
 )
 from diffusion_rollout.client.exceptions import ServerWeightUpdateError
 from diffusion_rollout.protocol.checksums import module_checksum, trainer_weights_checksum
-from diffusion_rollout.testing import free_port
+from diffusion_rollout.testing import free_port, serve_in_thread
 
 ODE = {
     "seed": 3,
@@ -242,9 +241,7 @@ def test_weight_broadcaster_over_gloo(fresh_server, tmp_path):
     http_port, group_port = free_port(), free_port()
     config = server.config.model_copy(update={"port": http_port, "log_level": "warning"})
     uv = make_server(server.app, config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    try:
+    with serve_in_thread(uv, name="test-uvicorn"):
         out = subprocess.run(
             [
                 sys.executable,
@@ -258,9 +255,6 @@ def test_weight_broadcaster_over_gloo(fresh_server, tmp_path):
             text=True,
             timeout=180,
         )
-    finally:
-        uv.should_exit = True
-        thread.join(30)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "VERSION bcast" in out.stdout
     assert server.engine.weight_version == "bcast"
