@@ -614,6 +614,37 @@ GENERATED = {
 REGENERATE = "python docs/hooks.py"
 
 
+# What shapes the generated text besides the code: the schema and signatures come out a little
+# differently from other versions of these. The versions are recorded in each section, and the text
+# is compared exactly only under the same ones (tests/docs/test_docs_generated.py).
+VERSIONED = ("fastapi", "pydantic", "starlette", "httpx")
+_VERSIONS = re.compile(r"<!-- generated with (.*?) -->")
+
+
+def generator_versions() -> str:
+    from importlib.metadata import version
+
+    libs = ", ".join(f"{name} {version(name)}" for name in VERSIONED)
+    return f"{libs}, python {sys.version_info.major}.{sys.version_info.minor}"
+
+
+def recorded_versions(text: str) -> set[str]:
+    """The versions recorded in ``text``'s generated sections."""
+    return set(_VERSIONS.findall(text))
+
+
+def skeleton(text: str) -> list[str]:
+    """What a generated page documents, without how it reads: its headings, anchors and the first
+    cell of each table row (an option, a field)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith(("#", "<a id=")):
+            keep.append(line)
+        elif line.startswith("| ") and not line.startswith("| ---"):
+            keep.append(line.split(" | ")[0])
+    return keep
+
+
 def fill(text: str, name: str, content: str) -> str:
     """``text`` with the section ``name`` (between its two markers) holding ``content``."""
     start, end = f"<!-- generated: {name} -->", f"<!-- end generated: {name} -->"
@@ -622,7 +653,8 @@ def fill(text: str, name: str, content: str) -> str:
     before, rest = text.split(start)
     # Blank lines around the content, so that no renderer reads its first or last line as part of
     # the markers' HTML.
-    return f"{before}{start}\n\n{content.strip()}\n\n{end}{rest.split(end)[1]}"
+    stamp = f"<!-- generated with {generator_versions()} -->"
+    return f"{before}{start}\n{stamp}\n\n{content.strip()}\n\n{end}{rest.split(end)[1]}"
 
 
 def regenerated() -> dict[str, tuple[str, str]]:
