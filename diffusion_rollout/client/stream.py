@@ -229,7 +229,7 @@ class _StreamFront:
 
 
 class RolloutStream(_StreamFront):
-    """Iterate for :class:`StreamBatch` es; see the module docstring. Use as a context manager."""
+    """Iterate for :class:`StreamBatch` objects; see the module docstring. Use as a context manager."""
 
     def __init__(
         self,

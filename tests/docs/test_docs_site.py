@@ -1,8 +1,10 @@
 """The documentation site builds with ``mkdocs build --strict`` and holds what it is generated from.
 
-`docs/hooks.py` adds `benchmarks/RESULTS.md` (as `results.md`) with the files it links, renders the
-HTTP API reference from the app's OpenAPI schema and the `serve` options from `ServerConfig`; strict
-mode fails on any broken link or anchor. One build serves every test here.
+`docs/hooks.py` adds `benchmarks/RESULTS.md` (as `results.md`) with the files it links and points the
+pages' links to them (`../benchmarks/RESULTS.md#row` in the repository) at those copies; the HTTP API
+reference, the `serve` options and the client reference are committed in the pages (kept current by
+test_docs_generated.py). Strict mode fails on any broken link or anchor. One build serves every test
+here.
 """
 
 from __future__ import annotations
@@ -77,9 +79,11 @@ def test_results_page_is_benchmarks_results_with_its_files(site):
 
 
 def test_docs_pages_link_figures_to_result_rows(site):
+    # The page links ../benchmarks/RESULTS.md#scale-colocated-fast and ../benchmarks/results/plots/...
     html = _page(site, "training")
     assert 'href="../results/#scale-colocated-fast"' in html
     assert 'src="../results/plots/reward_sd35.png"' in html
+    assert 'href="../benchmarks/' not in html and 'src="../benchmarks/' not in html
 
 
 def test_client_reference_and_serve_options_are_generated(site):

@@ -11,8 +11,11 @@ The chain is README or `docs/*.md` -> `benchmarks/RESULTS.md` row -> `benchmarks
   number in the link text must equal, at the precision the README prints, one of the row's JSON
   values. In a README table row whose first cell links a RESULTS row, every number in the other
   cells must.
-- The docs pages (`docs/*.md`, the MkDocs site, where RESULTS.md is the page `results.md`) link the
-  same way, `[7.51](results.md#scale-colocated-fast)`, under the same two rules.
+- The docs pages (`docs/*.md`) link the same way, relative to `docs/`,
+  `[7.51](../benchmarks/RESULTS.md#scale-colocated-fast)`, under the same two rules (the MkDocs site,
+  where RESULTS.md is the page `results.md`, gets `results.md#row`: `docs/hooks.py` rewrites the
+  link). A docs link written as `results.md#row` is refused: it resolves only on the site, not in
+  the repository.
 
 So a README figure changed alone, or a JSON value changed alone, fails (see the negative tests).
 Key paths: `a.b[3]`, `list[key=value,key2=value2]` (a filter), `list[*]`, a `max:`/`min:`/
@@ -36,7 +39,8 @@ DOCS = ROOT / "docs"
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?")
 _ROW_ID = re.compile(r'<a id="([\w-]+)"></a>')
 _README_LINK = re.compile(r"\[([^\]]*)\]\((?:\./)?benchmarks/RESULTS\.md#([\w-]+)\)")
-_DOCS_LINK = re.compile(r"\[([^\]]*)\]\((?:\./)?results\.md#([\w-]+)\)")
+_DOCS_LINK = re.compile(r"\[([^\]]*)\]\((?:\./)?\.\./benchmarks/RESULTS\.md#([\w-]+)\)")
+_SITE_ONLY_LINK = re.compile(r"\]\((?:\./)?results\.md#([\w-]+)\)")
 _FUNCS = {"max": max, "min": min, "median": statistics.median}
 
 
@@ -188,6 +192,11 @@ def check(
     sources += [(name, text, _DOCS_LINK) for name, text in (docs or {}).items()]
     for name, text, link in sources:
         problems += _check_links(name, text, link, rows, values, headings)
+    for name, text in (docs or {}).items():
+        problems += [
+            f"{name} links results.md#{rid}, which only the site has: link ../benchmarks/RESULTS.md#{rid}"
+            for rid in _SITE_ONLY_LINK.findall(text)
+        ]
     return problems
 
 
@@ -231,7 +240,7 @@ def test_docs_figures_trace_to_results_rows_and_json():
     assert "docs/training.md" in docs and "docs/speed.md" in docs
     problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
     assert problems == []
-    # The site has no benchmarks/ folder: a RESULTS link in the docs goes to results.md.
+    # Written the README's way, a link from docs/ would miss (docs/benchmarks/ does not exist).
     assert not [n for n, t in docs.items() if _README_LINK.search(t)]
 
 
@@ -260,7 +269,12 @@ def test_a_readme_figure_changed_alone_is_reported():
 def test_a_readme_table_cell_changed_alone_is_reported():
     # The table lives in docs/training.md now; the same row written the README's way.
     row = next(line for line in docs_pages()["docs/training.md"].splitlines() if "| 11.95 s |" in line)
-    readme = README.read_text() + "\n" + row.replace("(results.md#", "(benchmarks/RESULTS.md#") + "\n"
+    readme = (
+        README.read_text()
+        + "\n"
+        + row.replace("(../benchmarks/RESULTS.md#", "(benchmarks/RESULTS.md#")
+        + "\n"
+    )
     assert check(readme, RESULTS.read_text()) == []
     problems = check(readme.replace("| 11.95 s |", "| 11.59 s |"), RESULTS.read_text())
     assert any("README 11.59" in p and "#train-colocated" in p for p in problems)
@@ -276,18 +290,28 @@ def test_a_docs_table_cell_changed_alone_is_reported():
 
 def test_a_docs_figure_changed_alone_is_reported():
     docs = docs_pages()
-    assert "[0.724](results.md#scale-vs-in-process)" in docs["docs/training.md"]
+    assert "[0.724](../benchmarks/RESULTS.md#scale-vs-in-process)" in docs["docs/training.md"]
     docs["docs/training.md"] = docs["docs/training.md"].replace(
-        "[0.724](results.md#scale-vs-in-process)", "[0.742](results.md#scale-vs-in-process)"
+        "[0.724](../benchmarks/RESULTS.md#scale-vs-in-process)",
+        "[0.742](../benchmarks/RESULTS.md#scale-vs-in-process)",
     )
     problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
     assert any(p.startswith("docs/training.md 0.742") and "#scale-vs-in-process" in p for p in problems)
 
 
 def test_a_docs_link_to_a_missing_row_is_reported():
-    docs = {"docs/x.md": "took [7.51](results.md#scale-colocated-fastest)"}
+    docs = {"docs/x.md": "took [7.51](../benchmarks/RESULTS.md#scale-colocated-fastest)"}
     problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
     assert problems == ["docs/x.md links #scale-colocated-fastest, which RESULTS.md does not have"]
+
+
+def test_a_docs_link_only_the_site_resolves_is_reported():
+    docs = {"docs/x.md": "took [7.51](results.md#scale-colocated-fast)"}
+    problems = check(README.read_text(), RESULTS.read_text(), docs=docs)
+    assert problems == [
+        "docs/x.md links results.md#scale-colocated-fast, which only the site has: "
+        "link ../benchmarks/RESULTS.md#scale-colocated-fast"
+    ]
 
 
 def test_a_json_value_changed_alone_is_reported(tmp_path):
