@@ -32,26 +32,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from diffusion_rollout.entrypoints.routers.common import get_weights, require_admin_key
 from diffusion_rollout.entrypoints.upload_stream import receive_body
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.protocol.lora_options import LoraLoadFields, LoraLoadOptions, ModeName
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 
 Version = str | int | None
-ModeName = Literal["dynamic", "merged"]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class LoraLoadRequest(_Body):
+class LoraLoadRequest(_Body, LoraLoadFields):
+    # The load options (lora_alpha, activate, mode, strength) come from LoraLoadFields.
     name: str = Field(min_length=1)
     target_module: str = "transformer"
     path: str | None = None
     peft_config: dict[str, Any] | None = None
-    lora_alpha: float | None = Field(None, gt=0)
-    activate: bool = False
-    mode: ModeName | None = None
-    strength: float | None = None
     weight_version: Version = None
 
 
@@ -129,11 +126,8 @@ async def lora_load(request: Request) -> dict:
             name=body.name,
             data=data,
             peft_config=body.peft_config,
-            lora_alpha=body.lora_alpha,
+            options=body.load_options(),
             weight_version=body.weight_version,
-            activate=body.activate,
-            mode=body.mode,
-            strength=body.strength,
         )
     try:
         raw = await request.json()
@@ -155,11 +149,8 @@ async def lora_load(request: Request) -> dict:
         name=body.name,
         path=body.path,
         peft_config=body.peft_config,
-        lora_alpha=body.lora_alpha,
+        options=body.load_options(),
         weight_version=body.weight_version,
-        activate=body.activate,
-        mode=body.mode,
-        strength=body.strength,
     )
 
 
@@ -233,10 +224,7 @@ async def set_lora(body: SetLoraRequest, request: Request) -> dict:
                 target_module=module,
                 name=nickname,
                 path=path,
-                lora_alpha=alpha,
-                activate=True,
-                mode=mode,
-                strength=strength,
+                options=LoraLoadOptions(lora_alpha=alpha, activate=True, mode=mode, strength=strength),
             )
         else:
             out = await manager.activate_lora(

@@ -33,6 +33,7 @@ from diffusion_rollout.entrypoints.routers.common import (
 )
 from diffusion_rollout.entrypoints.routers.lora import sglang_targets
 from diffusion_rollout.protocol.dialects import set_noop_fields, with_ignored
+from diffusion_rollout.protocol.lora_options import LoraLoadOptions
 from diffusion_rollout.server.weights import decode_named_tensors
 
 router = APIRouter()
@@ -87,11 +88,8 @@ async def set_lora_from_tensor(body: SetLoraFromTensorRequest, request: Request)
             target_module=module,
             name=body.lora_name,
             named_tensors=tensors,
-            lora_alpha=body.lora_alpha,
+            options=LoraLoadOptions(lora_alpha=body.lora_alpha, activate=True, mode=mode, strength=body.strength),
             weight_version=body.weight_version,
-            activate=True,
-            mode=mode,
-            strength=body.strength,
             source="set_lora_from_tensor",
         )
         adapted += out["adapted_layers"]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from diffusion_rollout.errors import WeightUpdateError
+from diffusion_rollout.protocol.lora_options import LoraLoadOptions
 from diffusion_rollout.server.weights.lora_io import (
     lora_config_from_dict,
     parse_lora_tensors,
@@ -34,6 +35,8 @@ from diffusion_rollout.server.weights.lora_io import (
 from diffusion_rollout.server.weights.manager_core import ManagerCore, Version
 from diffusion_rollout.server.weights.receive import Lease
 from diffusion_rollout.server.weights.updater import describe_names, get_module
+
+DEFAULT_OPTIONS = LoraLoadOptions()  # load, change nothing about the active adapter
 
 logger = logging.getLogger(__name__)
 
@@ -75,25 +78,23 @@ class LoraOps(ManagerCore):
         payload,
         *,
         config: Any,
-        lora_alpha: float | None,
+        options: LoraLoadOptions,
         source: str | None,
         weight_version: Version,
-        activate: bool = False,
-        mode: str | None = None,
-        strength: float | None = None,
     ) -> dict[str, Any]:
         def run() -> str:
-            if self._on_cp() and (activate or mode is not None or strength is not None):
-                self._refuse_dynamic_on_cp(target, name if activate else self.lora.state(target).active, mode)
+            active = name if options.activate else None
+            if self._on_cp() and options.changes_active():
+                self._refuse_dynamic_on_cp(target, active or self.lora.state(target).active, options.mode)
             t0 = time.perf_counter()
             module = get_module(self.engine.pipe, target)
             record, in_place = self.lora.load(
-                target, module, name, payload, config=config, lora_alpha=lora_alpha, source=source
+                target, module, name, payload, config=config, lora_alpha=options.lora_alpha, source=source
             )
-            if activate or mode is not None or strength is not None:
+            if options.changes_active():
                 state = self.lora.state(target)
                 self.lora.activate(
-                    target, module, name if activate else state.active, mode=mode, strength=strength
+                    target, module, active or state.active, mode=options.mode, strength=options.strength
                 )
             self._bump(weight_version, [target])
             how = "reloaded in place" if in_place else "loaded"
@@ -130,10 +131,9 @@ class LoraOps(ManagerCore):
             "default",
             lora,
             config=None,
-            lora_alpha=lora_alpha,
+            options=LoraLoadOptions(lora_alpha=lora_alpha, activate=True),
             source="update_weights_from_tensor",
             weight_version=weight_version,
-            activate=True,
         )
 
     async def load_lora(
@@ -144,11 +144,8 @@ class LoraOps(ManagerCore):
         path: str | None = None,
         data: bytes | Lease | None = None,
         peft_config: Mapping[str, Any] | None = None,
-        lora_alpha: float | None = None,
+        options: LoraLoadOptions = DEFAULT_OPTIONS,
         weight_version: Version = None,
-        activate: bool = False,
-        mode: str | None = None,
-        strength: float | None = None,
     ) -> dict[str, Any]:
         """Load an adapter from ``path`` or ``data`` (bytes, or a receive buffer this call then owns)."""
         payload = tensors = None
@@ -170,12 +167,9 @@ class LoraOps(ManagerCore):
                 name,
                 payload,
                 config=config,
-                lora_alpha=lora_alpha,
+                options=options,
                 source=source,
                 weight_version=weight_version,
-                activate=activate,
-                mode=mode,
-                strength=strength,
             )
         finally:
             if payload is not None:
@@ -192,11 +186,8 @@ class LoraOps(ManagerCore):
         target_module: str,
         name: str,
         named_tensors: Mapping[str, torch.Tensor],
-        lora_alpha: float | None = None,
+        options: LoraLoadOptions = DEFAULT_OPTIONS,
         weight_version: Version = None,
-        activate: bool = False,
-        mode: str | None = None,
-        strength: float | None = None,
         source: str = "tensors",
     ) -> dict[str, Any]:
         """An adapter given as in-memory tensors (Relax's ``set_lora_from_tensor``); the payload
@@ -208,12 +199,9 @@ class LoraOps(ManagerCore):
             name,
             payload,
             config=None,
-            lora_alpha=lora_alpha,
+            options=options,
             source=source,
             weight_version=weight_version,
-            activate=activate,
-            mode=mode,
-            strength=strength,
         )
         return {**out, "adapted_layers": len(payload.pairs)}
 
