@@ -47,6 +47,7 @@ import torch
 from diffusion_rollout.client import group_advantages, lora_checksum
 from diffusion_rollout.client.results import ReplaySettings, RolloutOutput
 from diffusion_rollout.client.weights.lora import lora_config_dict, lora_state_dict
+from diffusion_rollout.protocol.lora_options import LoraLoadOptions
 from diffusion_rollout.protocol.safetensors_layout import SafetensorsBody
 from diffusion_rollout.recipes.options import LORA_TARGETS, PROMPTS
 from diffusion_rollout.recipes.policy_update import train_iteration
@@ -142,7 +143,11 @@ async def push_adapter(front, transformer, version: str) -> dict[str, Any]:
     config = lora_config_dict(transformer, adapter_name="default")
     body = bytes(SafetensorsBody(tensors, {"peft_config": json.dumps(config)}))
     return await front.weights().load_lora(
-        data=body, target_module="transformer", name="default", activate=True, weight_version=version
+        data=body,
+        target_module="transformer",
+        name="default",
+        options=LoraLoadOptions(activate=True),
+        weight_version=version,
     )
 
 
