@@ -93,6 +93,37 @@ def assert_ode_path_matches_stock(srv, path, mode: dict, body: Callable, stock: 
     assert img[0]["generated_output"].shape == (3, 32, 32)
 
 
+def assert_no_cfg_matches_stock(srv, path, body: Callable, stock: Callable, guidance_scale: float) -> dict:
+    """A guidance scale that turns CFG off (one transformer call per step): the env says so and the
+    image equals the stock pipeline's at that scale. Returns the output."""
+    (out,) = srv.generate(
+        body(guidance_scale=guidance_scale, rollout_sde_type="ode", rollout_log_prob_no_const=True, **REPLAY)
+    )
+    assert out["denoising_env"]["guidance"]["rule"] == "none"
+    assert out["denoising_env"]["neg_cond_kwargs"] is None
+    ref = stock(path, seeds=[7], output_type="pt", guidance_scale=guidance_scale)
+    assert torch.equal(out["generated_output"], ref[0])
+    return out
+
+
+def default_schedule_output(srv, path, body: Callable, stock: Callable) -> tuple[dict, object]:
+    """An ODE rollout with its trajectory and env at the default schedule, whose sigmas equal those
+    the stock pipeline set for the same call; returns (output, the stock pipeline) for the family's
+    own checks of that schedule."""
+    (out,) = srv.generate(
+        body(
+            rollout_sde_type="ode",
+            rollout_log_prob_no_const=True,
+            rollout_return_dit_trajectory=True,
+            rollout_return_denoising_env=True,
+        )
+    )
+    pipe = stock_pipe(path)
+    stock(path, seeds=[7], output_type="latent")  # sets the stock schedule
+    assert torch.equal(out["dit_trajectory"]["sigmas"], pipe.scheduler.sigmas.float())
+    return out, pipe
+
+
 def assert_custom_sigmas_used_exactly(srv, path, body: Callable, stock: Callable) -> None:
     """``sigmas`` and ``extra_sampling_params.sigmas`` both give the stock latents of those sigmas."""
     sigmas = [1.0, 0.8, 0.45, 0.2]

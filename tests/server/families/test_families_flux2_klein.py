@@ -19,11 +19,12 @@ from tests.family_helpers import (
     assert_400_naming,
     assert_client_replay_ratio_is_one,
     assert_custom_sigmas_used_exactly,
+    assert_no_cfg_matches_stock,
     assert_ode_path_matches_stock,
     assert_replay_matches_the_rollout,
     assert_steps_follow_the_shared_transition,
+    default_schedule_output,
     ode_modes,
-    stock_pipe,
 )
 
 FAMILY = "flux2-klein"
@@ -55,30 +56,12 @@ def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mo
 
 def test_ode_path_without_cfg_is_bit_identical(served, tiny_model_path):
     """guidance_scale 1 turns CFG off in the pipeline: one transformer call per step."""
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    (out,) = srv.generate(
-        body(guidance_scale=1.0, rollout_sde_type="ode", rollout_log_prob_no_const=True, **REPLAY)
-    )
-    assert out["denoising_env"]["guidance"]["rule"] == "none"
-    assert out["denoising_env"]["neg_cond_kwargs"] is None
-    assert torch.equal(
-        out["generated_output"], stock(path, seeds=[7], output_type="pt", guidance_scale=1.0)[0]
-    )
+    assert_no_cfg_matches_stock(served(FAMILY), tiny_model_path(FAMILY), body, stock, 1.0)
 
 
 def test_default_schedule_is_the_pipelines_empirical_mu(served, tiny_model_path):
-    (out,) = served(FAMILY).generate(
-        body(
-            rollout_sde_type="ode",
-            rollout_log_prob_no_const=True,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-        )
-    )
-    pipe = stock_pipe(tiny_model_path(FAMILY))
-    stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
+    out, pipe = default_schedule_output(served(FAMILY), tiny_model_path(FAMILY), body, stock)
     sigmas = out["dit_trajectory"]["sigmas"]
-    assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
     assert not torch.equal(sigmas[:T], torch.linspace(1.0, 1.0 / T, T))  # shifted, not the plain ladder
     # The trajectory reports the scheduler's timesteps, as SGLang does; the model sees t / 1000 in
     # the latents' dtype, which the env's timestep_map keeps for replay.

@@ -20,8 +20,8 @@ from tests.family_helpers import (
     assert_custom_sigmas_used_exactly,
     assert_ode_path_matches_stock,
     assert_replay_matches_the_rollout,
+    default_schedule_output,
     ode_modes,
-    stock_pipe,
 )
 
 FAMILY = "qwenimage"
@@ -56,18 +56,8 @@ def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mo
 
 
 def test_default_schedule_is_the_pipelines_dynamic_shift(served, tiny_model_path):
-    (out,) = served(FAMILY).generate(
-        body(
-            rollout_sde_type="ode",
-            rollout_log_prob_no_const=True,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-        )
-    )
-    pipe = stock_pipe(tiny_model_path(FAMILY))
-    stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
+    out, pipe = default_schedule_output(served(FAMILY), tiny_model_path(FAMILY), body, stock)
     sigmas = out["dit_trajectory"]["sigmas"]
-    assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
     # Dynamic shift with shift_terminal: not the plain linspace, and stretched to end at 0.02.
     assert sigmas[-2].item() == pytest.approx(0.02) and sigmas[-1].item() == 0.0
     # The trajectory reports the scheduler's timesteps (0..1000), as SGLang does; the model was handed

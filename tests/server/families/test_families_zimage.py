@@ -21,9 +21,11 @@ from tests.family_helpers import (
     assert_another_rule_differs,
     assert_client_replay_ratio_is_one,
     assert_custom_sigmas_used_exactly,
+    assert_no_cfg_matches_stock,
     assert_ode_path_matches_stock,
     assert_replay_matches_the_rollout,
     assert_steps_follow_the_shared_transition,
+    default_schedule_output,
     ode_modes,
     stock_pipe,
 )
@@ -57,29 +59,12 @@ def test_ode_path_is_bit_identical_to_stock_pipeline(served, tiny_model_path, mo
 
 def test_turbo_settings_without_cfg_are_bit_identical(served, tiny_model_path):
     """guidance_scale 0 (how Z-Image-Turbo runs) turns CFG off: one call per step, on B samples."""
-    srv, path = served(FAMILY), tiny_model_path(FAMILY)
-    (out,) = srv.generate(
-        body(guidance_scale=0.0, rollout_sde_type="ode", rollout_log_prob_no_const=True, **REPLAY)
-    )
-    assert out["denoising_env"]["guidance"]["rule"] == "none"
-    assert out["denoising_env"]["neg_cond_kwargs"] is None
-    ref = stock(path, seeds=[7], output_type="pt", guidance_scale=0.0)
-    assert torch.equal(out["generated_output"], ref[0])
+    assert_no_cfg_matches_stock(served(FAMILY), tiny_model_path(FAMILY), body, stock, 0.0)
 
 
 def test_default_schedule_is_the_checkpoints_static_shift(served, tiny_model_path):
-    (out,) = served(FAMILY).generate(
-        body(
-            rollout_sde_type="ode",
-            rollout_log_prob_no_const=True,
-            rollout_return_dit_trajectory=True,
-            rollout_return_denoising_env=True,
-        )
-    )
-    pipe = stock_pipe(tiny_model_path(FAMILY))
-    stock(tiny_model_path(FAMILY), seeds=[7], output_type="latent")  # sets the stock schedule
+    out, pipe = default_schedule_output(served(FAMILY), tiny_model_path(FAMILY), body, stock)
     traj = out["dit_trajectory"]
-    assert torch.equal(traj["sigmas"], pipe.scheduler.sigmas.float())
     lin = torch.linspace(1.0, 1.0 / T, T)
     assert torch.allclose(traj["sigmas"][:T], 3 * lin / (1 + 2 * lin))  # shift 3, no dynamic shift
     # The trajectory reports the scheduler's timesteps, as SGLang does; the model sees (1000 - t) / 1000,
